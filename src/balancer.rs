@@ -1,0 +1,265 @@
+//! The balancer: the fleet of nodes and the three things that happen to it — a health answer
+//! arrives, a request is routed, a request ends.
+//!
+//! This is the whole decision core the Envoy glue drives. It is plain Rust: time comes in as
+//! `now_ms` and randomness as a `Rng`, so every behaviour is tested natively and, compiled to
+//! wasm32-wasip1, in the same instruction set the filter ships in.
+
+use crate::choice::{self, Decision, Params};
+use crate::config::Config;
+use crate::node::{NodeState, Ticket};
+use crate::rng::Rng;
+use crate::telemetry::{self, Report, ReportError};
+use crate::weight::Weight;
+
+/// Weight of the newest request in the running mean of request size (used to turn a reported
+/// queue depth into tokens). An exponentially weighted mean forgets old traffic mixes in about
+/// 1/alpha requests.
+const MEAN_ALPHA: f64 = 0.05;
+
+/// How a routed request left the filter.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Routed to the first node of the list; the value is the routing header.
+    Routed {
+        ticket: Ticket,
+        header_value: String,
+        predicted_seconds: f64,
+        /// Every fresh node would overflow its VRAM; this is the least bad.
+        over_ceiling: bool,
+    },
+    /// No basis to choose: the routing header is not set and Envoy's fallback balancer routes.
+    NoFreshNodes,
+}
+
+#[derive(Debug, Clone)]
+pub struct Balancer {
+    nodes: Vec<NodeState>,
+    params: Params,
+    max_hosts: usize,
+    mean_request_tokens: Option<f64>,
+}
+
+impl Balancer {
+    pub fn new(cfg: &Config) -> Self {
+        Balancer {
+            nodes: cfg
+                .nodes
+                .iter()
+                .map(|n| NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens))
+                .collect(),
+            params: Params {
+                stale_after_ms: cfg.stale_after_ms,
+                vram_ceiling: cfg.vram_ceiling,
+                kv_bytes_per_token: cfg.kv_bytes_per_token,
+            },
+            max_hosts: cfg.max_hosts_in_header,
+            mean_request_tokens: None,
+        }
+    }
+
+    pub fn nodes(&self) -> &[NodeState] {
+        &self.nodes
+    }
+
+    /// A health answer for node `node`: `Some(body)` for an HTTP 200, `None` for a failed or
+    /// timed-out call or another status. A good report replaces the old one; anything else
+    /// leaves the last good report in place.
+    pub fn on_health(
+        &mut self,
+        node: usize,
+        body: Option<&[u8]>,
+        now_ms: u64,
+    ) -> Result<Report, HealthError> {
+        let Some(state) = self.nodes.get_mut(node) else {
+            return Err(HealthError::UnknownNode);
+        };
+        let Some(body) = body else {
+            state.note_failure();
+            return Err(HealthError::CallFailed);
+        };
+        match telemetry::parse_health(body) {
+            Ok(report) => {
+                state.accept_report(report, now_ms);
+                Ok(report)
+            }
+            Err(e) => {
+                state.note_failure();
+                Err(HealthError::Unparsable(e))
+            }
+        }
+    }
+
+    /// Chooses the nodes for a request and books it as in flight on the first.
+    pub fn route(&mut self, weight: Weight, now_ms: u64, rng: &mut dyn Rng) -> Outcome {
+        let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
+        let (ranked, over_ceiling) =
+            match choice::decide(&self.nodes, weight, mean, now_ms, &self.params, rng) {
+                Decision::Route(r) => (r, false),
+                Decision::AllOverCeiling(r) => (r, true),
+                Decision::NoFreshNodes => return Outcome::NoFreshNodes,
+            };
+        let Some(first) = ranked.first().copied() else {
+            return Outcome::NoFreshNodes;
+        };
+        let header_value = ranked
+            .iter()
+            .take(self.max_hosts)
+            .filter_map(|r| self.nodes.get(r.node).map(|n| n.address.as_str()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let Some(state) = self.nodes.get_mut(first.node) else {
+            return Outcome::NoFreshNodes;
+        };
+        let ticket = state.dispatch(first.node, weight);
+        self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
+        Outcome::Routed {
+            ticket,
+            header_value,
+            predicted_seconds: first.seconds,
+            over_ceiling,
+        }
+    }
+
+    /// The request's stream ended (completed, failed, reset or timed out).
+    pub fn release(&mut self, ticket: &Ticket) {
+        if let Some(state) = self.nodes.get_mut(ticket.node) {
+            state.release(ticket);
+        }
+    }
+}
+
+/// Why a health answer did not update a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HealthError {
+    UnknownNode,
+    CallFailed,
+    Unparsable(ReportError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn cfg(n: usize, extra: &str) -> Config {
+        let nodes: Vec<String> = (0..n)
+            .map(|i| format!(r#"{{"address":"127.0.0.1:{}"}}"#, 8001 + i))
+            .collect();
+        Config::parse(
+            format!(
+                r#"{{"nodes":[{}],"health_cluster":"h"{extra}}}"#,
+                nodes.join(",")
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    const W: Weight = Weight {
+        prompt_tokens: 100,
+        output_tokens: 100,
+    };
+
+    #[test]
+    fn header_lists_the_ranking_up_to_the_limit() {
+        let mut b = Balancer::new(&cfg(4, r#","max_hosts_in_header":3"#));
+        for (i, load) in [400, 100, 300, 200].iter().enumerate() {
+            let body =
+                format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
+            b.on_health(i, Some(body.as_bytes()), 0).unwrap();
+        }
+        match b.route(W, 10, &mut SplitMix64::new(1)) {
+            Outcome::Routed {
+                header_value,
+                ticket,
+                over_ceiling,
+                ..
+            } => {
+                assert_eq!(header_value, "127.0.0.1:8002,127.0.0.1:8004,127.0.0.1:8003");
+                assert_eq!(ticket.node, 1);
+                assert!(!over_ceiling);
+            }
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(b.nodes()[1].inflight_requests, 1);
+    }
+
+    #[test]
+    fn failed_or_garbage_polls_keep_the_last_good_report() {
+        let mut b = Balancer::new(&cfg(1, ""));
+        assert_eq!(
+            b.route(W, 0, &mut SplitMix64::new(1)),
+            Outcome::NoFreshNodes
+        );
+        b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 0)
+            .unwrap();
+        assert_eq!(b.on_health(0, None, 100), Err(HealthError::CallFailed));
+        assert_eq!(
+            b.on_health(0, Some(b"<html>"), 200),
+            Err(HealthError::Unparsable(ReportError::NotJson))
+        );
+        assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
+        assert_eq!(b.nodes()[0].failures_in_row, 2);
+        assert!(matches!(
+            b.route(W, 3000, &mut SplitMix64::new(1)),
+            Outcome::Routed { .. }
+        ));
+        // The good report is now stale, and nothing replaced it.
+        assert_eq!(
+            b.route(W, 3001, &mut SplitMix64::new(1)),
+            Outcome::NoFreshNodes
+        );
+    }
+
+    #[test]
+    fn release_returns_inflight_to_zero() {
+        let mut b = Balancer::new(&cfg(2, ""));
+        for i in 0..2 {
+            b.on_health(i, Some(br#"{"tokens_per_sec_load":0}"#), 0)
+                .unwrap();
+        }
+        let mut rng = SplitMix64::new(3);
+        let tickets: Vec<Ticket> = (0..10)
+            .filter_map(|_| match b.route(W, 1, &mut rng) {
+                Outcome::Routed { ticket, .. } => Some(ticket),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tickets.len(), 10);
+        let total: u64 = b.nodes().iter().map(|n| n.inflight_requests).sum();
+        assert_eq!(total, 10);
+        // A report arrives half way; releases still balance.
+        b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 2)
+            .unwrap();
+        for t in &tickets {
+            b.release(t);
+        }
+        for n in b.nodes() {
+            assert_eq!(
+                (n.inflight_requests, n.inflight_tokens, n.unreflected_tokens),
+                (0, 0, 0)
+            );
+        }
+    }
+
+    #[test]
+    fn all_over_ceiling_still_routes_and_says_so() {
+        let mut b = Balancer::new(&cfg(2, r#","kv_bytes_per_token":1"#));
+        for i in 0..2 {
+            b.on_health(
+                i,
+                Some(br#"{"tokens_per_sec_load":0,"vram_used_bytes":950,"vram_total_bytes":1000}"#),
+                0,
+            )
+            .unwrap();
+        }
+        assert!(matches!(
+            b.route(W, 1, &mut SplitMix64::new(1)),
+            Outcome::Routed {
+                over_ceiling: true,
+                ..
+            }
+        ));
+    }
+}

@@ -1,0 +1,394 @@
+//! The choice: which node will serve this request soonest without overflowing its VRAM.
+//!
+//! For every node with a fresh report the filter predicts the time to serve the request:
+//!
+//! ```text
+//!   spare    S = max(C - L, 5% of C)                tokens/s the node has free
+//!   backlog  B = queue_depth * mean_request_tokens  work waiting at the node (reported)
+//!              + unreflected_tokens                 work this filter sent since that report
+//!   time     T = (B + w) / S                        w = prompt + output tokens of the request
+//! ```
+//!
+//! with `L` the reported token load and `C` the capacity (configured, else reported, else the
+//! largest capacity known in the fleet, else twice the largest load, so that nodes reporting
+//! only a load are ranked by load). This is the sojourn time of a work-conserving queue that
+//! drains at the node's spare rate: a fast GPU with room beats a slow idle one, a node whose
+//! queue is long loses even when its throughput looks fine (throughput saturates, the queue
+//! does not), and the unreflected term moves a node down the ranking with every request sent to
+//! it before the next report, so a burst spreads instead of herding. The 5% floor keeps a
+//! saturated node finite, ranked among saturated peers by its backlog. T is an ordering key, not
+//! a latency forecast: only the order matters, which is why the rule stays robust to telemetry
+//! that is off by a constant factor (the same spirit as tower's `Load` that only needs `Ord`).
+//!
+//! The predictive safety valve (the seed article's term): a node is excluded when admitting the
+//! request would push its predicted KV-cache use over the ceiling, counting the request's full
+//! KV footprint (prompt plus output budget) and that of the requests sent since the report.
+//! When every fresh node would overflow, the request goes to the one that overflows least
+//! (the engine queues it there), which is still better than a balancer blind to VRAM.
+//!
+//! Exact ties are broken at random with the injected generator, so equal idle nodes share a
+//! burst instead of the first one in the list taking it all.
+
+use crate::node::NodeState;
+use crate::rng::Rng;
+use crate::telemetry::Report;
+use crate::weight::Weight;
+
+/// Knobs of the rule, from the configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Params {
+    pub stale_after_ms: u64,
+    pub vram_ceiling: f64,
+    pub kv_bytes_per_token: u64,
+}
+
+/// Share of capacity assumed free on a saturated node.
+const MIN_SPARE_SHARE: f64 = 0.05;
+
+/// One node in the ranking.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ranked {
+    pub node: usize,
+    /// Predicted time to serve, seconds (an ordering key).
+    pub seconds: f64,
+    /// Predicted KV-cache use after admission, when the node reports enough to tell.
+    pub kv_fraction: Option<f64>,
+}
+
+/// What the rule decided.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Nodes to try, best first.
+    Route(Vec<Ranked>),
+    /// Every fresh node would pass the VRAM ceiling: nodes ordered by the overflow, least first.
+    AllOverCeiling(Vec<Ranked>),
+    /// No node has a fresh report: no basis to choose, Envoy's fallback balancer routes.
+    NoFreshNodes,
+}
+
+/// Predicted KV-cache fraction on the node after admitting `extra_tokens` more context.
+fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> Option<f64> {
+    let extra = extra_tokens as f64;
+    if let (Some(used), Some(total)) = (r.vram_used_bytes, r.vram_total_bytes) {
+        return Some((used + extra * p.kv_bytes_per_token as f64) / total);
+    }
+    let usage = r.kv_cache_usage?;
+    match node.kv_cache_tokens {
+        Some(k) => Some(usage + extra / k as f64),
+        // Without the cache size the request cannot be sized: only a full cache is known.
+        None => Some(usage),
+    }
+}
+
+/// Ranks the fresh nodes for a request of `weight`.
+pub fn decide(
+    nodes: &[NodeState],
+    weight: Weight,
+    mean_request_tokens: f64,
+    now_ms: u64,
+    p: &Params,
+    rng: &mut dyn Rng,
+) -> Decision {
+    let fresh: Vec<(usize, &NodeState, &Report)> = nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| n.fresh_report(now_ms, p.stale_after_ms).map(|r| (i, n, r)))
+        .collect();
+    if fresh.is_empty() {
+        return Decision::NoFreshNodes;
+    }
+    let known_capacity = fresh
+        .iter()
+        .filter_map(|(_, n, r)| n.capacity_override.or(r.capacity_tokens_per_sec))
+        .fold(None, |m: Option<f64>, c| Some(m.map_or(c, |m| m.max(c))));
+    let max_load = fresh
+        .iter()
+        .map(|(_, _, r)| r.load_tokens_per_sec)
+        .fold(0.0, f64::max);
+    let assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
+
+    let w = weight.total() as f64;
+    let mut admitted = Vec::with_capacity(fresh.len());
+    let mut over = Vec::new();
+    for (i, n, r) in fresh {
+        let c = n
+            .capacity_override
+            .or(r.capacity_tokens_per_sec)
+            .unwrap_or(assumed_capacity);
+        let spare = (c - r.load_tokens_per_sec).max(MIN_SPARE_SHARE * c);
+        let backlog =
+            r.queue_depth.unwrap_or(0.0) * mean_request_tokens + n.unreflected_tokens as f64;
+        let seconds = (backlog + w) / spare;
+        let kv = kv_fraction(n, r, n.unreflected_tokens.saturating_add(weight.total()), p);
+        let ranked = Ranked {
+            node: i,
+            seconds,
+            kv_fraction: kv,
+        };
+        // The random key breaks exact ties only; it is drawn for every node so that the
+        // sequence drawn does not depend on which nodes tie.
+        let key = rng.next_u64();
+        if matches!(kv, Some(f) if f > p.vram_ceiling) {
+            over.push((ranked, key));
+        } else {
+            admitted.push((ranked, key));
+        }
+    }
+    if admitted.is_empty() {
+        over.sort_by(|(a, ka), (b, kb)| {
+            a.kv_fraction
+                .unwrap_or(0.0)
+                .total_cmp(&b.kv_fraction.unwrap_or(0.0))
+                .then(a.seconds.total_cmp(&b.seconds))
+                .then(ka.cmp(kb))
+        });
+        return Decision::AllOverCeiling(over.into_iter().map(|(r, _)| r).collect());
+    }
+    admitted.sort_by(|(a, ka), (b, kb)| a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb)));
+    Decision::Route(admitted.into_iter().map(|(r, _)| r).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    const P: Params = Params {
+        stale_after_ms: 3000,
+        vram_ceiling: 0.9,
+        kv_bytes_per_token: 1,
+    };
+
+    fn w(p: u64, o: u64) -> Weight {
+        Weight {
+            prompt_tokens: p,
+            output_tokens: o,
+        }
+    }
+
+    fn node(report: Option<Report>) -> NodeState {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        if let Some(r) = report {
+            n.accept_report(r, 1000);
+        }
+        n
+    }
+
+    fn rep(load: f64, cap: Option<f64>) -> Report {
+        Report {
+            load_tokens_per_sec: load,
+            capacity_tokens_per_sec: cap,
+            ..Report::default()
+        }
+    }
+
+    fn order(d: &Decision) -> Vec<usize> {
+        match d {
+            Decision::Route(r) | Decision::AllOverCeiling(r) => r.iter().map(|x| x.node).collect(),
+            Decision::NoFreshNodes => vec![],
+        }
+    }
+
+    fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
+        decide(nodes, weight, 100.0, now, &P, &mut SplitMix64::new(1))
+    }
+
+    #[test]
+    fn table_of_choices() {
+        let vram = |used: f64, total: f64| Report {
+            load_tokens_per_sec: 0.0,
+            capacity_tokens_per_sec: Some(1000.0),
+            vram_used_bytes: Some(used),
+            vram_total_bytes: Some(total),
+            ..Report::default()
+        };
+        type Case = (&'static str, Vec<NodeState>, Weight, Vec<usize>);
+        let cases: Vec<Case> = vec![
+            (
+                "lowest load wins at equal capacity",
+                vec![
+                    node(Some(rep(900.0, Some(1000.0)))),
+                    node(Some(rep(100.0, Some(1000.0)))),
+                    node(Some(rep(500.0, Some(1000.0)))),
+                ],
+                w(100, 100),
+                vec![1, 2, 0],
+            ),
+            (
+                "a fast busy GPU beats a slow idle one",
+                vec![
+                    node(Some(rep(0.0, Some(1000.0)))),
+                    node(Some(rep(5000.0, Some(10000.0)))),
+                ],
+                w(100, 100),
+                vec![1, 0],
+            ),
+            (
+                "load only, no capacity anywhere: ranked by load",
+                vec![
+                    node(Some(rep(30.0, None))),
+                    node(Some(rep(10.0, None))),
+                    node(Some(rep(20.0, None))),
+                ],
+                w(1, 1),
+                vec![1, 2, 0],
+            ),
+            (
+                "stale and unreported nodes are not candidates",
+                vec![node(None), node(Some(rep(999.0, Some(1000.0))))],
+                w(1, 1),
+                vec![1],
+            ),
+            (
+                "queue depth counts as backlog",
+                vec![
+                    node(Some(Report {
+                        queue_depth: Some(50.0),
+                        ..rep(100.0, Some(1000.0))
+                    })),
+                    node(Some(rep(300.0, Some(1000.0)))),
+                ],
+                w(10, 10),
+                vec![1, 0],
+            ),
+            (
+                "VRAM ceiling excludes a node that would overflow",
+                vec![
+                    node(Some(vram(850.0, 1000.0))),
+                    node(Some(Report {
+                        load_tokens_per_sec: 900.0,
+                        ..vram(0.0, 1000.0)
+                    })),
+                ],
+                w(60, 0),
+                vec![1],
+            ),
+            (
+                "a small request still fits under the ceiling",
+                vec![
+                    node(Some(vram(850.0, 1000.0))),
+                    node(Some(Report {
+                        load_tokens_per_sec: 900.0,
+                        ..vram(0.0, 1000.0)
+                    })),
+                ],
+                w(20, 20),
+                vec![0, 1],
+            ),
+        ];
+        for (name, nodes, weight, want) in cases {
+            assert_eq!(order(&run(&nodes, weight, 2000)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn staleness_limit() {
+        let nodes = vec![node(Some(rep(1.0, None)))];
+        assert_eq!(order(&run(&nodes, w(1, 1), 4000)), vec![0]);
+        assert_eq!(run(&nodes, w(1, 1), 4001), Decision::NoFreshNodes);
+        assert_eq!(run(&[], w(1, 1), 0), Decision::NoFreshNodes);
+    }
+
+    #[test]
+    fn capacity_override_wins_over_report() {
+        let mut slow = node(Some(rep(500.0, Some(100_000.0))));
+        slow.capacity_override = Some(600.0);
+        let other = node(Some(rep(500.0, Some(2000.0))));
+        assert_eq!(order(&run(&[slow, other], w(10, 10), 2000)), vec![1, 0]);
+    }
+
+    #[test]
+    fn unreflected_dispatches_push_a_node_down() {
+        let mut nodes = vec![
+            node(Some(rep(100.0, Some(1000.0)))),
+            node(Some(rep(150.0, Some(1000.0)))),
+        ];
+        assert_eq!(order(&run(&nodes, w(50, 50), 2000))[0], 0);
+        // A burst between two reports spreads across both nodes instead of herding on node 0.
+        let mut picks = [0usize; 2];
+        for _ in 0..20 {
+            let first = order(&run(&nodes, w(50, 50), 2000))[0];
+            picks[first] += 1;
+            nodes[first].dispatch(first, w(50, 50));
+        }
+        assert!(picks[0] >= 5 && picks[1] >= 5, "burst split {picks:?}");
+    }
+
+    #[test]
+    fn unreflected_work_counts_against_the_vram_ceiling() {
+        let report = Report {
+            vram_used_bytes: Some(0.0),
+            vram_total_bytes: Some(1000.0),
+            ..rep(0.0, Some(1000.0))
+        };
+        let mut n = node(Some(report));
+        assert!(matches!(
+            run(&[n.clone()], w(400, 0), 2000),
+            Decision::Route(_)
+        ));
+        n.dispatch(0, w(600, 0));
+        assert!(matches!(
+            run(&[n], w(400, 0), 2000),
+            Decision::AllOverCeiling(_)
+        ));
+    }
+
+    #[test]
+    fn all_over_ceiling_orders_by_least_overflow() {
+        let full = |used: f64| {
+            node(Some(Report {
+                vram_used_bytes: Some(used),
+                vram_total_bytes: Some(1000.0),
+                ..rep(0.0, Some(1000.0))
+            }))
+        };
+        let d = run(&[full(990.0), full(950.0), full(999.0)], w(10, 0), 2000);
+        assert!(matches!(d, Decision::AllOverCeiling(_)));
+        assert_eq!(order(&d), vec![1, 0, 2]);
+    }
+
+    #[test]
+    fn kv_fraction_forms() {
+        let frac = |usage: f64, k: Option<u64>| {
+            let mut n = node(Some(Report {
+                kv_cache_usage: Some(usage),
+                ..rep(0.0, Some(1000.0))
+            }));
+            n.kv_cache_tokens = k;
+            n
+        };
+        // Fraction plus a configured size: the request is sized.
+        assert!(matches!(
+            run(&[frac(0.5, Some(1000))], w(300, 0), 2000),
+            Decision::Route(_)
+        ));
+        assert!(matches!(
+            run(&[frac(0.5, Some(1000))], w(500, 0), 2000),
+            Decision::AllOverCeiling(_)
+        ));
+        // Fraction alone: only an already-full cache excludes.
+        assert!(matches!(
+            run(&[frac(0.5, None)], w(1_000_000, 0), 2000),
+            Decision::Route(_)
+        ));
+        assert!(matches!(
+            run(&[frac(0.95, None)], w(1, 0), 2000),
+            Decision::AllOverCeiling(_)
+        ));
+    }
+
+    #[test]
+    fn exact_ties_are_broken_at_random_but_reproducibly() {
+        let nodes: Vec<NodeState> = (0..4).map(|_| node(Some(rep(0.0, Some(1000.0))))).collect();
+        let mut rng = SplitMix64::new(42);
+        let mut seen = [0usize; 4];
+        for _ in 0..200 {
+            let d = decide(&nodes, w(1, 1), 1.0, 2000, &P, &mut rng);
+            seen[order(&d)[0]] += 1;
+        }
+        assert!(seen.iter().all(|&s| s > 20), "ties spread: {seen:?}");
+        let a = decide(&nodes, w(1, 1), 1.0, 2000, &P, &mut SplitMix64::new(9));
+        let b = decide(&nodes, w(1, 1), 1.0, 2000, &P, &mut SplitMix64::new(9));
+        assert_eq!(a, b);
+    }
+}

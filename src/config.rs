@@ -1,0 +1,463 @@
+//! Plugin configuration: the JSON that sits in the Envoy YAML under the Wasm filter's
+//! `configuration` value.
+//!
+//! The configuration is typed and closed: unknown fields are rejected, because a misspelt
+//! field silently falling back to a default is the classic way a load balancer ends up doing
+//! something its operator did not ask for. Every error names the offending field and says why,
+//! and the glue refuses to start the plugin (one log line) rather than run half-configured.
+
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// One GPU node, as a member of the Envoy cluster that serves inference traffic.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeConfig {
+    /// `ip:port` of the node exactly as it is a member of the Envoy cluster: this is the value
+    /// written into the routing header, so it must match the cluster's endpoint address.
+    pub address: String,
+    /// Path of the node's health endpoint, polled on every tick. Default `/health`.
+    pub health_path: String,
+    /// `ip:port` to poll for health when it differs from `address` (a metrics sidecar).
+    pub health_address: Option<String>,
+    /// Token throughput the node can sustain, in tokens per second. Overrides what the node
+    /// reports as `tokens_per_sec_capacity`; needed when the node reports no capacity.
+    pub capacity_tokens_per_sec: Option<f64>,
+    /// KV-cache size of the node, in tokens. Lets the VRAM check work for nodes that report only
+    /// `kv_cache_usage` (a fraction) and no byte counts.
+    pub kv_cache_tokens: Option<u64>,
+}
+
+impl NodeConfig {
+    /// The address the health callout goes to.
+    pub fn health_target(&self) -> &str {
+        self.health_address.as_deref().unwrap_or(&self.address)
+    }
+}
+
+/// The whole plugin configuration. Durations are integer milliseconds (`*_ms`). The defaults
+/// are documented in the README's configuration table and asserted by the tests below.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The GPU nodes this filter balances over. At least one.
+    pub nodes: Vec<NodeConfig>,
+    /// Envoy cluster that carries health callouts. It must send each callout to the address in
+    /// `health_target_header` (an ORIGINAL_DST cluster with `http_header_name`, see envoy/).
+    pub health_cluster: String,
+    /// Header of the health callout that names the node to reach (`ip:port`).
+    pub health_target_header: String,
+    /// How often every node's health endpoint is polled.
+    pub tick_ms: u64,
+    /// Timeout of one health callout.
+    pub health_timeout_ms: u64,
+    /// Age after which a node's last good report is no longer trusted (the node is then not a
+    /// candidate). Must be longer than the tick.
+    pub stale_after_ms: u64,
+    /// Request header that carries the chosen `ip:port` list to Envoy's override_host policy.
+    pub routing_header: String,
+    /// Most request-body bytes inspected; a larger body is passed on untouched and the request
+    /// goes to Envoy's fallback balancer. Keep it below Envoy's buffer limit.
+    pub max_body_bytes: usize,
+    /// Highest predicted VRAM/KV-cache use (0..1] a node may reach by admitting a request.
+    pub vram_ceiling: f64,
+    /// Output tokens assumed when a request sets no max_tokens.
+    pub default_max_tokens: u64,
+    /// KV-cache bytes per token of context (512 KiB for a 7B model in fp16).
+    pub kv_bytes_per_token: u64,
+    /// How many nodes the routing header lists: the choice, then the next best for retries.
+    pub max_hosts_in_header: usize,
+    /// When set, responses carry this header with the chosen node and the estimate.
+    pub debug_header: Option<String>,
+}
+
+const CONFIG_FIELDS: &[&str] = &[
+    "nodes",
+    "health_cluster",
+    "health_target_header",
+    "tick_ms",
+    "health_timeout_ms",
+    "stale_after_ms",
+    "routing_header",
+    "max_body_bytes",
+    "vram_ceiling",
+    "default_max_tokens",
+    "kv_bytes_per_token",
+    "max_hosts_in_header",
+    "debug_header",
+];
+const NODE_FIELDS: &[&str] = &[
+    "address",
+    "health_path",
+    "health_address",
+    "capacity_tokens_per_sec",
+    "kv_cache_tokens",
+];
+
+/// A configuration the plugin refuses to run with: the field and the reason.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid token-balancer configuration: `{}` {}",
+            self.field, self.reason
+        )
+    }
+}
+
+fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Typed access to one JSON object's fields, so that every type error names its field. (serde's
+/// derive reports type errors by line and column only, which is no help inside Envoy YAML.)
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    prefix: String,
+}
+
+impl<'a> Fields<'a> {
+    fn new(value: &'a Value, prefix: &str, known: &[&str]) -> Result<Self, ConfigError> {
+        let name = if prefix.is_empty() {
+            "configuration"
+        } else {
+            prefix.trim_end_matches('.')
+        };
+        let obj = value
+            .as_object()
+            .ok_or_else(|| err(name, "must be a JSON object"))?;
+        if let Some(unknown) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(err(
+                format!("{prefix}{unknown}"),
+                format!("is not a known field (known: {})", known.join(", ")),
+            ));
+        }
+        Ok(Fields {
+            obj,
+            prefix: prefix.to_string(),
+        })
+    }
+
+    fn name(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    /// The field's value, treating JSON `null` as absent.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn string(&self, key: &str) -> Result<Option<String>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(err(self.name(key), "must be a string")),
+        }
+    }
+
+    fn required_string(&self, key: &str) -> Result<String, ConfigError> {
+        self.string(key)?
+            .ok_or_else(|| err(self.name(key), "is required"))
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| err(self.name(key), "must be a non-negative integer")),
+        }
+    }
+
+    fn number(&self, key: &str) -> Result<Option<f64>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| err(self.name(key), "must be a number")),
+        }
+    }
+}
+
+/// Is `s` an `ip:port` (IPv4 or bracketed IPv6) with a non-zero port? Envoy's override_host
+/// only accepts addresses, never host names, so catching a name here saves a silent fallback.
+pub fn is_ip_port(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = matches!(port.parse::<u16>(), Ok(p) if p != 0);
+    let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        inner.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        host.parse::<std::net::Ipv4Addr>().is_ok()
+    };
+    port_ok && host_ok
+}
+
+fn header_name(f: &Fields, key: &str, default: &str) -> Result<String, ConfigError> {
+    let value = f.string(key)?.unwrap_or_else(|| default.to_string());
+    let ok = !value.is_empty()
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(value)
+    } else {
+        Err(err(f.name(key), "must be a lower-case HTTP header name"))
+    }
+}
+
+fn parse_node(value: &Value, i: usize, seen: &[NodeConfig]) -> Result<NodeConfig, ConfigError> {
+    let f = Fields::new(value, &format!("nodes[{i}]."), NODE_FIELDS)?;
+    let address = f.required_string("address")?;
+    if !is_ip_port(&address) {
+        return Err(err(
+            f.name("address"),
+            format!(
+                "{address:?} is not ip:port (Envoy's override_host takes addresses, not names)"
+            ),
+        ));
+    }
+    if seen.iter().any(|n| n.address == address) {
+        return Err(err(
+            f.name("address"),
+            format!("{address:?} is listed twice"),
+        ));
+    }
+    let health_path = f
+        .string("health_path")?
+        .unwrap_or_else(|| "/health".to_string());
+    if !health_path.starts_with('/') {
+        return Err(err(f.name("health_path"), "must start with '/'"));
+    }
+    let health_address = f.string("health_address")?;
+    if let Some(h) = &health_address {
+        if !is_ip_port(h) {
+            return Err(err(
+                f.name("health_address"),
+                format!("{h:?} is not ip:port"),
+            ));
+        }
+    }
+    let capacity_tokens_per_sec = f.number("capacity_tokens_per_sec")?;
+    if matches!(capacity_tokens_per_sec, Some(c) if !(c.is_finite() && c > 0.0)) {
+        return Err(err(
+            f.name("capacity_tokens_per_sec"),
+            "must be a positive number",
+        ));
+    }
+    let kv_cache_tokens = f.uint("kv_cache_tokens")?;
+    if kv_cache_tokens == Some(0) {
+        return Err(err(f.name("kv_cache_tokens"), "must be positive"));
+    }
+    Ok(NodeConfig {
+        address,
+        health_path,
+        health_address,
+        capacity_tokens_per_sec,
+        kv_cache_tokens,
+    })
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration bytes.
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Err(err(
+                "configuration",
+                "is empty; `nodes` and `health_cluster` are required",
+            ));
+        }
+        let value: Value = serde_json::from_slice(bytes)
+            .map_err(|e| err("configuration", format!("is not valid JSON: {e}")))?;
+        let f = Fields::new(&value, "", CONFIG_FIELDS)?;
+
+        let list = match f.get("nodes") {
+            None => return Err(err("nodes", "is required")),
+            Some(Value::Array(list)) if list.is_empty() => {
+                return Err(err("nodes", "must list at least one node"))
+            }
+            Some(Value::Array(list)) => list,
+            Some(_) => return Err(err("nodes", "must be an array of nodes")),
+        };
+        let mut nodes = Vec::with_capacity(list.len());
+        for (i, v) in list.iter().enumerate() {
+            let node = parse_node(v, i, &nodes)?;
+            nodes.push(node);
+        }
+
+        let health_cluster = f.required_string("health_cluster")?;
+        if health_cluster.is_empty() {
+            return Err(err("health_cluster", "must name an Envoy cluster"));
+        }
+        let tick_ms = f.uint("tick_ms")?.unwrap_or(1000);
+        if tick_ms < 10 {
+            return Err(err("tick_ms", "must be at least 10"));
+        }
+        let health_timeout_ms = f.uint("health_timeout_ms")?.unwrap_or(500);
+        if health_timeout_ms == 0 {
+            return Err(err("health_timeout_ms", "must be positive"));
+        }
+        let stale_after_ms = f.uint("stale_after_ms")?.unwrap_or(3000);
+        if stale_after_ms <= tick_ms {
+            return Err(err(
+                "stale_after_ms",
+                format!("must be longer than tick_ms ({tick_ms}), or every report goes stale before the next"),
+            ));
+        }
+        let max_body_bytes = f.uint("max_body_bytes")?.unwrap_or(1 << 20);
+        if max_body_bytes == 0 {
+            return Err(err("max_body_bytes", "must be positive"));
+        }
+        let vram_ceiling = f.number("vram_ceiling")?.unwrap_or(0.9);
+        if !(vram_ceiling > 0.0 && vram_ceiling <= 1.0) {
+            return Err(err("vram_ceiling", "must be in (0, 1]"));
+        }
+        let default_max_tokens = f.uint("default_max_tokens")?.unwrap_or(256);
+        let kv_bytes_per_token = f.uint("kv_bytes_per_token")?.unwrap_or(512 * 1024);
+        if kv_bytes_per_token == 0 {
+            return Err(err("kv_bytes_per_token", "must be positive"));
+        }
+        let max_hosts_in_header = f.uint("max_hosts_in_header")?.unwrap_or(3);
+        if max_hosts_in_header == 0 {
+            return Err(err("max_hosts_in_header", "must be at least 1"));
+        }
+        let debug_header = match f.get("debug_header") {
+            None => None,
+            Some(_) => Some(header_name(&f, "debug_header", "")?),
+        };
+        Ok(Config {
+            nodes,
+            health_cluster,
+            health_target_header: header_name(
+                &f,
+                "health_target_header",
+                "x-token-balancer-health-target",
+            )?,
+            tick_ms,
+            health_timeout_ms,
+            stale_after_ms,
+            routing_header: header_name(&f, "routing_header", "x-gateway-destination-endpoint")?,
+            max_body_bytes: usize::try_from(max_body_bytes).unwrap_or(usize::MAX),
+            vram_ceiling,
+            default_max_tokens,
+            kv_bytes_per_token,
+            max_hosts_in_header: usize::try_from(max_hosts_in_header).unwrap_or(usize::MAX),
+            debug_header,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"{"nodes":[{"address":"127.0.0.1:8001"}],"health_cluster":"health"}"#;
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = Config::parse(MIN.as_bytes()).unwrap();
+        assert_eq!(c.tick_ms, 1000);
+        assert_eq!(c.health_timeout_ms, 500);
+        assert_eq!(c.stale_after_ms, 3000);
+        assert_eq!(c.routing_header, "x-gateway-destination-endpoint");
+        assert_eq!(c.max_body_bytes, 1 << 20);
+        assert_eq!(c.vram_ceiling, 0.9);
+        assert_eq!(c.default_max_tokens, 256);
+        assert_eq!(c.kv_bytes_per_token, 512 * 1024);
+        assert_eq!(c.max_hosts_in_header, 3);
+        assert_eq!(c.debug_header, None);
+        assert_eq!(c.nodes[0].health_path, "/health");
+        assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = Config::parse(
+            br#"{"nodes":[{"address":"10.0.0.1:8000","health_path":"/h","health_address":"10.0.0.1:9000",
+                 "capacity_tokens_per_sec":5000,"kv_cache_tokens":100000},
+                {"address":"[::1]:8000"}],
+               "health_cluster":"h","health_target_header":"x-t","tick_ms":200,"health_timeout_ms":100,
+               "stale_after_ms":1000,"routing_header":"x-r","max_body_bytes":4096,"vram_ceiling":0.8,
+               "default_max_tokens":64,"kv_bytes_per_token":1024,"max_hosts_in_header":2,
+               "debug_header":"x-token-balancer-debug"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
+        assert_eq!(c.nodes[0].capacity_tokens_per_sec, Some(5000.0));
+        assert_eq!(c.nodes[1].address, "[::1]:8000");
+        assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
+    }
+
+    /// Every rejected configuration names the field it is about.
+    #[test]
+    fn each_error_names_its_field() {
+        let node = r#"{"address":"127.0.0.1:8001"}"#;
+        let with = |extra: &str| format!(r#"{{"nodes":[{node}],"health_cluster":"h",{extra}}}"#);
+        let cases: Vec<(String, &str)> = vec![
+            ("".into(), "configuration"),
+            ("not json".into(), "configuration"),
+            (r#"{"health_cluster":"h"}"#.into(), "nodes"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1"}]}"#.into(), "health_cluster"),
+            (r#"{"nodes":[],"health_cluster":"h"}"#.into(), "nodes"),
+            (with(r#""tick":5"#), "tick"),
+            (with(r#""nodes":3"#), "nodes"),
+            (r#"[1]"#.into(), "configuration"),
+            (r#"{"nodes":[7],"health_cluster":"h"}"#.into(), "nodes[0]"),
+            (r#"{"nodes":[{}],"health_cluster":"h"}"#.into(), "nodes[0].address"),
+            (with(r#""vram_ceiling":"high""#), "vram_ceiling"),
+            (with(r#""max_body_bytes":-1"#), "max_body_bytes"),
+            (with(r#""tick_ms":"fast""#), "tick_ms"),
+            (r#"{"nodes":[{"address":"gpu-1:8000"}],"health_cluster":"h"}"#.into(), "nodes[0].address"),
+            (r#"{"nodes":[{"address":"127.0.0.1:0"}],"health_cluster":"h"}"#.into(), "nodes[0].address"),
+            (r#"{"nodes":[{"address":"127.0.0.1"}],"health_cluster":"h"}"#.into(), "nodes[0].address"),
+            (format!(r#"{{"nodes":[{node},{node}],"health_cluster":"h"}}"#), "nodes[1].address"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","port":2}],"health_cluster":"h"}"#.into(), "nodes[0].port"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","health_path":"health"}],"health_cluster":"h"}"#.into(), "nodes[0].health_path"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","health_address":"x"}],"health_cluster":"h"}"#.into(), "nodes[0].health_address"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","capacity_tokens_per_sec":0}],"health_cluster":"h"}"#.into(), "nodes[0].capacity_tokens_per_sec"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","kv_cache_tokens":0}],"health_cluster":"h"}"#.into(), "nodes[0].kv_cache_tokens"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":""}"#.into(), "health_cluster"),
+            (with(r#""routing_header":"X Bad""#), "routing_header"),
+            (with(r#""health_target_header":"""#), "health_target_header"),
+            (with(r#""debug_header":"Nope:""#), "debug_header"),
+            (with(r#""tick_ms":1"#), "tick_ms"),
+            (with(r#""health_timeout_ms":0"#), "health_timeout_ms"),
+            (with(r#""stale_after_ms":1000"#), "stale_after_ms"),
+            (with(r#""max_body_bytes":0"#), "max_body_bytes"),
+            (with(r#""vram_ceiling":0"#), "vram_ceiling"),
+            (with(r#""vram_ceiling":1.5"#), "vram_ceiling"),
+            (with(r#""kv_bytes_per_token":0"#), "kv_bytes_per_token"),
+            (with(r#""max_hosts_in_header":0"#), "max_hosts_in_header"),
+        ];
+        for (json, field) in cases {
+            let e = Config::parse(json.as_bytes()).expect_err(&json);
+            assert_eq!(e.field, field, "config {json}: {e}");
+            assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
+    fn ip_port_forms() {
+        for (s, ok) in [
+            ("127.0.0.1:80", true),
+            ("[::1]:80", true),
+            ("::1:80", false),
+            ("host:80", false),
+            ("1.2.3.4:65536", false),
+            ("1.2.3.4:", false),
+            (":80", false),
+        ] {
+            assert_eq!(is_ip_port(s), ok, "{s}");
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! Node state: what the filter knows about one GPU node between two health reports.
+//!
+//! Two sources are combined. The node's last good report is the ground truth at the moment it
+//! was taken; it is trusted until it is older than the staleness limit, and a failed poll never
+//! overwrites it. The filter's own in-flight accounting covers the gap between reports: every
+//! request sent to the node is added at dispatch and removed when its stream ends, whatever the
+//! outcome. Work dispatched *after* the last report is not in that report yet, so it is kept
+//! apart ("unreflected") and added to the reported load by the choice; this is what stops the
+//! herding that other routers suffer, where every request between two scrapes lands on the node
+//! that looked idlest at the last scrape.
+
+use crate::telemetry::Report;
+use crate::weight::Weight;
+
+/// Proof of one dispatch, handed back at release so the books balance exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    pub node: usize,
+    /// The node's report epoch at dispatch: if no report has arrived since, the request's work
+    /// is still counted as unreflected and must be taken out of that sum too.
+    pub epoch: u64,
+    pub weight: Weight,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeState {
+    pub address: String,
+    /// Configured capacity, which wins over a reported one.
+    pub capacity_override: Option<f64>,
+    /// Configured KV-cache size in tokens.
+    pub kv_cache_tokens: Option<u64>,
+    report: Option<(Report, u64)>,
+    epoch: u64,
+    pub inflight_requests: u64,
+    pub inflight_tokens: u64,
+    /// Tokens (prompt + output) dispatched since the last report.
+    pub unreflected_tokens: u64,
+    /// Requests dispatched since the last report.
+    pub unreflected_requests: u64,
+    /// Health polls failed in a row (reset by a good one).
+    pub failures_in_row: u32,
+}
+
+impl NodeState {
+    pub fn new(
+        address: &str,
+        capacity_override: Option<f64>,
+        kv_cache_tokens: Option<u64>,
+    ) -> Self {
+        NodeState {
+            address: address.to_string(),
+            capacity_override,
+            kv_cache_tokens,
+            report: None,
+            epoch: 0,
+            inflight_requests: 0,
+            inflight_tokens: 0,
+            unreflected_tokens: 0,
+            unreflected_requests: 0,
+            failures_in_row: 0,
+        }
+    }
+
+    /// A good report replaces the previous one; work dispatched so far is now in it.
+    pub fn accept_report(&mut self, report: Report, now_ms: u64) {
+        self.report = Some((report, now_ms));
+        self.epoch += 1;
+        self.unreflected_tokens = 0;
+        self.unreflected_requests = 0;
+        self.failures_in_row = 0;
+    }
+
+    /// A failed or unparsable poll: the last good report stays until it goes stale.
+    pub fn note_failure(&mut self) {
+        self.failures_in_row = self.failures_in_row.saturating_add(1);
+    }
+
+    /// The last report, if it is younger than `stale_after_ms`.
+    pub fn fresh_report(&self, now_ms: u64, stale_after_ms: u64) -> Option<&Report> {
+        match &self.report {
+            Some((r, at)) if now_ms.saturating_sub(*at) <= stale_after_ms => Some(r),
+            _ => None,
+        }
+    }
+
+    /// When the last good report arrived.
+    pub fn reported_at(&self) -> Option<u64> {
+        self.report.as_ref().map(|(_, at)| *at)
+    }
+
+    pub fn dispatch(&mut self, node: usize, weight: Weight) -> Ticket {
+        let t = weight.total();
+        self.inflight_requests += 1;
+        self.inflight_tokens = self.inflight_tokens.saturating_add(t);
+        self.unreflected_requests += 1;
+        self.unreflected_tokens = self.unreflected_tokens.saturating_add(t);
+        Ticket {
+            node,
+            epoch: self.epoch,
+            weight,
+        }
+    }
+
+    pub fn release(&mut self, ticket: &Ticket) {
+        let t = ticket.weight.total();
+        self.inflight_requests = self.inflight_requests.saturating_sub(1);
+        self.inflight_tokens = self.inflight_tokens.saturating_sub(t);
+        if ticket.epoch == self.epoch {
+            self.unreflected_requests = self.unreflected_requests.saturating_sub(1);
+            self.unreflected_tokens = self.unreflected_tokens.saturating_sub(t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(p: u64, o: u64) -> Weight {
+        Weight {
+            prompt_tokens: p,
+            output_tokens: o,
+        }
+    }
+
+    fn report(load: f64) -> Report {
+        Report {
+            load_tokens_per_sec: load,
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn freshness_follows_the_staleness_limit() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        assert!(n.fresh_report(0, 1000).is_none());
+        n.accept_report(report(5.0), 100);
+        for (now, fresh) in [(100, true), (1100, true), (1101, false), (50, true)] {
+            assert_eq!(n.fresh_report(now, 1000).is_some(), fresh, "now={now}");
+        }
+        n.note_failure();
+        n.note_failure();
+        assert_eq!(n.failures_in_row, 2);
+        assert_eq!(
+            n.fresh_report(200, 1000).map(|r| r.load_tokens_per_sec),
+            Some(5.0)
+        );
+        n.accept_report(report(6.0), 300);
+        assert_eq!(n.failures_in_row, 0);
+        assert_eq!(n.reported_at(), Some(300));
+    }
+
+    #[test]
+    fn inflight_books_balance_across_reports() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        let a = n.dispatch(0, w(100, 10));
+        let b = n.dispatch(0, w(5, 5));
+        assert_eq!((n.inflight_requests, n.inflight_tokens), (2, 120));
+        assert_eq!((n.unreflected_requests, n.unreflected_tokens), (2, 120));
+        // A report now covers a and b.
+        n.accept_report(report(1.0), 10);
+        assert_eq!((n.unreflected_requests, n.unreflected_tokens), (0, 0));
+        let c = n.dispatch(0, w(1, 1));
+        n.release(&a);
+        assert_eq!(n.unreflected_tokens, 2, "a was reflected already");
+        n.release(&c);
+        assert_eq!(n.unreflected_tokens, 0);
+        n.release(&b);
+        assert_eq!((n.inflight_requests, n.inflight_tokens), (0, 0));
+        // Releasing twice never underflows.
+        n.release(&b);
+        assert_eq!((n.inflight_requests, n.inflight_tokens), (0, 0));
+    }
+}

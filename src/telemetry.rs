@@ -1,0 +1,167 @@
+//! Telemetry: what a GPU node's health endpoint says about its load, parsed into a `Report`.
+//!
+//! The seed format is one JSON object. Only `tokens_per_sec_load` is required; the optional
+//! fields make the choice sharper: `tokens_per_sec_capacity`, `vram_used_bytes` with
+//! `vram_total_bytes` (or `kv_cache_usage` in 0..1), `queue_depth` and `running_requests`.
+//! Parsing is total and strict about values: an answer that is not such an object, or whose
+//! required field is missing, negative or not finite, is an error, so that a broken node never
+//! replaces good data with garbage. An optional field with a bad value is dropped on its own.
+
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// One node's self-reported state at the time of a health answer.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Report {
+    /// Tokens per second the node is processing now (prefill and decode).
+    pub load_tokens_per_sec: f64,
+    /// Tokens per second the node can sustain, when it says.
+    pub capacity_tokens_per_sec: Option<f64>,
+    /// KV-cache/VRAM in use, bytes, with the total.
+    pub vram_used_bytes: Option<f64>,
+    pub vram_total_bytes: Option<f64>,
+    /// KV-cache use as a fraction 0..1, when the node reports a fraction instead of bytes.
+    pub kv_cache_usage: Option<f64>,
+    /// Requests waiting for admission.
+    pub queue_depth: Option<f64>,
+    /// Requests being served.
+    pub running_requests: Option<f64>,
+}
+
+/// Why a health answer was not used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReportError {
+    /// Not JSON, or not a JSON object.
+    NotJson,
+    /// `tokens_per_sec_load` absent.
+    MissingLoad,
+    /// `tokens_per_sec_load` present but not a finite non-negative number.
+    BadLoad,
+}
+
+impl fmt::Display for ReportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReportError::NotJson => "answer is not a JSON object",
+            ReportError::MissingLoad => "answer has no tokens_per_sec_load",
+            ReportError::BadLoad => "tokens_per_sec_load is not a finite non-negative number",
+        })
+    }
+}
+
+/// Values beyond this are not believed (1e15 tokens/s, 1 PB of VRAM): an astronomically large
+/// number is a broken exporter, and would otherwise dominate every comparison.
+const ABSURD: f64 = 1e15;
+
+fn sane(v: Option<&Value>) -> Option<f64> {
+    v.and_then(Value::as_f64)
+        .filter(|x| x.is_finite() && *x >= 0.0 && *x < ABSURD)
+}
+
+fn optional(obj: &Map<String, Value>, key: &str) -> Option<f64> {
+    sane(obj.get(key))
+}
+
+/// Parses a seed-format health answer.
+pub fn parse_health(body: &[u8]) -> Result<Report, ReportError> {
+    let v: Value = serde_json::from_slice(body).map_err(|_| ReportError::NotJson)?;
+    let obj = v.as_object().ok_or(ReportError::NotJson)?;
+    let load = obj
+        .get("tokens_per_sec_load")
+        .ok_or(ReportError::MissingLoad)?;
+    let load_tokens_per_sec = sane(Some(load)).ok_or(ReportError::BadLoad)?;
+    let capacity = optional(obj, "tokens_per_sec_capacity").filter(|c| *c > 0.0);
+    let mut vram_used = optional(obj, "vram_used_bytes");
+    let mut vram_total = optional(obj, "vram_total_bytes").filter(|t| *t > 0.0);
+    // Bytes only make sense as a pair.
+    if vram_used.is_none() || vram_total.is_none() {
+        vram_used = None;
+        vram_total = None;
+    }
+    Ok(Report {
+        load_tokens_per_sec,
+        capacity_tokens_per_sec: capacity,
+        vram_used_bytes: vram_used,
+        vram_total_bytes: vram_total,
+        kv_cache_usage: optional(obj, "kv_cache_usage").filter(|u| *u <= 1.0),
+        queue_depth: optional(obj, "queue_depth"),
+        running_requests: optional(obj, "running_requests"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_format_as_written() {
+        let r = parse_health(br#"{"tokens_per_sec_load": 1234.5}"#).unwrap();
+        assert_eq!(
+            r,
+            Report {
+                load_tokens_per_sec: 1234.5,
+                ..Report::default()
+            }
+        );
+    }
+
+    #[test]
+    fn all_optional_fields() {
+        let r = parse_health(
+            br#"{"tokens_per_sec_load":10,"tokens_per_sec_capacity":100,"vram_used_bytes":5,
+                 "vram_total_bytes":50,"kv_cache_usage":0.1,"queue_depth":3,"running_requests":7,
+                 "name":"extra fields are fine"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.capacity_tokens_per_sec, Some(100.0));
+        assert_eq!(r.vram_used_bytes, Some(5.0));
+        assert_eq!(r.vram_total_bytes, Some(50.0));
+        assert_eq!(r.kv_cache_usage, Some(0.1));
+        assert_eq!(r.queue_depth, Some(3.0));
+        assert_eq!(r.running_requests, Some(7.0));
+    }
+
+    #[test]
+    fn malformed_answers_are_errors() {
+        let cases: &[(&[u8], ReportError)] = &[
+            (b"", ReportError::NotJson),
+            (
+                b"<html><body>502 Bad Gateway</body></html>",
+                ReportError::NotJson,
+            ),
+            (br#"{"tokens_per_sec_load": 12"#, ReportError::NotJson),
+            (b"[1]", ReportError::NotJson),
+            (b"42", ReportError::NotJson),
+            (br#"{"load": 1}"#, ReportError::MissingLoad),
+            (br#"{"tokens_per_sec_load": "fast"}"#, ReportError::BadLoad),
+            (br#"{"tokens_per_sec_load": -1}"#, ReportError::BadLoad),
+            (br#"{"tokens_per_sec_load": null}"#, ReportError::BadLoad),
+            (br#"{"tokens_per_sec_load": 1e300}"#, ReportError::BadLoad),
+            (&[0xff, 0x00, 0xfe], ReportError::NotJson),
+        ];
+        for (body, want) in cases {
+            assert_eq!(
+                parse_health(body),
+                Err(want.clone()),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn bad_optional_fields_are_dropped_alone() {
+        let r = parse_health(
+            br#"{"tokens_per_sec_load":1,"tokens_per_sec_capacity":0,"vram_used_bytes":-3,
+                 "vram_total_bytes":10,"kv_cache_usage":1.5,"queue_depth":"deep","running_requests":1e99}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            Report {
+                load_tokens_per_sec: 1.0,
+                ..Report::default()
+            }
+        );
+    }
+}

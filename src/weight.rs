@@ -1,0 +1,330 @@
+//! Request weight: how many tokens a request will cost a GPU, estimated from its body.
+//!
+//! The cost of an LLM request is not its byte size but the tokens the engine must prefill (the
+//! prompt) plus the tokens it must decode (the output). The filter cannot run the model's
+//! tokenizer, so it estimates prompt tokens from characters by script, the rule of thumb that
+//! BPE tokenizers (GPT/Llama families) follow closely enough for balancing: about 4 characters a
+//! token in English-like ASCII text, about 3 in Spanish and other accented Latin-script text
+//! (accents split words into more pieces), about 2 in other alphabets (Cyrillic, Greek, Arabic,
+//! Hebrew, Indic), and about 1 per CJK character (Han, Kana, Hangul). Output tokens come from the
+//! request's own cap (`max_tokens`, `max_completion_tokens`), or a configured default, times `n`:
+//! the decode budget the engine reserves KV cache for.
+//!
+//! Shapes understood: OpenAI `/v1/chat/completions` (string or array-of-parts content),
+//! `/v1/completions` (string or array prompt), `/v1/embeddings` (no output), and Anthropic
+//! `/v1/messages` (`system` plus content blocks). A body that is not JSON, or whose shape gives
+//! no prompt, is `None`: the caller then leaves the request to Envoy's fallback balancer. Fields
+//! of the wrong type are ignored one by one rather than failing the whole estimate.
+
+use serde_json::Value;
+
+/// Estimated token cost of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Weight {
+    /// Tokens to prefill.
+    pub prompt_tokens: u64,
+    /// Tokens to decode (all `n` choices together).
+    pub output_tokens: u64,
+}
+
+impl Weight {
+    /// Total tokens the engine will process for this request, and also the KV-cache tokens it
+    /// will hold at its peak (prompt plus everything generated).
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.output_tokens)
+    }
+}
+
+/// Tokens a chat template adds around each message (role markers, separators).
+const PER_MESSAGE_OVERHEAD: u64 = 4;
+/// Upper bound on `n`: a body asking for a million choices must not make a weight that
+/// overflows arithmetic downstream; no engine serves more than this in one request anyway.
+const MAX_N: u64 = 128;
+/// Upper bound on any output cap taken from a body, for the same reason.
+const MAX_OUTPUT_TOKENS: u64 = 1 << 24;
+
+/// Estimates prompt tokens in `text` by script (see the module comment).
+pub fn estimate_text_tokens(text: &str) -> u64 {
+    let (mut ascii, mut accented_latin, mut alphabetic, mut cjk, mut other) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut has_accent = false;
+    for c in text.chars() {
+        match c as u32 {
+            0..=0x7f => ascii += 1,
+            // Latin-1 letters and Latin Extended-A/B.
+            0xc0..=0x24f => {
+                accented_latin += 1;
+                has_accent = true;
+            }
+            // Greek, Cyrillic, Armenian, Hebrew, Arabic, Indic scripts, Thai.
+            0x370..=0x0e7f => alphabetic += 1,
+            // Hangul Jamo, CJK punctuation, Kana, Han, Hangul syllables, full-width forms.
+            0x1100..=0x11ff
+            | 0x3000..=0x9fff
+            | 0xac00..=0xd7af
+            | 0xf900..=0xfaff
+            | 0xff00..=0xffef => cjk += 1,
+            _ => other += 1,
+        }
+    }
+    // Accented text is tokenized more finely throughout, not only at the accented letters.
+    let latin = ascii + accented_latin;
+    let latin_tokens = if has_accent {
+        latin.div_ceil(3)
+    } else {
+        latin.div_ceil(4)
+    };
+    latin_tokens + alphabetic.div_ceil(2) + cjk + other
+}
+
+fn text_of_content(content: &Value) -> u64 {
+    match content {
+        Value::String(s) => estimate_text_tokens(s),
+        // OpenAI parts `[{"type":"text","text":...}]`, Anthropic blocks alike.
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match p {
+                Value::String(s) => estimate_text_tokens(s),
+                Value::Object(o) => o
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .map(estimate_text_tokens)
+                    .unwrap_or(0),
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+fn positive_u64(v: Option<&Value>) -> Option<u64> {
+    let v = v?;
+    // JSON numbers like 256.0 or 1e3 are still meant as counts.
+    let n = v.as_u64().or_else(|| {
+        v.as_f64()
+            .filter(|f| f.is_finite() && *f >= 0.0)
+            .map(|f| f.min(u64::MAX as f64) as u64)
+    })?;
+    (n > 0).then_some(n)
+}
+
+/// Which API the request is for, told from its path (the body alone cannot tell an embeddings
+/// request's `input` from anything else).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+    Embeddings,
+    Messages,
+    /// Unknown path: the body's shape decides.
+    Other,
+}
+
+impl Api {
+    pub fn from_path(path: &str) -> Api {
+        let path = path.split('?').next().unwrap_or(path);
+        if path.ends_with("/chat/completions") {
+            Api::Chat
+        } else if path.ends_with("/completions") {
+            Api::Completions
+        } else if path.ends_with("/embeddings") {
+            Api::Embeddings
+        } else if path.ends_with("/messages") {
+            Api::Messages
+        } else {
+            Api::Other
+        }
+    }
+}
+
+/// Estimates a request's weight from its JSON body, or `None` when the body gives no basis.
+pub fn estimate(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Weight> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let obj = v.as_object()?;
+
+    let prompt_tokens = if let Some(Value::Array(messages)) = obj.get("messages") {
+        let system = obj.get("system").map(text_of_content).unwrap_or(0);
+        let msgs: u64 = messages
+            .iter()
+            .map(|m| PER_MESSAGE_OVERHEAD + m.get("content").map(text_of_content).unwrap_or(0))
+            .sum();
+        system + msgs
+    } else if let Some(prompt) = obj.get("prompt") {
+        match prompt {
+            // A list of prompts is a batch: each is prefilled.
+            Value::String(_) | Value::Array(_) => text_of_content(prompt),
+            _ => return None,
+        }
+    } else if let Some(input) = obj.get("input") {
+        match input {
+            Value::String(_) | Value::Array(_) => text_of_content(input),
+            _ => return None,
+        }
+    } else {
+        return None;
+    };
+
+    let is_embedding = api == Api::Embeddings
+        || (api == Api::Other && obj.contains_key("input") && !obj.contains_key("messages"));
+    let output_tokens = if is_embedding {
+        0
+    } else {
+        let cap = positive_u64(obj.get("max_completion_tokens"))
+            .or_else(|| positive_u64(obj.get("max_tokens")))
+            .unwrap_or(default_max_tokens)
+            .min(MAX_OUTPUT_TOKENS);
+        let n = positive_u64(obj.get("n")).unwrap_or(1).min(MAX_N);
+        cap.saturating_mul(n)
+    };
+    Some(Weight {
+        prompt_tokens,
+        output_tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_tokens_by_script() {
+        let cases: &[(&str, u64)] = &[
+            ("", 0),
+            ("abcd", 1),
+            ("abcde", 2),
+            ("The quick brown fox jumps over the lazy dog", 11), // 43 chars / 4
+            ("El niño comió piñata", 7),                         // 20 chars / 3
+            ("你好世界", 4),
+            ("こんにちは", 5),
+            ("안녕하세요", 5),
+            ("Привет мир", 6), // 9 Cyrillic / 2 -> 5, 1 space / 4 -> 1
+            ("hi 你好", 3),    // 3 latin -> 1, 2 CJK
+        ];
+        for (text, want) in cases {
+            assert_eq!(estimate_text_tokens(text), *want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn long_english_prompt_is_about_a_quarter_of_its_characters() {
+        let text = "word ".repeat(2000);
+        assert_eq!(estimate_text_tokens(&text), 2500);
+    }
+
+    fn w(p: u64, o: u64) -> Option<Weight> {
+        Some(Weight {
+            prompt_tokens: p,
+            output_tokens: o,
+        })
+    }
+
+    #[test]
+    fn body_shapes() {
+        let cases: &[(Api, &str, Option<Weight>)] = &[
+            // chat, string content; 4 overhead + 16 chars / 4
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"abcdabcdabcdabcd"}],"max_tokens":10}"#,
+                w(8, 10),
+            ),
+            // chat, array-of-parts content, images ignored, max_completion_tokens wins
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":[{"type":"text","text":"abcdabcd"},{"type":"image_url","image_url":{"url":"x"}}]}],"max_completion_tokens":7,"max_tokens":99}"#,
+                w(6, 7),
+            ),
+            // two messages, default max tokens, n = 3
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"system","content":"abcd"},{"role":"user","content":"abcd"}],"n":3}"#,
+                w(10, 768),
+            ),
+            // completions, string prompt
+            (
+                Api::Completions,
+                r#"{"prompt":"abcdabcd","max_tokens":5}"#,
+                w(2, 5),
+            ),
+            // completions, array prompt: every prompt counted
+            (
+                Api::Completions,
+                r#"{"prompt":["abcd","abcdabcd"],"max_tokens":5}"#,
+                w(3, 5),
+            ),
+            // embeddings: no output
+            (
+                Api::Embeddings,
+                r#"{"input":"abcdabcd","model":"e5"}"#,
+                w(2, 0),
+            ),
+            (Api::Embeddings, r#"{"input":["abcd","abcd"]}"#, w(2, 0)),
+            // Anthropic messages: system string + content blocks
+            (
+                Api::Messages,
+                r#"{"system":"abcdabcd","messages":[{"role":"user","content":[{"type":"text","text":"abcd"}]}],"max_tokens":50}"#,
+                w(7, 50),
+            ),
+            (
+                Api::Messages,
+                r#"{"system":[{"type":"text","text":"abcd"}],"messages":[{"role":"user","content":"abcd"}],"max_tokens":50}"#,
+                w(6, 50),
+            ),
+            // unknown path: the shape decides
+            (Api::Other, r#"{"input":"abcd"}"#, w(1, 0)),
+            (Api::Other, r#"{"prompt":"abcd","max_tokens":2}"#, w(1, 2)),
+            // float counts accepted
+            (Api::Chat, r#"{"messages":[],"max_tokens":12.0}"#, w(0, 12)),
+        ];
+        for (api, body, want) in cases {
+            assert_eq!(estimate(*api, body.as_bytes(), 256), *want, "{body}");
+        }
+    }
+
+    #[test]
+    fn malformed_bodies() {
+        let cases: &[(&str, Option<Weight>)] = &[
+            ("", None),
+            ("not json", None),
+            (r#"{"messages":"#, None),      // truncated
+            ("[1,2,3]", None),              // not an object
+            (r#"{"model":"x"}"#, None),     // no prompt at all
+            (r#"{"prompt":42}"#, None),     // prompt of the wrong type
+            (r#"{"input":{"a":1}}"#, None), // input of the wrong type
+            // wrong-typed fields degrade one by one
+            (
+                r#"{"messages":[{"content":5},{"nocontent":true},7],"max_tokens":"many","n":"x"}"#,
+                w(12, 256),
+            ),
+            (r#"{"messages":[],"max_tokens":-5,"n":0}"#, w(0, 256)),
+            (r#"{"messages":[],"max_tokens":null}"#, w(0, 256)),
+            // absurd values are clamped, never overflow
+            (
+                r#"{"messages":[],"max_tokens":1e300,"n":1e300}"#,
+                w(0, MAX_OUTPUT_TOKENS * MAX_N),
+            ),
+            (
+                r#"{"messages":[],"max_tokens":18446744073709551615,"n":18446744073709551615}"#,
+                w(0, MAX_OUTPUT_TOKENS * MAX_N),
+            ),
+        ];
+        for (body, want) in cases {
+            assert_eq!(estimate(Api::Chat, body.as_bytes(), 256), *want, "{body}");
+        }
+        // Not UTF-8 at all.
+        assert_eq!(estimate(Api::Chat, &[0xff, 0xfe, 0x00, 0x7b], 256), None);
+    }
+
+    #[test]
+    fn api_from_path() {
+        for (path, api) in [
+            ("/v1/chat/completions", Api::Chat),
+            ("/v1/chat/completions?x=1", Api::Chat),
+            ("/v1/completions", Api::Completions),
+            ("/openai/v1/embeddings", Api::Embeddings),
+            ("/v1/messages", Api::Messages),
+            ("/generate", Api::Other),
+        ] {
+            assert_eq!(Api::from_path(path), api, "{path}");
+        }
+    }
+}

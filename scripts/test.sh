@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs every test of the project: formatting and lints, the native unit tests, the pure core
+# compiled to wasm32-wasip1 and run under WASI, and the integration tests that start the real
+# Envoy with the built filter and mock GPU nodes. Usage: scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy (native and wasm32-wasip1)"
+cargo clippy --quiet --workspace --all-targets -- -D warnings
+cargo clippy --quiet --all-targets --target wasm32-wasip1 -- -D warnings
+echo "== native unit tests"
+cargo test --quiet --workspace
+echo "== the pure core compiled to wasm32-wasip1, run under WASI"
+CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $PWD/scripts/wasi-run.mjs" \
+  cargo test --quiet --target wasm32-wasip1 --lib
+echo "== integration tests: real Envoy + token_balancer.wasm + mock GPU nodes"
+.venv/bin/python -m pytest -q tests

@@ -1,0 +1,232 @@
+"""Test harness: runs the real Envoy with the built filter in front of mock GPU nodes.
+
+Everything runs as plain processes on 127.0.0.1 with ports picked free per run. Waits poll
+with deadlines; nothing sleeps for a fixed time and hopes.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+WASM = ROOT / "target/wasm32-wasip1/release/token_balancer.wasm"
+MOCK = ROOT / "target/release/mock-gpu-node"
+ENVOY = ROOT / ".venv/bin/envoy"
+ENVOY_YAML = ROOT / "envoy/envoy.yaml"
+KV_BYTES_PER_TOKEN = 512 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
+    """Polls `predicate` until it returns a truthy value, or fails the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            last_error = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def request(port: int, method: str, path: str, body=None, headers=None, timeout=30.0) -> Response:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body
+        hdrs = dict(headers or {})
+        if body is not None and not isinstance(body, (bytes, str)):
+            data = json.dumps(body)
+            hdrs.setdefault("content-type", "application/json")
+        conn.request(method, path, body=data, headers=hdrs)
+        r = conn.getresponse()
+        return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    finally:
+        conn.close()
+
+
+@dataclass
+class MockNode:
+    name: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set_health(self, **overrides):
+        r = request(self.port, "POST", "/admin/health", body=overrides)
+        assert r.status == 200, r
+
+    def reset_health(self):
+        self.set_health(reset=True)
+
+    def stats(self) -> dict:
+        return request(self.port, "GET", "/admin/stats").json()
+
+    def health(self) -> dict:
+        return request(self.port, "GET", "/health").json()
+
+
+class MockCluster:
+    """One mock-gpu-node process serving several nodes, each `(name, spec)`: spec is the
+    `key=value,...` part of `--node PORT,...`."""
+
+    def __init__(self, specs: list[tuple[str, str]], time_scale: float = 1.0):
+        self.nodes = [MockNode(name, free_port()) for name, _ in specs]
+        args = [str(MOCK), "--time-scale", str(time_scale)]
+        for node, (_, spec) in zip(self.nodes, specs):
+            extra = f",{spec}" if spec else ""
+            args += ["--node", f"{node.port},name={node.name}{extra}"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        wait_until(
+            lambda: sum("listening" in line for line in self.output) >= len(self.nodes),
+            15,
+            f"mock nodes to listen ({self.output[-5:]})",
+        )
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.output.append(line.rstrip())
+
+    def __getitem__(self, i: int) -> MockNode:
+        return self.nodes[i]
+
+    def by_port(self) -> dict[int, MockNode]:
+        return {n.port: n for n in self.nodes}
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int, plugin: dict | None = None,
+                 health_addresses: dict[str, str] | None = None) -> dict:
+    """The shipped envoy/envoy.yaml with this run's ports, nodes and plugin settings.
+
+    Starting from the shipped file (not a copy kept for tests) means the tests run the same
+    listener, clusters, retry policy and filter settings a user runs."""
+    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    cfg = copy.deepcopy(cfg)
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listener_port
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
+    wasm["vm_config"]["code"]["local"]["filename"] = str(WASM)
+    conf = json.loads(wasm["configuration"]["value"])
+    conf["nodes"] = []
+    for a in node_addresses:
+        node = {"address": a}
+        if health_addresses and a in health_addresses:
+            node["health_address"] = health_addresses[a]
+        conf["nodes"].append(node)
+    conf.update(plugin or {})
+    wasm["configuration"]["value"] = json.dumps(conf)
+    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": a.rsplit(":", 1)[0],
+                                                     "port_value": int(a.rsplit(":", 1)[1])}}}}
+        for a in node_addresses
+    ]
+    return cfg
+
+
+class Envoy:
+    def __init__(self, config: dict, concurrency: int = 1, expect_ready: bool = True):
+        self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
+        self.port = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        self.dir = tempfile.TemporaryDirectory(prefix="tb-envoy-")
+        self.config_path = Path(self.dir.name) / "envoy.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = Path(self.dir.name) / "envoy.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(ENVOY), "-c", str(self.config_path), "--concurrency", str(concurrency),
+             "--base-id", str(self.admin_port), "--disable-hot-restart", "-l", "info"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        if expect_ready:
+            wait_until(self._ready, 30, f"envoy to be ready (log {self.log_path}: {self.tail()})")
+
+    def _ready(self):
+        if self.proc.poll() is not None:
+            raise AssertionError(f"envoy exited with {self.proc.returncode}: {self.tail()}")
+        return request(self.admin_port, "GET", "/ready", timeout=1).status == 200
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    def counters(self) -> dict[str, int]:
+        """The filter's counters, without Envoy's `wasmcustom.` prefix."""
+        r = request(self.admin_port, "GET", "/stats?format=json&filter=token_balancer")
+        out = {}
+        for s in r.json().get("stats", []):
+            if "name" in s and "value" in s:
+                out[s["name"].removeprefix("wasmcustom.")] = s["value"]
+        return out
+
+    def counter(self, name: str) -> int:
+        return self.counters().get(name, 0)
+
+    def post(self, path: str, body, headers=None, timeout=30.0) -> Response:
+        return request(self.port, "POST", path, body=body, headers=headers, timeout=timeout)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                request(self.admin_port, "POST", "/quitquitquit", timeout=2)
+                self.proc.wait(10)
+            except (OSError, http.client.HTTPException, subprocess.TimeoutExpired):
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def chat(prompt: str, max_tokens: int = 8, **extra) -> dict:
+    return {"model": "mock-model", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, **extra}

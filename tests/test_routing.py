@@ -1,0 +1,204 @@
+"""Integration tests: the real Envoy, the built token_balancer.wasm, mock GPU nodes.
+
+Each test states the behaviour it guards; each assertion fails when that behaviour breaks.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import time
+
+import pytest
+
+from harness import (KV_BYTES_PER_TOKEN, Envoy, MockCluster, chat, envoy_config, free_port,
+                     request, wait_until)
+
+TICK_MS = 100
+STALE_MS = 600
+KV_TOKENS = 20_000
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = MockCluster([("node-a", f"gpu=h100,kv_tokens={KV_TOKENS}"),
+                     ("node-b", f"gpu=h100,kv_tokens={KV_TOKENS}"),
+                     ("node-c", f"gpu=h100,kv_tokens={KV_TOKENS}")])
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(cluster):
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS})
+    e = Envoy(cfg)
+    yield e
+    e.stop()
+
+
+def polls_seen(cluster, rounds: int = 4):
+    """Waits until every node has answered `rounds` more health polls: by then every VM of the
+    filter has polled at least once since the caller's change."""
+    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
+    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
+                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+
+
+@pytest.fixture(autouse=True)
+def clean_health(cluster, envoy):
+    for n in cluster.nodes:
+        n.reset_health()
+    polls_seen(cluster)
+    yield
+
+
+def served_by(r) -> str:
+    assert r.status == 200, (r.status, r.body[:200])
+    return r.headers["x-mock-node"]
+
+
+def spread(envoy, n: int, body, headers=None) -> collections.Counter:
+    return collections.Counter(served_by(envoy.post("/v1/chat/completions", body, headers))
+                               for _ in range(n))
+
+
+def test_requests_are_routed_by_the_filter(envoy):
+    before = envoy.counter("token_balancer.routed")
+    r = envoy.post("/v1/chat/completions", chat("hello there", 4))
+    assert r.status == 200
+    assert r.headers["x-token-balancer"].startswith("node=127.0.0.1:")
+    assert envoy.counter("token_balancer.routed") == before + 1
+
+
+def test_a_node_reporting_high_load_gets_no_new_requests(cluster, envoy):
+    """(a) A node whose tokens_per_sec_load is near its capacity is passed over while others
+    are free."""
+    # Control: idle and equal, every node gets a share.
+    assert set(spread(envoy, 30, chat("hi", 2))) == {"node-a", "node-b", "node-c"}
+    capacity = cluster[0].health()["tokens_per_sec_capacity"]
+    cluster[0].set_health(tokens_per_sec_load=capacity * 0.99)
+    polls_seen(cluster)
+    got = spread(envoy, 30, chat("hi", 2))
+    assert got["node-a"] == 0, got
+    assert got["node-b"] > 0 and got["node-c"] > 0, got
+
+
+def test_a_long_prompt_avoids_a_node_whose_vram_would_overflow(cluster, envoy):
+    """(b) node-a is the least loaded but its KV cache is 85% full: a short request still goes
+    there, a long one (whose KV would pass the 0.9 ceiling) goes elsewhere."""
+    capacity = cluster[0].health()["tokens_per_sec_capacity"]
+    total = KV_TOKENS * KV_BYTES_PER_TOKEN
+    cluster[0].set_health(tokens_per_sec_load=0, vram_used_bytes=int(total * 0.85), vram_total_bytes=total)
+    for n in cluster.nodes[1:]:
+        n.set_health(tokens_per_sec_load=capacity * 0.5)
+    polls_seen(cluster)
+    short = chat("a short question", 16)
+    assert spread(envoy, 5, short) == {"node-a": 5}
+    # 0.05 * 20000 = 1000 tokens of headroom; this prompt is ~3000 tokens.
+    long = chat("lorem ipsum dolor sit amet " * 450, 16)
+    got = spread(envoy, 5, long)
+    assert got["node-a"] == 0 and sum(got.values()) == 5, got
+
+
+def test_a_client_supplied_routing_header_is_ignored(cluster, envoy):
+    """(c) A client naming a node in x-gateway-destination-endpoint does not get it."""
+    capacity = cluster[0].health()["tokens_per_sec_capacity"]
+    cluster[0].set_health(tokens_per_sec_load=capacity * 0.99)
+    polls_seen(cluster)
+    before = envoy.counter("token_balancer.client_routing_header_removed")
+    got = spread(envoy, 10, chat("hi", 2), headers={"x-gateway-destination-endpoint": cluster[0].address})
+    assert got["node-a"] == 0, got
+    assert envoy.counter("token_balancer.client_routing_header_removed") == before + 10
+    # Also for requests the filter cannot route (no body): the header is still removed.
+    r = request(envoy.port, "GET", "/v1/models", headers={"x-gateway-destination-endpoint": cluster[0].address})
+    assert r.status == 200
+
+
+def test_with_every_health_endpoint_down_requests_still_succeed(cluster, envoy):
+    """(d) Health down everywhere: once the data is stale the filter sets no routing header and
+    Envoy's least_request fallback serves every request."""
+    for n in cluster.nodes:
+        n.set_health(fail=True)
+    before = envoy.counter("token_balancer.fallback.no_fresh_nodes")
+    wait_until(lambda: envoy.post("/v1/chat/completions", chat("hi", 1)).headers.get("x-token-balancer")
+               == "fallback=no_fresh_nodes", 5, "reports to go stale")
+    got = spread(envoy, 20, chat("hi", 2))
+    assert sum(got.values()) == 20 and len(got) >= 2, got
+    assert envoy.counter("token_balancer.fallback.no_fresh_nodes") >= before + 21
+    assert envoy.counter("token_balancer.health.failed") > 0
+
+
+def test_health_endpoints_unreachable_still_fail_open(cluster):
+    """(d) The same with the health endpoints refusing connections from the start."""
+    dead = {n.address: f"127.0.0.1:{free_port()}" for n in cluster.nodes}
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}, health_addresses=dead)
+    e = Envoy(cfg)
+    try:
+        got = spread(e, 12, chat("hi", 2))
+        assert sum(got.values()) == 12
+        wait_until(lambda: e.counter("token_balancer.health.failed") >= 3, 5, "failed polls to be counted")
+        assert e.counter("token_balancer.routed") == 0
+        assert e.counter("token_balancer.fallback.no_fresh_nodes") == 12
+    finally:
+        e.stop()
+
+
+def test_streaming_responses_arrive_intact_chunk_by_chunk(envoy):
+    """(e) SSE events pass through Envoy as the node emits them, not buffered, none lost."""
+    n_tokens = 40
+    conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=30)
+    body = json.dumps(chat("tell me a story", n_tokens, stream=True))
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.getheader("content-type", "").startswith("text/event-stream")
+    events, arrivals, buf = [], [], b""
+    while True:
+        chunk = r.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            events.append(event.decode())
+            arrivals.append(time.monotonic() - t0)
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    text = "".join(c["delta"].get("content", "") for p in payloads for c in p["choices"])
+    assert text == "".join(f"tok{i} " for i in range(n_tokens))
+    usage = payloads[-1]["usage"]
+    assert usage["completion_tokens"] == n_tokens
+    # Chunk by chunk: the first token arrived long before the last one.
+    assert arrivals[0] < 0.5 * arrivals[-1], (arrivals[0], arrivals[-1])
+    assert len(set(round(a, 3) for a in arrivals)) > n_tokens // 2
+
+
+def test_bodies_the_filter_cannot_read_still_reach_a_node(envoy):
+    """Fail-open paths: no body, junk body, compressed body each reach a node untouched."""
+    for path, body, headers, counter in [
+        ("/v1/models", None, {}, "token_balancer.fallback.no_body"),
+        ("/v1/chat/completions", b"{not json", {"content-type": "application/json"},
+         "token_balancer.fallback.body_unusable"),
+        ("/v1/chat/completions", b"\x1f\x8b\x08\x00junk", {"content-encoding": "gzip"},
+         "token_balancer.fallback.encoded_body"),
+    ]:
+        before = envoy.counter(counter)
+        r = request(envoy.port, "GET" if body is None else "POST", path, body=body, headers=headers)
+        assert "x-mock-node" in r.headers, (path, r.status)
+        assert envoy.counter(counter) == before + 1, counter
+
+
+def test_a_bad_configuration_refuses_to_start_naming_the_field(cluster):
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"vram_ceiling": 7})
+    e = Envoy(cfg, expect_ready=False)
+    try:
+        wait_until(lambda: "`vram_ceiling` must be in (0, 1]" in e.log_text(), 20, "the config error log line")
+        wait_until(lambda: e.proc.poll() is not None, 20, "envoy to refuse the configuration")
+    finally:
+        e.stop()

@@ -102,8 +102,9 @@ class MockCluster:
     """One mock-gpu-node process serving several nodes, each `(name, spec)`: spec is the
     `key=value,...` part of `--node PORT,...`."""
 
-    def __init__(self, specs: list[tuple[str, str]], time_scale: float = 1.0):
-        self.nodes = [MockNode(name, free_port()) for name, _ in specs]
+    def __init__(self, specs: list[tuple[str, str]], time_scale: float = 1.0, ports: list[int] | None = None):
+        ports = ports or [free_port() for _ in specs]
+        self.nodes = [MockNode(name, port) for (name, _), port in zip(specs, ports)]
         args = [str(MOCK), "--time-scale", str(time_scale)]
         for node, (_, spec) in zip(self.nodes, specs):
             extra = f",{spec}" if spec else ""

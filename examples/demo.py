@@ -89,7 +89,7 @@ def main():
     for i, ((kind, a, _), (_, b, _)) in enumerate(zip(tb, rr)):
         print(f"  {i:>3} {kind:<6} {a:<15} {b:<12}")
 
-    print("\neach node's load (requests short/long, and prompt+output tokens sent to it)")
+    print("\neach node's load (requests short/long, and the prompt+output tokens sent to it, at ~4 chars a token)")
     print(f"  {'node':<8} {'gpu':<5} {'token-balancer':>24} {'round robin':>24}")
     tokens = {k: len(str(b)) // 4 + b["max_tokens"] for k, b in (SHORT, LONG)}
     for name, spec in NODES:

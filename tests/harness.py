@@ -113,11 +113,13 @@ class MockCluster:
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        wait_until(
-            lambda: sum("listening" in line for line in self.output) >= len(self.nodes),
-            15,
-            f"mock nodes to listen ({self.output[-5:]})",
-        )
+        wait_until(self._listening, 15, "mock nodes to listen")
+
+    def _listening(self) -> bool:
+        if self.proc.poll() is not None:
+            self._reader.join(2)
+            raise AssertionError(f"mock-gpu-node exited with {self.proc.returncode}: {self.output[-5:]}")
+        return sum("listening" in line for line in self.output) >= len(self.nodes)
 
     def _read(self):
         for line in self.proc.stdout:

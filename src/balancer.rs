@@ -27,6 +27,8 @@ pub enum Outcome {
         predicted_seconds: f64,
         /// Every fresh node would overflow its VRAM; this is the least bad.
         over_ceiling: bool,
+        /// Requests this filter had in flight on the chosen node before this one (visibility).
+        inflight_before: u64,
     },
     /// No basis to choose: the routing header is not set and Envoy's fallback balancer routes.
     NoFreshNodes,
@@ -111,6 +113,7 @@ impl Balancer {
         let Some(state) = self.nodes.get_mut(first.node) else {
             return Outcome::NoFreshNodes;
         };
+        let inflight_before = state.inflight_requests;
         let ticket = state.dispatch(first.node, weight);
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
@@ -118,6 +121,7 @@ impl Balancer {
             header_value,
             predicted_seconds: first.seconds,
             over_ceiling,
+            inflight_before,
         }
     }
 

@@ -345,6 +345,7 @@ impl Request {
                     ticket,
                     header_value,
                     predicted_seconds,
+                    inflight_before,
                     ..
                 },
                 header,
@@ -367,7 +368,7 @@ impl Request {
                 self.ticket = Some(ticket);
                 if debug_on {
                     self.debug = Some(format!(
-                        "node={header_value}; prompt_tokens={}; output_tokens={}; predicted_ms={:.1}",
+                        "node={header_value}; prompt_tokens={}; output_tokens={}; predicted_ms={:.1}; inflight={inflight_before}",
                         weight.prompt_tokens,
                         weight.output_tokens,
                         predicted_seconds * 1000.0

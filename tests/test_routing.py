@@ -111,9 +111,13 @@ def test_a_client_supplied_routing_header_is_ignored(cluster, envoy):
     got = spread(envoy, 10, chat("hi", 2), headers={"x-gateway-destination-endpoint": cluster[0].address})
     assert got["node-a"] == 0, got
     assert envoy.counter("token_balancer.client_routing_header_removed") == before + 10
-    # Also for requests the filter cannot route (no body): the header is still removed.
-    r = request(envoy.port, "GET", "/v1/models", headers={"x-gateway-destination-endpoint": cluster[0].address})
-    assert r.status == 200
+    # Also for requests the filter cannot route (no body): the header is still removed, so
+    # Envoy's fallback spreads them instead of obeying the client.
+    fallback = collections.Counter(
+        served_by(request(envoy.port, "GET", "/v1/models",
+                          headers={"x-gateway-destination-endpoint": cluster[0].address}))
+        for _ in range(12))
+    assert fallback["node-a"] < 12, fallback
 
 
 def test_with_every_health_endpoint_down_requests_still_succeed(cluster, envoy):
@@ -202,3 +206,53 @@ def test_a_bad_configuration_refuses_to_start_naming_the_field(cluster):
         wait_until(lambda: e.proc.poll() is not None, 20, "envoy to refuse the configuration")
     finally:
         e.stop()
+
+
+def debug_fields(r) -> dict:
+    return dict(kv.split("=", 1) for kv in r.headers["x-token-balancer"].split("; "))
+
+
+def test_inflight_bookings_are_released_whatever_the_outcome(cluster, envoy):
+    """Every routed request is booked in flight on its node until its stream ends, whether it
+    completes, is aborted by the client mid-stream, or fails at the node."""
+    import socket
+
+    # Streams the client abandons after the first event.
+    aborted = []
+    for _ in range(9):
+        s = socket.create_connection(("127.0.0.1", envoy.port))
+        body = json.dumps(chat("tell me a long story", 500, stream=True)).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        s.settimeout(10)
+        got = b""
+        while b"data: " not in got:
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+        aborted.append(s)
+    # While those streams run, the filter counts them: requests now see them in flight.
+    seen = [int(debug_fields(envoy.post("/v1/chat/completions", chat("hi", 1)))["inflight"]) for _ in range(6)]
+    assert max(seen) >= 1, seen
+    for s in aborted:
+        s.close()
+    # Requests the node rejects after the filter routed them (a chat body without messages).
+    for _ in range(3):
+        r = envoy.post("/v1/chat/completions", {"prompt": "not a chat body", "max_tokens": 3})
+        assert r.status == 400 and "x-mock-node" in r.headers
+    # Completed requests, streaming and not.
+    for stream in (False, True):
+        assert envoy.post("/v1/chat/completions", chat("hi", 3, stream=stream)).status == 200
+    # Once everything has ended, no node has anything booked.
+    wait_until(lambda: all(int(debug_fields(envoy.post("/v1/chat/completions", chat("hi", 1)))["inflight"]) == 0
+                           for _ in range(9)), 10, "in-flight bookings to drop to zero")
+
+
+def test_stats_count_picks_per_node(cluster, envoy):
+    before = envoy.counters()
+    got = spread(envoy, 9, chat("hi", 1))
+    after = envoy.counters()
+    for n in cluster.nodes:
+        key = f"token_balancer.node.{n.address.replace('.', '_').replace(':', '_')}.picks"
+        assert after.get(key, 0) - before.get(key, 0) == got[n.name], (key, got)
+    assert after["token_balancer.routed"] - before["token_balancer.routed"] == 9

@@ -1,0 +1,348 @@
+//! loadgen: open-loop replay of a real LLM traffic trace against an OpenAI-compatible endpoint.
+//!
+//! Open loop: every request is sent at its trace time (divided by the rate multiplier and the
+//! model's time scale), whether or not earlier ones have finished, as real users do; a closed
+//! loop would slow down exactly when the system under test does and hide its queues. Requests
+//! stream (`stream: true`); for each one it records the time to first token, the end-to-end
+//! latency, the time per output token, the tokens received, the serving node (the mock's
+//! `x-mock-node` header) and the status. Times are reported in model time (wall time multiplied
+//! by the time scale) so runs at different scales compare.
+//!
+//! The body's `max_tokens` is a cap, as real clients send it; the trace's true output length
+//! travels in the benchmark-only `x-mock-output-tokens` header, which the balancer never reads.
+
+mod prompt;
+mod trace;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
+
+const USAGE: &str = "\
+usage: loadgen --url http://HOST:PORT --trace azure:PATH|mooncake:PATH [options]
+
+  --start-s S        skip the trace's first S seconds (default 0)
+  --duration-s S     replay S seconds of trace (default 60)
+  --requests N       at most N requests
+  --rate X           offered-load multiplier: arrivals X times denser (default 1)
+  --time-scale X     the nodes' model runs X times faster than real time (default 1)
+  --max-tokens N     max_tokens cap in every body (default 1024)
+  --timeout-s S      per-request timeout, wall seconds (default 300)
+  --label NAME       name of this run in the output
+  --out FILE         write every request and the summary as JSON";
+
+struct Args {
+    host: String,
+    port: u16,
+    trace: Vec<trace::TraceRequest>,
+    start_s: f64,
+    duration_s: f64,
+    requests: Option<usize>,
+    rate: f64,
+    time_scale: f64,
+    max_tokens: u64,
+    timeout_s: f64,
+    label: String,
+    out: Option<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut url = None;
+    let mut trace_arg = None;
+    let mut a = Args {
+        host: String::new(),
+        port: 0,
+        trace: vec![],
+        start_s: 0.0,
+        duration_s: 60.0,
+        requests: None,
+        rate: 1.0,
+        time_scale: 1.0,
+        max_tokens: 1024,
+        timeout_s: 300.0,
+        label: "run".into(),
+        out: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut v = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        let pos = |s: String, f: &str| -> Result<f64, String> {
+            s.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| format!("{f} {s:?} is not a non-negative number"))
+        };
+        match flag.as_str() {
+            "--url" => url = Some(v()?),
+            "--trace" => trace_arg = Some(v()?),
+            "--start-s" => a.start_s = pos(v()?, "--start-s")?,
+            "--duration-s" => a.duration_s = pos(v()?, "--duration-s")?,
+            "--requests" => a.requests = Some(pos(v()?, "--requests")? as usize),
+            "--rate" => a.rate = pos(v()?, "--rate")?.max(1e-6),
+            "--time-scale" => a.time_scale = pos(v()?, "--time-scale")?.max(1e-6),
+            "--max-tokens" => a.max_tokens = pos(v()?, "--max-tokens")?.max(1.0) as u64,
+            "--timeout-s" => a.timeout_s = pos(v()?, "--timeout-s")?,
+            "--label" => a.label = v()?,
+            "--out" => a.out = Some(v()?),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => return Err(format!("unknown argument {flag:?}")),
+        }
+    }
+    let url = url.ok_or("--url is required")?;
+    let hostport = url
+        .strip_prefix("http://")
+        .ok_or("--url must start with http://")?
+        .trim_end_matches('/');
+    let (h, p) = hostport.rsplit_once(':').ok_or("--url needs a port")?;
+    a.host = h.to_string();
+    a.port = p.parse().map_err(|_| format!("bad port in --url {url:?}"))?;
+    let spec = trace_arg.ok_or("--trace is required")?;
+    let (kind, path) = spec.split_once(':').ok_or("--trace is KIND:PATH")?;
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read trace {path}: {e}"))?;
+    a.trace = match kind {
+        "azure" => trace::parse_azure(&text)?,
+        "mooncake" => trace::parse_mooncake(&text)?,
+        _ => return Err(format!("unknown trace kind {kind:?} (azure, mooncake)")),
+    };
+    Ok(a)
+}
+
+/// What happened to one request. Times are model-time milliseconds.
+#[derive(Debug, Clone, Default)]
+struct Record {
+    index: usize,
+    sent_ms: f64,
+    prompt_tokens: u64,
+    output_tokens: u64,
+    status: u16,
+    node: String,
+    ttft_ms: Option<f64>,
+    e2e_ms: Option<f64>,
+    tokens_received: u64,
+    error: Option<String>,
+}
+
+impl Record {
+    fn ok(&self) -> bool {
+        self.status == 200 && self.error.is_none() && self.tokens_received > 0
+    }
+    fn tpot_ms(&self) -> Option<f64> {
+        match (self.ttft_ms, self.e2e_ms) {
+            (Some(t), Some(e)) if self.tokens_received > 1 => Some((e - t) / (self.tokens_received - 1) as f64),
+            _ => None,
+        }
+    }
+    fn to_json(&self) -> Value {
+        json!({"index": self.index, "sent_ms": self.sent_ms, "prompt_tokens": self.prompt_tokens,
+               "output_tokens": self.output_tokens, "status": self.status, "node": self.node,
+               "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms, "tpot_ms": self.tpot_ms(),
+               "tokens_received": self.tokens_received, "error": self.error})
+    }
+}
+
+async fn one(args: Arc<Args>, index: usize, body: Bytes, output: u64, sent: Instant, rec: &mut Record) -> Result<(), String> {
+    let stream = TcpStream::connect((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(conn);
+    let req = Request::post("/v1/chat/completions")
+        .header("host", format!("{}:{}", args.host, args.port))
+        .header("content-type", "application/json")
+        .header("x-mock-output-tokens", output.to_string())
+        .header("x-request-index", index.to_string())
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
+    let resp = sender.send_request(req).await.map_err(|e| format!("request: {e}"))?;
+    rec.status = resp.status().as_u16();
+    rec.node = resp
+        .headers()
+        .get("x-mock-node")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let scale = args.time_scale;
+    let mut body = resp.into_body();
+    let mut pending = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("body: {e}"))?;
+        let Some(data) = frame.data_ref() else { continue };
+        pending.extend_from_slice(data);
+        while let Some(pos) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..pos + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(payload) = text.trim().strip_prefix("data: ") else { continue };
+            if payload == "[DONE]" {
+                continue;
+            }
+            let has_content = serde_json::from_str::<Value>(payload)
+                .ok()
+                .and_then(|v| v.pointer("/choices/0/delta/content").and_then(Value::as_str).map(|s| !s.is_empty()))
+                .unwrap_or(false);
+            if has_content {
+                if rec.ttft_ms.is_none() {
+                    rec.ttft_ms = Some(sent.elapsed().as_secs_f64() * 1000.0 * scale);
+                }
+                rec.tokens_received += 1;
+            }
+        }
+    }
+    rec.e2e_ms = Some(sent.elapsed().as_secs_f64() * 1000.0 * scale);
+    if rec.status != 200 {
+        return Err(format!("HTTP {}", rec.status));
+    }
+    Ok(())
+}
+
+fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted.get(i.min(sorted.len() - 1)).copied()
+}
+
+fn dist(mut xs: Vec<f64>) -> Value {
+    xs.sort_by(f64::total_cmp);
+    let mean = if xs.is_empty() { None } else { Some(xs.iter().sum::<f64>() / xs.len() as f64) };
+    json!({"p50": percentile(&xs, 0.5), "p90": percentile(&xs, 0.9), "p99": percentile(&xs, 0.99),
+           "mean": mean, "max": xs.last()})
+}
+
+fn summarize(records: &[Record], model_span_ms: f64) -> Value {
+    let ok: Vec<&Record> = records.iter().filter(|r| r.ok()).collect();
+    let tokens: u64 = ok.iter().map(|r| r.tokens_received).sum();
+    let mut nodes = std::collections::BTreeMap::new();
+    for r in records {
+        *nodes.entry(if r.node.is_empty() { "-".to_string() } else { r.node.clone() }).or_insert(0u64) += 1;
+    }
+    json!({
+        "requests": records.len(),
+        "ok": ok.len(),
+        "errors": records.len() - ok.len(),
+        "ttft_ms": dist(ok.iter().filter_map(|r| r.ttft_ms).collect()),
+        "e2e_ms": dist(ok.iter().filter_map(|r| r.e2e_ms).collect()),
+        "tpot_ms": dist(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
+        "output_tokens_per_s": if model_span_ms > 0.0 { tokens as f64 / (model_span_ms / 1000.0) } else { 0.0 },
+        "requests_per_node": nodes,
+    })
+}
+
+fn fmt(v: &Value, path: &str) -> String {
+    v.pointer(path).and_then(Value::as_f64).map_or("-".into(), |x| format!("{x:.0}"))
+}
+
+#[tokio::main]
+async fn main() {
+    let args = match parse_args() {
+        Ok(a) => Arc::new(a),
+        Err(e) => {
+            eprintln!("loadgen: {e}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let start_ms = args.start_s * 1000.0;
+    let end_ms = start_ms + args.duration_s * 1000.0;
+    let mut selected: Vec<&trace::TraceRequest> = args
+        .trace
+        .iter()
+        .filter(|r| r.at_ms >= start_ms && r.at_ms < end_ms)
+        .collect();
+    if let Some(n) = args.requests {
+        selected.truncate(n);
+    }
+    if selected.is_empty() {
+        eprintln!("loadgen: no requests in the selected slice of the trace");
+        std::process::exit(2);
+    }
+    // Bodies are built before the clock starts, so building never delays an arrival.
+    let plan: Vec<(f64, Bytes, u64, u64)> = selected
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let text = prompt::build(i as u64 + 1, r.prompt_tokens, &r.blocks, trace::MOONCAKE_BLOCK_TOKENS);
+            let body = json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
+                              "messages": [{"role": "user", "content": text}]});
+            let wall_ms = (r.at_ms - selected[0].at_ms) / args.rate / args.time_scale;
+            (wall_ms, Bytes::from(body.to_string()), r.output_tokens.min(args.max_tokens), r.prompt_tokens)
+        })
+        .collect();
+    let n = plan.len();
+    let wall_span = plan.last().map(|p| p.0).unwrap_or(0.0) / 1000.0;
+    eprintln!(
+        "loadgen {}: {n} requests over {wall_span:.1}s wall ({:.1} req/s model time), time scale {}",
+        args.label,
+        n as f64 / (wall_span * args.time_scale).max(1e-9),
+        args.time_scale
+    );
+    let t0 = Instant::now() + Duration::from_millis(50);
+    let mut handles = Vec::with_capacity(n);
+    for (i, (at, body, output, prompt_tokens)) in plan.into_iter().enumerate() {
+        let args = args.clone();
+        handles.push(tokio::spawn(async move {
+            let when = t0 + Duration::from_secs_f64(at / 1000.0);
+            tokio::time::sleep_until(when.into()).await;
+            let sent = Instant::now();
+            let mut rec = Record {
+                index: i,
+                sent_ms: sent.duration_since(t0).as_secs_f64() * 1000.0 * args.time_scale,
+                prompt_tokens,
+                output_tokens: output,
+                ..Record::default()
+            };
+            let timeout = Duration::from_secs_f64(args.timeout_s);
+            match tokio::time::timeout(timeout, one(args.clone(), i, body, output, sent, &mut rec)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => rec.error = Some(e),
+                Err(_) => rec.error = Some("timeout".into()),
+            }
+            rec
+        }));
+    }
+    let mut records = Vec::with_capacity(n);
+    for h in handles {
+        match h.await {
+            Ok(r) => records.push(r),
+            Err(e) => records.push(Record {
+                error: Some(format!("task: {e}")),
+                ..Record::default()
+            }),
+        }
+    }
+    let span_ms = t0.elapsed().as_secs_f64() * 1000.0 * args.time_scale;
+    let summary = summarize(&records, span_ms);
+    eprintln!(
+        "loadgen {}: {}/{} ok; TTFT p50/p99 {}/{} ms; e2e p50/p99 {}/{} ms; TPOT mean/p99 {}/{} ms (model time)",
+        args.label,
+        summary["ok"],
+        n,
+        fmt(&summary, "/ttft_ms/p50"),
+        fmt(&summary, "/ttft_ms/p99"),
+        fmt(&summary, "/e2e_ms/p50"),
+        fmt(&summary, "/e2e_ms/p99"),
+        fmt(&summary, "/tpot_ms/mean"),
+        fmt(&summary, "/tpot_ms/p99"),
+    );
+    if let Some(path) = &args.out {
+        let doc = json!({"label": args.label, "time_scale": args.time_scale, "rate": args.rate,
+                         "start_s": args.start_s, "duration_s": args.duration_s,
+                         "max_tokens": args.max_tokens, "summary": summary,
+                         "requests": records.iter().map(Record::to_json).collect::<Vec<_>>()});
+        if let Err(e) = std::fs::write(path, doc.to_string()) {
+            eprintln!("loadgen: cannot write {path}: {e}");
+            std::process::exit(1);
+        }
+    }
+    println!("{summary}");
+}

@@ -1,0 +1,85 @@
+//! Prompt text of a given length, built so both tokenizers in play see a realistic length:
+//! the mock node counts 1.3 tokens a word, the filter estimates ~4 characters a token, and the
+//! words below average ~5 characters, so the filter's estimate is close to, but not exactly, the
+//! node's count — as with a real engine's tokenizer.
+//!
+//! Text is a deterministic function of a seed: Mooncake blocks with the same hash id become the
+//! same text (a shared prefix), and distinct Azure requests share nothing.
+
+const WORDS: &[&str] = &[
+    "the", "model", "server", "request", "token", "cluster", "latency", "memory", "answer", "question",
+    "about", "people", "system", "network", "between", "through", "summary", "report", "figure", "result",
+    "value", "should", "because", "another", "number", "market", "quarter", "growth", "design", "engine",
+    "batch", "cache", "prompt", "output", "please", "explain", "simple", "careful", "history", "future",
+    "river", "mountain", "city", "garden", "window", "letter", "story", "chapter", "reason", "method",
+    "data", "table", "field", "record", "signal", "source", "target", "policy", "budget", "schedule",
+    "and", "of", "to", "in",
+];
+
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// About `tokens` tokens (by the mock's count) of text derived from `seed`.
+pub fn text(seed: u64, tokens: u64, out: &mut String) {
+    let words = (tokens * 10).div_ceil(13);
+    let mut s = seed ^ 0x5eed;
+    for _ in 0..words {
+        let w = WORDS[(next(&mut s) % WORDS.len() as u64) as usize];
+        out.push_str(w);
+        out.push(' ');
+    }
+}
+
+/// A request's prompt: its prefix blocks (if any), each from the block's hash id, then the rest
+/// from the request's own seed.
+pub fn build(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens: u64) -> String {
+    let mut out = String::with_capacity(prompt_tokens as usize * 5);
+    let mut left = prompt_tokens;
+    for b in blocks {
+        if left == 0 {
+            break;
+        }
+        let n = left.min(block_tokens);
+        // A full block is shared text; a partial last block is the request's own.
+        if n == block_tokens {
+            text(b.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c, n, &mut out);
+        } else {
+            text(request_seed, n, &mut out);
+        }
+        left -= n;
+    }
+    if left > 0 {
+        text(request_seed, left, &mut out);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_and_sharing() {
+        let a = build(1, 1024 + 100, &[7, 8, 9], 512);
+        let b = build(2, 1024 + 50, &[7, 8, 10], 512);
+        let c = build(3, 1024, &[1, 2], 512);
+        let shared = block_len(7) + block_len(8);
+        assert_eq!(a[..shared], b[..shared], "equal hash ids give equal prefixes");
+        assert_ne!(a[..shared + 40], b[..shared + 40], "then they differ");
+        assert_ne!(a[..block_len(7)], c[..block_len(7)]);
+        // ~1.3 tokens a word: word count matches the token target.
+        let words = build(4, 1300, &[], 512).split_whitespace().count();
+        assert_eq!(words, 1000);
+    }
+
+    fn block_len(hash: u64) -> usize {
+        let mut s = String::new();
+        text(hash.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c, 512, &mut s);
+        s.len()
+    }
+}

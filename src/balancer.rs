@@ -51,6 +51,7 @@ impl Balancer {
                 .map(|n| NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens))
                 .collect(),
             params: Params {
+                rule: cfg.policy,
                 stale_after_ms: cfg.stale_after_ms,
                 vram_ceiling: cfg.vram_ceiling,
                 kv_bytes_per_token: cfg.kv_bytes_per_token,

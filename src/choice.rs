@@ -34,9 +34,20 @@ use crate::rng::Rng;
 use crate::telemetry::Report;
 use crate::weight::Weight;
 
+/// Which rule ranks the nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// The rule this module describes.
+    TokenThroughput,
+    /// The seed article's naive rule, kept as a baseline for the benchmarks: the lowest
+    /// reported `tokens_per_sec_load` wins; no capacity, queue, in-flight or VRAM awareness.
+    LeastReportedLoad,
+}
+
 /// Knobs of the rule, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Params {
+    pub rule: Rule,
     pub stale_after_ms: u64,
     pub vram_ceiling: f64,
     pub kv_bytes_per_token: u64,
@@ -107,6 +118,22 @@ pub fn decide(
         .fold(0.0, f64::max);
     let assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
 
+    if p.rule == Rule::LeastReportedLoad {
+        let mut ranked: Vec<(Ranked, u64)> = fresh
+            .iter()
+            .map(|(i, _, r)| {
+                let ranked = Ranked {
+                    node: *i,
+                    seconds: r.load_tokens_per_sec,
+                    kv_fraction: None,
+                };
+                (ranked, rng.next_u64())
+            })
+            .collect();
+        ranked.sort_by(|(a, ka), (b, kb)| a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb)));
+        return Decision::Route(ranked.into_iter().map(|(r, _)| r).collect());
+    }
+
     let w = weight.total() as f64;
     let mut admitted = Vec::with_capacity(fresh.len());
     let mut over = Vec::new();
@@ -154,6 +181,7 @@ mod tests {
     use crate::rng::SplitMix64;
 
     const P: Params = Params {
+        rule: Rule::TokenThroughput,
         stale_after_ms: 3000,
         vram_ceiling: 0.9,
         kv_bytes_per_token: 1,
@@ -375,6 +403,33 @@ mod tests {
             run(&[frac(0.95, None)], w(1, 0), 2000),
             Decision::AllOverCeiling(_)
         ));
+    }
+
+    #[test]
+    fn the_naive_rule_follows_reported_load_only() {
+        let naive = Params {
+            rule: Rule::LeastReportedLoad,
+            ..P
+        };
+        let full = Report {
+            vram_used_bytes: Some(999.0),
+            vram_total_bytes: Some(1000.0),
+            ..rep(10.0, Some(100.0))
+        };
+        let mut nodes = vec![node(Some(full)), node(Some(rep(20.0, Some(100_000.0))))];
+        // Blind to VRAM, capacity and its own dispatches: node 0 takes every request.
+        for _ in 0..5 {
+            let d = decide(
+                &nodes,
+                w(500, 500),
+                100.0,
+                2000,
+                &naive,
+                &mut SplitMix64::new(1),
+            );
+            assert_eq!(order(&d), vec![0, 1]);
+            nodes[0].dispatch(0, w(500, 500));
+        }
     }
 
     #[test]

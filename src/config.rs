@@ -6,6 +6,7 @@
 //! something its operator did not ask for. Every error names the offending field and says why,
 //! and the glue refuses to start the plugin (one log line) rather than run half-configured.
 
+use crate::choice::Rule;
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -67,6 +68,9 @@ pub struct Config {
     pub max_hosts_in_header: usize,
     /// When set, responses carry this header with the chosen node and the estimate.
     pub debug_header: Option<String>,
+    /// The ranking rule: `token_throughput` (default), or the seed article's naive
+    /// `least_reported_load`, kept only as a benchmark baseline.
+    pub policy: Rule,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -83,6 +87,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "kv_bytes_per_token",
     "max_hosts_in_header",
     "debug_header",
+    "policy",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -335,7 +340,18 @@ impl Config {
             None => None,
             Some(_) => Some(header_name(&f, "debug_header", "")?),
         };
+        let policy = match f.string("policy")?.as_deref() {
+            None | Some("token_throughput") => Rule::TokenThroughput,
+            Some("least_reported_load") => Rule::LeastReportedLoad,
+            Some(other) => {
+                return Err(err(
+                    "policy",
+                    format!("{other:?} is not a policy (token_throughput, least_reported_load)"),
+                ))
+            }
+        };
         Ok(Config {
+            policy,
             nodes,
             health_cluster,
             health_target_header: header_name(
@@ -376,6 +392,7 @@ mod tests {
         assert_eq!(c.kv_bytes_per_token, 512 * 1024);
         assert_eq!(c.max_hosts_in_header, 3);
         assert_eq!(c.debug_header, None);
+        assert_eq!(c.policy, Rule::TokenThroughput);
         assert_eq!(c.nodes[0].health_path, "/health");
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
     }
@@ -389,13 +406,14 @@ mod tests {
                "health_cluster":"h","health_target_header":"x-t","tick_ms":200,"health_timeout_ms":100,
                "stale_after_ms":1000,"routing_header":"x-r","max_body_bytes":4096,"vram_ceiling":0.8,
                "default_max_tokens":64,"kv_bytes_per_token":1024,"max_hosts_in_header":2,
-               "debug_header":"x-token-balancer-debug"}"#,
+               "debug_header":"x-token-balancer-debug","policy":"least_reported_load"}"#,
         )
         .unwrap();
         assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
         assert_eq!(c.nodes[0].capacity_tokens_per_sec, Some(5000.0));
         assert_eq!(c.nodes[1].address, "[::1]:8000");
         assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
+        assert_eq!(c.policy, Rule::LeastReportedLoad);
     }
 
     /// Every rejected configuration names the field it is about.
@@ -438,6 +456,8 @@ mod tests {
             (with(r#""vram_ceiling":1.5"#), "vram_ceiling"),
             (with(r#""kv_bytes_per_token":0"#), "kv_bytes_per_token"),
             (with(r#""max_hosts_in_header":0"#), "max_hosts_in_header"),
+            (with(r#""policy":"random""#), "policy"),
+            (with(r#""policy":1"#), "policy"),
         ];
         for (json, field) in cases {
             let e = Config::parse(json.as_bytes()).expect_err(&json);

@@ -103,10 +103,13 @@ fn parse_args() -> Result<Args, String> {
         .trim_end_matches('/');
     let (h, p) = hostport.rsplit_once(':').ok_or("--url needs a port")?;
     a.host = h.to_string();
-    a.port = p.parse().map_err(|_| format!("bad port in --url {url:?}"))?;
+    a.port = p
+        .parse()
+        .map_err(|_| format!("bad port in --url {url:?}"))?;
     let spec = trace_arg.ok_or("--trace is required")?;
     let (kind, path) = spec.split_once(':').ok_or("--trace is KIND:PATH")?;
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read trace {path}: {e}"))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read trace {path}: {e}"))?;
     a.trace = match kind {
         "azure" => trace::parse_azure(&text)?,
         "mooncake" => trace::parse_mooncake(&text)?,
@@ -136,7 +139,9 @@ impl Record {
     }
     fn tpot_ms(&self) -> Option<f64> {
         match (self.ttft_ms, self.e2e_ms) {
-            (Some(t), Some(e)) if self.tokens_received > 1 => Some((e - t) / (self.tokens_received - 1) as f64),
+            (Some(t), Some(e)) if self.tokens_received > 1 => {
+                Some((e - t) / (self.tokens_received - 1) as f64)
+            }
             _ => None,
         }
     }
@@ -148,7 +153,14 @@ impl Record {
     }
 }
 
-async fn one(args: Arc<Args>, index: usize, body: Bytes, output: u64, sent: Instant, rec: &mut Record) -> Result<(), String> {
+async fn one(
+    args: Arc<Args>,
+    index: usize,
+    body: Bytes,
+    output: u64,
+    sent: Instant,
+    rec: &mut Record,
+) -> Result<(), String> {
     let stream = TcpStream::connect((args.host.as_str(), args.port))
         .await
         .map_err(|e| format!("connect: {e}"))?;
@@ -164,7 +176,10 @@ async fn one(args: Arc<Args>, index: usize, body: Bytes, output: u64, sent: Inst
         .header("x-request-index", index.to_string())
         .body(Full::new(body))
         .map_err(|e| e.to_string())?;
-    let resp = sender.send_request(req).await.map_err(|e| format!("request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
     rec.status = resp.status().as_u16();
     rec.node = resp
         .headers()
@@ -177,18 +192,26 @@ async fn one(args: Arc<Args>, index: usize, body: Bytes, output: u64, sent: Inst
     let mut pending = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("body: {e}"))?;
-        let Some(data) = frame.data_ref() else { continue };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
         pending.extend_from_slice(data);
         while let Some(pos) = pending.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = pending.drain(..pos + 2).collect();
             let text = String::from_utf8_lossy(&event);
-            let Some(payload) = text.trim().strip_prefix("data: ") else { continue };
+            let Some(payload) = text.trim().strip_prefix("data: ") else {
+                continue;
+            };
             if payload == "[DONE]" {
                 continue;
             }
             let has_content = serde_json::from_str::<Value>(payload)
                 .ok()
-                .and_then(|v| v.pointer("/choices/0/delta/content").and_then(Value::as_str).map(|s| !s.is_empty()))
+                .and_then(|v| {
+                    v.pointer("/choices/0/delta/content")
+                        .and_then(Value::as_str)
+                        .map(|s| !s.is_empty())
+                })
                 .unwrap_or(false);
             if has_content {
                 if rec.ttft_ms.is_none() {
@@ -215,7 +238,11 @@ fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
 
 fn dist(mut xs: Vec<f64>) -> Value {
     xs.sort_by(f64::total_cmp);
-    let mean = if xs.is_empty() { None } else { Some(xs.iter().sum::<f64>() / xs.len() as f64) };
+    let mean = if xs.is_empty() {
+        None
+    } else {
+        Some(xs.iter().sum::<f64>() / xs.len() as f64)
+    };
     json!({"p50": percentile(&xs, 0.5), "p90": percentile(&xs, 0.9), "p99": percentile(&xs, 0.99),
            "mean": mean, "max": xs.last()})
 }
@@ -225,7 +252,13 @@ fn summarize(records: &[Record], model_span_ms: f64) -> Value {
     let tokens: u64 = ok.iter().map(|r| r.tokens_received).sum();
     let mut nodes = std::collections::BTreeMap::new();
     for r in records {
-        *nodes.entry(if r.node.is_empty() { "-".to_string() } else { r.node.clone() }).or_insert(0u64) += 1;
+        *nodes
+            .entry(if r.node.is_empty() {
+                "-".to_string()
+            } else {
+                r.node.clone()
+            })
+            .or_insert(0u64) += 1;
     }
     json!({
         "requests": records.len(),
@@ -240,7 +273,9 @@ fn summarize(records: &[Record], model_span_ms: f64) -> Value {
 }
 
 fn fmt(v: &Value, path: &str) -> String {
-    v.pointer(path).and_then(Value::as_f64).map_or("-".into(), |x| format!("{x:.0}"))
+    v.pointer(path)
+        .and_then(Value::as_f64)
+        .map_or("-".into(), |x| format!("{x:.0}"))
 }
 
 #[tokio::main]
@@ -271,11 +306,21 @@ async fn main() {
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let text = prompt::build(i as u64 + 1, r.prompt_tokens, &r.blocks, trace::MOONCAKE_BLOCK_TOKENS);
+            let text = prompt::build(
+                i as u64 + 1,
+                r.prompt_tokens,
+                &r.blocks,
+                trace::MOONCAKE_BLOCK_TOKENS,
+            );
             let body = json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
                               "messages": [{"role": "user", "content": text}]});
             let wall_ms = (r.at_ms - selected[0].at_ms) / args.rate / args.time_scale;
-            (wall_ms, Bytes::from(body.to_string()), r.output_tokens.min(args.max_tokens), r.prompt_tokens)
+            (
+                wall_ms,
+                Bytes::from(body.to_string()),
+                r.output_tokens.min(args.max_tokens),
+                r.prompt_tokens,
+            )
         })
         .collect();
     let n = plan.len();
@@ -302,7 +347,9 @@ async fn main() {
                 ..Record::default()
             };
             let timeout = Duration::from_secs_f64(args.timeout_s);
-            match tokio::time::timeout(timeout, one(args.clone(), i, body, output, sent, &mut rec)).await {
+            match tokio::time::timeout(timeout, one(args.clone(), i, body, output, sent, &mut rec))
+                .await
+            {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => rec.error = Some(e),
                 Err(_) => rec.error = Some("timeout".into()),

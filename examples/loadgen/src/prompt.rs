@@ -7,13 +7,13 @@
 //! same text (a shared prefix), and distinct Azure requests share nothing.
 
 const WORDS: &[&str] = &[
-    "the", "model", "server", "request", "token", "cluster", "latency", "memory", "answer", "question",
-    "about", "people", "system", "network", "between", "through", "summary", "report", "figure", "result",
-    "value", "should", "because", "another", "number", "market", "quarter", "growth", "design", "engine",
-    "batch", "cache", "prompt", "output", "please", "explain", "simple", "careful", "history", "future",
-    "river", "mountain", "city", "garden", "window", "letter", "story", "chapter", "reason", "method",
-    "data", "table", "field", "record", "signal", "source", "target", "policy", "budget", "schedule",
-    "and", "of", "to", "in",
+    "the", "model", "server", "request", "token", "cluster", "latency", "memory", "answer",
+    "question", "about", "people", "system", "network", "between", "through", "summary", "report",
+    "figure", "result", "value", "should", "because", "another", "number", "market", "quarter",
+    "growth", "design", "engine", "batch", "cache", "prompt", "output", "please", "explain",
+    "simple", "careful", "history", "future", "river", "mountain", "city", "garden", "window",
+    "letter", "story", "chapter", "reason", "method", "data", "table", "field", "record", "signal",
+    "source", "target", "policy", "budget", "schedule", "and", "of", "to", "in",
 ];
 
 fn next(state: &mut u64) -> u64 {
@@ -69,7 +69,11 @@ mod tests {
         let b = build(2, 1024 + 50, &[7, 8, 10], 512);
         let c = build(3, 1024, &[1, 2], 512);
         let shared = block_len(7) + block_len(8);
-        assert_eq!(a[..shared], b[..shared], "equal hash ids give equal prefixes");
+        assert_eq!(
+            a[..shared],
+            b[..shared],
+            "equal hash ids give equal prefixes"
+        );
         assert_ne!(a[..shared + 40], b[..shared + 40], "then they differ");
         assert_ne!(a[..block_len(7)], c[..block_len(7)]);
         // ~1.3 tokens a word: word count matches the token target.

@@ -44,7 +44,8 @@ pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, String> {
             let o: u64 = f.get(2)?.trim().parse().ok()?;
             Some((t, p, o))
         })();
-        let (t, p, o) = parsed.ok_or_else(|| format!("azure trace line {}: cannot parse {line:?}", i + 1))?;
+        let (t, p, o) =
+            parsed.ok_or_else(|| format!("azure trace line {}: cannot parse {line:?}", i + 1))?;
         let t0 = *first.get_or_insert(t);
         out.push(TraceRequest {
             at_ms: (t - t0) * 1000.0,
@@ -62,11 +63,16 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, String> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| format!("mooncake trace line {}: {e}", i + 1))?;
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| format!("mooncake trace line {}: {e}", i + 1))?;
         let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
-        let (Some(t), Some(p), Some(o)) = (num("timestamp"), num("input_length"), num("output_length")) else {
-            return Err(format!("mooncake trace line {}: missing timestamp/input_length/output_length", i + 1));
+        let (Some(t), Some(p), Some(o)) =
+            (num("timestamp"), num("input_length"), num("output_length"))
+        else {
+            return Err(format!(
+                "mooncake trace line {}: missing timestamp/input_length/output_length",
+                i + 1
+            ));
         };
         let blocks = v
             .get("hash_ids")

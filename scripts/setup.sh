@@ -26,7 +26,7 @@ if ! command -v node >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq nodejs >/dev/null
 fi
 
-echo "setup: building the filter (wasm32-wasip1) and the mock GPU node"
+echo "setup: building the filter (wasm32-wasip1), the mock GPU node and the load generator"
 cargo build --quiet --release --target wasm32-wasip1
-cargo build --quiet --release -p mock-gpu-node
+cargo build --quiet --release -p mock-gpu-node -p loadgen
 echo "setup: ready: target/wasm32-wasip1/release/token_balancer.wasm, target/release/mock-gpu-node, .venv/bin/envoy"

@@ -1,0 +1,41 @@
+"""A seconds-long run of the benchmark pipeline (examples/bench.py --smoke): every policy runs,
+and the report is produced and well formed. The full benchmark is a command, not a test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT
+
+POLICIES = ["round_robin", "least_request", "naive_seed", "token_balancer"]
+
+
+def test_benchmark_pipeline_produces_a_well_formed_report():
+    trace = ROOT.parent / "shared/data/AzureLLMInferenceTrace_conv.csv"
+    if not trace.exists():
+        pytest.skip(f"{trace} not present")
+    name = "ci-smoke"
+    r = subprocess.run([sys.executable, str(ROOT / "examples/bench.py"), "--smoke", "--name", name],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = ROOT / "results" / name
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["summaries"]) == POLICIES
+    for policy, s in summary["summaries"].items():
+        assert s["requests"] == 24 and s["ok"] == 24, (policy, s)
+        for metric in ("ttft_ms", "e2e_ms", "tpot_ms"):
+            assert 0 < s[metric]["p50"] <= s[metric]["p99"], (policy, metric, s[metric])
+        assert sum(s["requests_per_node"].values()) == 24
+        assert isinstance(s["vram_overflow_events"], int)
+        raw = json.loads((out / f"{policy}.json").read_text())
+        assert len(raw["requests"]) == 24
+        assert all(q["node"] for q in raw["requests"])
+        assert (out / f"node_kv_{policy}.svg").read_text().startswith("<svg")
+    table = (out / "summary.md").read_text()
+    assert all(f"| {p} |" in table for p in POLICIES)
+    assert "token_balancer p99 e2e / least_request" in table
+    assert (out / "latency_cdf.svg").read_text().count("<polyline") == len(POLICIES)

@@ -16,6 +16,9 @@ use crate::weight::Weight;
 /// queue depth into tokens). An exponentially weighted mean forgets old traffic mixes in about
 /// 1/alpha requests.
 const MEAN_ALPHA: f64 = 0.05;
+/// Completed streams needed before the learned output length replaces the body's cap: a
+/// mean of a handful is noise.
+const MIN_OUTPUT_SAMPLES: u64 = 20;
 
 /// How a routed request left the filter.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +43,9 @@ pub struct Balancer {
     params: Params,
     max_hosts: usize,
     mean_request_tokens: Option<f64>,
+    /// Mean output length of the streams seen to completion, and how many.
+    mean_output_tokens: f64,
+    output_samples: u64,
 }
 
 impl Balancer {
@@ -58,6 +64,8 @@ impl Balancer {
             },
             max_hosts: cfg.max_hosts_in_header,
             mean_request_tokens: None,
+            mean_output_tokens: 0.0,
+            output_samples: 0,
         }
     }
 
@@ -93,8 +101,35 @@ impl Balancer {
         }
     }
 
-    /// Chooses the nodes for a request and books it as in flight on the first.
+    /// What a request is expected to cost: its prompt, and as output the smaller of its cap and
+    /// the mean output length learned from completed streams (clients set caps far above what
+    /// models generate; the Azure trace's outputs average a fifth of a typical 1024 cap). Until
+    /// enough streams have completed, the cap stands: the safe side for the VRAM guard.
+    pub fn expected(&self, weight: Weight) -> Weight {
+        if self.output_samples < MIN_OUTPUT_SAMPLES {
+            return weight;
+        }
+        Weight {
+            prompt_tokens: weight.prompt_tokens,
+            output_tokens: weight
+                .output_tokens
+                .min(self.mean_output_tokens.ceil() as u64),
+        }
+    }
+
+    /// A stream completed normally with `tokens` output tokens.
+    pub fn observe_output(&mut self, tokens: u64) {
+        self.output_samples = self.output_samples.saturating_add(1);
+        // A plain mean while few samples exist, then exponentially weighted so the estimate
+        // follows a changing traffic mix.
+        let alpha = (1.0 / self.output_samples as f64).max(MEAN_ALPHA);
+        self.mean_output_tokens += alpha * (tokens as f64 - self.mean_output_tokens);
+    }
+
+    /// Chooses the nodes for a request and books it as in flight on the first. `weight` is
+    /// the request's estimate with its output cap; the books hold its expected cost.
     pub fn route(&mut self, weight: Weight, now_ms: u64, rng: &mut dyn Rng) -> Outcome {
+        let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
         let (ranked, over_ceiling) =
             match choice::decide(&self.nodes, weight, mean, now_ms, &self.params, rng) {
@@ -126,10 +161,18 @@ impl Balancer {
         }
     }
 
-    /// The request's stream ended (completed, failed, reset or timed out).
-    pub fn release(&mut self, ticket: &Ticket) {
+    /// The request's stream has delivered `after` output tokens (it had `before`).
+    pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
         if let Some(state) = self.nodes.get_mut(ticket.node) {
-            state.release(ticket);
+            state.progress(ticket, before, after);
+        }
+    }
+
+    /// The request's stream ended (completed, failed, reset or timed out) after `received`
+    /// output tokens.
+    pub fn release(&mut self, ticket: &Ticket, received: u64) {
+        if let Some(state) = self.nodes.get_mut(ticket.node) {
+            state.release(ticket, received);
         }
     }
 }
@@ -238,7 +281,7 @@ mod tests {
         b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 2)
             .unwrap();
         for t in &tickets {
-            b.release(t);
+            b.release(t, 0);
         }
         for n in b.nodes() {
             assert_eq!(
@@ -246,6 +289,45 @@ mod tests {
                 (0, 0, 0)
             );
         }
+    }
+
+    #[test]
+    fn learned_output_length_replaces_the_cap_once_enough_streams_completed() {
+        let mut b = Balancer::new(&cfg(1, ""));
+        let capped = Weight {
+            prompt_tokens: 10,
+            output_tokens: 1024,
+        };
+        for i in 0..MIN_OUTPUT_SAMPLES {
+            assert_eq!(
+                b.expected(capped),
+                capped,
+                "after {i} samples the cap stands"
+            );
+            b.observe_output(if i % 2 == 0 { 100 } else { 300 });
+        }
+        assert_eq!(b.expected(capped).output_tokens, 200);
+        // Never above the request's own cap.
+        let small = Weight {
+            prompt_tokens: 10,
+            output_tokens: 50,
+        };
+        assert_eq!(b.expected(small), small);
+        // Routing books the expected cost, and progress plus release return it all.
+        b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 0)
+            .unwrap();
+        let Outcome::Routed { ticket, .. } = b.route(capped, 1, &mut SplitMix64::new(1)) else {
+            panic!("not routed")
+        };
+        assert_eq!(ticket.weight.output_tokens, 200);
+        assert_eq!(b.nodes()[0].growth_tokens, 200);
+        b.progress(&ticket, 0, 150);
+        assert_eq!(b.nodes()[0].growth_tokens, 50);
+        b.release(&ticket, 150);
+        assert_eq!(
+            (b.nodes()[0].growth_tokens, b.nodes()[0].inflight_tokens),
+            (0, 0)
+        );
     }
 
     #[test]

@@ -21,8 +21,11 @@
 //! that is off by a constant factor (the same spirit as tower's `Load` that only needs `Ord`).
 //!
 //! The predictive safety valve (the seed article's term): a node is excluded when admitting the
-//! request would push its predicted KV-cache use over the ceiling, counting the request's full
-//! KV footprint (prompt plus output budget) and that of the requests sent since the report.
+//! request would push its predicted KV-cache use over the ceiling. Predicted use is the reported
+//! use plus what is still to come: the prompts sent since the report, the output the requests in
+//! flight are still expected to generate (running sequences grow one KV slot a token; ignoring
+//! that growth is how a node that looks 85% full overflows a minute later), and this request's
+//! own prompt and expected output.
 //! When every fresh node would overflow, the request goes to the one that overflows least
 //! (the engine queues it there), which is still better than a balancer blind to VRAM.
 //!
@@ -146,7 +149,13 @@ pub fn decide(
         let backlog =
             r.queue_depth.unwrap_or(0.0) * mean_request_tokens + n.unreflected_tokens as f64;
         let seconds = (backlog + w) / spare;
-        let kv = kv_fraction(n, r, n.unreflected_tokens.saturating_add(weight.total()), p);
+        // KV still to come: prompts sent since the report, the expected output of everything
+        // in flight, and this request's own prompt and expected output.
+        let kv_extra = n
+            .unreflected_prompt_tokens
+            .saturating_add(n.growth_tokens)
+            .saturating_add(weight.total());
+        let kv = kv_fraction(n, r, kv_extra, p);
         let ranked = Ranked {
             node: i,
             seconds,
@@ -359,6 +368,28 @@ mod tests {
             run(&[n], w(400, 0), 2000),
             Decision::AllOverCeiling(_)
         ));
+    }
+
+    #[test]
+    fn growth_of_running_requests_counts_against_the_vram_ceiling() {
+        let report = |used: f64| Report {
+            vram_used_bytes: Some(used),
+            vram_total_bytes: Some(1000.0),
+            ..rep(0.0, Some(1000.0))
+        };
+        let mut n = node(Some(report(0.0)));
+        let t = n.dispatch(0, w(100, 500));
+        // The next report shows the prompt's KV; the 500 output tokens are still to come.
+        n.accept_report(report(100.0), 1500);
+        assert!(matches!(
+            run(&[n.clone()], w(400, 0), 2000),
+            Decision::AllOverCeiling(_)
+        ));
+        // Once the stream has generated its output and ended, the room is back.
+        n.progress(&t, 0, 500);
+        n.release(&t, 500);
+        n.accept_report(report(0.0), 1800);
+        assert!(matches!(run(&[n], w(400, 0), 2000), Decision::Route(_)));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::balancer::{Balancer, HealthError, Outcome};
 use crate::config::Config;
 use crate::node::Ticket;
 use crate::rng::SplitMix64;
+use crate::usage;
 use crate::weight::{self, Api, Weight};
 use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
@@ -278,6 +279,10 @@ impl RootContext for Root {
             ticket: None,
             debug: None,
             decided: false,
+            received: 0,
+            reported_output: None,
+            status_ok: false,
+            completed: false,
         }))
     }
 
@@ -294,6 +299,13 @@ struct Request {
     debug: Option<String>,
     /// The routing decision is made (or given up); later body chunks pass straight through.
     decided: bool,
+    /// Output observed in the response so far: content events, and the count the server
+    /// reported, if it did.
+    received: u64,
+    reported_output: Option<u64>,
+    /// The response was a 200 and its body reached its end: a complete sample of output length.
+    status_ok: bool,
+    completed: bool,
 }
 
 impl Request {
@@ -360,7 +372,7 @@ impl Request {
                 {
                     // Without the header Envoy balances on its own; undo the booking.
                     self.with(|s| {
-                        s.balancer.release(&ticket);
+                        s.balancer.release(&ticket, 0);
                         bump(s.metrics.fallback_internal);
                     });
                     return Action::Continue;
@@ -385,7 +397,17 @@ impl Request {
 
     fn release(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            self.with(|s| s.balancer.release(&ticket));
+            let output = self.reported_output.unwrap_or(self.received);
+            let sample = self.status_ok && self.completed && output > 0;
+            // The books are released by the count they were advanced by, so they balance
+            // exactly; the server's own count, when it gave one, is the better sample.
+            let progressed = self.received;
+            self.with(|s| {
+                if sample {
+                    s.balancer.observe_output(output);
+                }
+                s.balancer.release(&ticket, progressed);
+            });
         }
     }
 }
@@ -459,10 +481,36 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.status_ok = matches!(
+            hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status"),
+            Ok(Some(s)) if s == "200"
+        );
         if let Some(value) = &self.debug {
             if let Some(Some(name)) = self.with(|s| s.config.debug_header.clone()) {
                 let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, Some(value));
             }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // Only requests this filter routed feed the books; the chunk is read, never held.
+        if let Some(ticket) = self.ticket {
+            if self.status_ok && body_size > 0 {
+                if let Ok(Some(chunk)) =
+                    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+                {
+                    let before = self.received;
+                    self.received = before.saturating_add(usage::output_events(&chunk));
+                    if let Some(n) = usage::reported_output_tokens(&chunk) {
+                        self.reported_output = Some(n);
+                    }
+                    if self.received > before {
+                        self.with(|s| s.balancer.progress(&ticket, before, self.received));
+                    }
+                }
+            }
+            self.completed |= end_of_stream;
         }
         Action::Continue
     }

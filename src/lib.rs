@@ -12,6 +12,7 @@ pub mod config;
 pub mod node;
 pub mod rng;
 pub mod telemetry;
+pub mod usage;
 pub mod weight;
 
 // In test builds the entry point below is compiled out, so the glue is unused there.

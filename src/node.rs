@@ -8,6 +8,13 @@
 //! apart ("unreflected") and added to the reported load by the choice; this is what stops the
 //! herding that other routers suffer, where every request between two scrapes lands on the node
 //! that looked idlest at the last scrape.
+//!
+//! The books also carry each in-flight request's expected output still to come ("growth"):
+//! a report's KV use is what the running sequences hold now, and they keep growing by one KV
+//! slot per generated token until they finish. Engines admit on the KV in use, so a balancer
+//! that only compares the present use with a ceiling fills a node until its running sequences
+//! outgrow the cache and the engine preempts (the VRAM overflow). Counting the growth still to
+//! come is what makes the ceiling predictive.
 
 use crate::telemetry::Report;
 use crate::weight::Weight;
@@ -19,6 +26,7 @@ pub struct Ticket {
     /// The node's report epoch at dispatch: if no report has arrived since, the request's work
     /// is still counted as unreflected and must be taken out of that sum too.
     pub epoch: u64,
+    /// Expected cost: prompt tokens and the output expected (not the cap).
     pub weight: Weight,
 }
 
@@ -37,6 +45,10 @@ pub struct NodeState {
     pub unreflected_tokens: u64,
     /// Requests dispatched since the last report.
     pub unreflected_requests: u64,
+    /// Prompt tokens dispatched since the last report (KV the report does not show yet).
+    pub unreflected_prompt_tokens: u64,
+    /// Output tokens the in-flight requests are still expected to generate (KV still to come).
+    pub growth_tokens: u64,
     /// Health polls failed in a row (reset by a good one).
     pub failures_in_row: u32,
 }
@@ -57,6 +69,8 @@ impl NodeState {
             inflight_tokens: 0,
             unreflected_tokens: 0,
             unreflected_requests: 0,
+            unreflected_prompt_tokens: 0,
+            growth_tokens: 0,
             failures_in_row: 0,
         }
     }
@@ -67,6 +81,7 @@ impl NodeState {
         self.epoch += 1;
         self.unreflected_tokens = 0;
         self.unreflected_requests = 0;
+        self.unreflected_prompt_tokens = 0;
         self.failures_in_row = 0;
     }
 
@@ -94,6 +109,10 @@ impl NodeState {
         self.inflight_tokens = self.inflight_tokens.saturating_add(t);
         self.unreflected_requests += 1;
         self.unreflected_tokens = self.unreflected_tokens.saturating_add(t);
+        self.unreflected_prompt_tokens = self
+            .unreflected_prompt_tokens
+            .saturating_add(weight.prompt_tokens);
+        self.growth_tokens = self.growth_tokens.saturating_add(weight.output_tokens);
         Ticket {
             node,
             epoch: self.epoch,
@@ -101,13 +120,27 @@ impl NodeState {
         }
     }
 
-    pub fn release(&mut self, ticket: &Ticket) {
+    /// The request's stream has delivered `before` output tokens so far and now `after`:
+    /// that much of its expected growth has happened (and is in the node's KV use).
+    pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
+        let expected = ticket.weight.output_tokens;
+        let done = after.min(expected).saturating_sub(before.min(expected));
+        self.growth_tokens = self.growth_tokens.saturating_sub(done);
+    }
+
+    /// The request's stream ended; `received` is the output count `progress` was last given.
+    pub fn release(&mut self, ticket: &Ticket, received: u64) {
         let t = ticket.weight.total();
         self.inflight_requests = self.inflight_requests.saturating_sub(1);
         self.inflight_tokens = self.inflight_tokens.saturating_sub(t);
+        let remaining = ticket.weight.output_tokens.saturating_sub(received);
+        self.growth_tokens = self.growth_tokens.saturating_sub(remaining);
         if ticket.epoch == self.epoch {
             self.unreflected_requests = self.unreflected_requests.saturating_sub(1);
             self.unreflected_tokens = self.unreflected_tokens.saturating_sub(t);
+            self.unreflected_prompt_tokens = self
+                .unreflected_prompt_tokens
+                .saturating_sub(ticket.weight.prompt_tokens);
         }
     }
 }
@@ -161,14 +194,38 @@ mod tests {
         n.accept_report(report(1.0), 10);
         assert_eq!((n.unreflected_requests, n.unreflected_tokens), (0, 0));
         let c = n.dispatch(0, w(1, 1));
-        n.release(&a);
+        n.progress(&a, 0, 10);
+        n.release(&a, 10);
         assert_eq!(n.unreflected_tokens, 2, "a was reflected already");
-        n.release(&c);
+        assert_eq!(n.unreflected_prompt_tokens, 1);
+        n.release(&c, 0);
         assert_eq!(n.unreflected_tokens, 0);
-        n.release(&b);
-        assert_eq!((n.inflight_requests, n.inflight_tokens), (0, 0));
+        n.progress(&b, 0, 2);
+        n.release(&b, 2);
+        assert_eq!(
+            (n.inflight_requests, n.inflight_tokens, n.growth_tokens),
+            (0, 0, 0)
+        );
         // Releasing twice never underflows.
-        n.release(&b);
+        n.release(&b, 5);
         assert_eq!((n.inflight_requests, n.inflight_tokens), (0, 0));
+    }
+
+    #[test]
+    fn growth_is_the_expected_output_still_to_come() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        let a = n.dispatch(0, w(100, 50));
+        let b = n.dispatch(0, w(100, 20));
+        assert_eq!(n.growth_tokens, 70);
+        n.progress(&a, 0, 30);
+        assert_eq!(n.growth_tokens, 40);
+        // Output past the expectation grows nothing the books hold.
+        n.progress(&b, 0, 25);
+        assert_eq!(n.growth_tokens, 20);
+        n.release(&b, 25);
+        assert_eq!(n.growth_tokens, 20);
+        // A stream that ends early (aborted) returns what it never generated.
+        n.release(&a, 30);
+        assert_eq!(n.growth_tokens, 0);
     }
 }

@@ -256,3 +256,23 @@ def test_stats_count_picks_per_node(cluster, envoy):
         key = f"token_balancer.node.{n.address.replace('.', '_').replace(':', '_')}.picks"
         assert after.get(key, 0) - before.get(key, 0) == got[n.name], (key, got)
     assert after["token_balancer.routed"] - before["token_balancer.routed"] == 9
+
+
+def test_output_lengths_are_learned_from_responses(cluster):
+    """Clients cap max_tokens far above what is generated; the filter learns the real output
+    length from the responses it passes (streamed events, or the reported usage) and books
+    that instead of the cap."""
+    e = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}))
+    try:
+        wait_until(lambda: e.counter("token_balancer.health.ok") >= 3, 10, "first reports")
+        first = e.post("/v1/chat/completions", chat("hi", 400), headers={"x-mock-output-tokens": "6"})
+        assert debug_fields(first)["output_tokens"] == "400", "before any sample the cap stands"
+        for i in range(24):
+            r = e.post("/v1/chat/completions", chat("hi", 400, stream=i % 2 == 0),
+                       headers={"x-mock-output-tokens": "6"})
+            assert r.status == 200
+        learned = debug_fields(e.post("/v1/chat/completions", chat("hi", 400)))
+        assert int(learned["output_tokens"]) == 6, learned
+    finally:
+        e.stop()

@@ -27,10 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import yaml  # noqa: E402
-
-from harness import (ENVOY_YAML, Envoy, MockCluster, free_port, request,  # noqa: E402
-                     wait_until)
+from harness import (Envoy, MockCluster, envoy_config, free_port, request,  # noqa: E402
+                     wait_until, without_filter)
 
 LOADGEN = ROOT / "target/release/loadgen"
 DATA = ROOT.parent / "shared/data"
@@ -44,27 +42,13 @@ SLO_TPOT_MS = 100.0
 
 
 def envoy_for(policy: str, nodes: list[str]) -> dict:
-    cfg = yaml.safe_load(ENVOY_YAML.read_text())
-    cfg["admin"]["address"]["socket_address"]["port_value"] = free_port()
-    listener = cfg["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] = free_port()
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    wasm = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
-    wasm["vm_config"]["code"]["local"]["filename"] = str(ROOT / "target/wasm32-wasip1/release/token_balancer.wasm")
-    conf = json.loads(wasm["configuration"]["value"])
-    conf["nodes"] = [{"address": a} for a in nodes]
-    conf.pop("debug_header", None)
+    # Benchmarks run without the debug header: it costs a little on every response.
+    plugin = {"debug_header": None}
     if policy == "naive_seed":
-        conf["policy"] = "least_reported_load"
-    wasm["configuration"]["value"] = json.dumps(conf)
-    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": int(a.split(":")[1])}}}}
-        for a in nodes]
+        plugin["policy"] = "least_reported_load"
+    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin)
     if policy in ("round_robin", "least_request"):
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "token_balancer"]
-        del cluster["load_balancing_policy"]
-        cluster["lb_policy"] = policy.upper()
+        cfg = without_filter(cfg, policy.upper())
     return cfg
 
 

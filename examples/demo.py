@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import yaml  # noqa: E402
 
-from harness import ENVOY_YAML, Envoy, MockCluster, chat  # noqa: E402
+from harness import ENVOY_YAML, Envoy, MockCluster, chat, wait_until, without_filter  # noqa: E402
 
 NODES = [("fast-1", "gpu=h100"), ("fast-2", "gpu=h100"), ("slow-1", "gpu=l4"), ("slow-2", "gpu=l4")]
 SHORT = ("short", chat("What is the capital of France? Answer in one word.", 24))
@@ -28,16 +28,11 @@ BURST = [LONG if i % 4 == 1 else SHORT for i in range(32)]
 
 
 def round_robin_config(cfg: dict) -> dict:
-    """The shipped configuration without the filter, the cluster on plain round robin."""
-    cfg = yaml.safe_load(yaml.safe_dump(cfg))
+    """The shipped configuration without the filter, the cluster on plain round robin, on the
+    next ports so both can be told apart in the output."""
+    cfg = without_filter(cfg, "ROUND_ROBIN")
     cfg["admin"]["address"]["socket_address"]["port_value"] += 1
-    listener = cfg["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] += 1
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "token_balancer"]
-    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
-    del cluster["load_balancing_policy"]
-    cluster["lb_policy"] = "ROUND_ROBIN"
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] += 1
     return cfg
 
 
@@ -71,7 +66,6 @@ def main():
             try:
                 if label == "token-balancer":
                     # The filter needs its first health reports before it can choose.
-                    from harness import wait_until
                     wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2 * len(NODES), 10,
                                "first health reports")
                 print(f"\n{label}: sending {len(BURST)} requests at once through Envoy on port {envoy.port}")

@@ -380,8 +380,9 @@ impl Request {
                 self.ticket = Some(ticket);
                 if debug_on {
                     self.debug = Some(format!(
-                        "node={header_value}; prompt_tokens={}; output_tokens={}; predicted_ms={:.1}; inflight={inflight_before}",
-                        weight.prompt_tokens,
+                        "node={header_value}; prompt_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}",
+                        ticket.weight.prompt_tokens,
+                        ticket.weight.output_tokens,
                         weight.output_tokens,
                         predicted_seconds * 1000.0
                     ));

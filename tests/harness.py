@@ -173,6 +173,18 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     return cfg
 
 
+def without_filter(cfg: dict, lb_policy: str) -> dict:
+    """The configuration with the token_balancer filter removed and the inference cluster on one
+    of Envoy's own balancers (ROUND_ROBIN, LEAST_REQUEST): the baselines."""
+    cfg = copy.deepcopy(cfg)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "token_balancer"]
+    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
+    cluster.pop("load_balancing_policy", None)
+    cluster["lb_policy"] = lb_policy
+    return cfg
+
+
 class Envoy:
     def __init__(self, config: dict, concurrency: int = 1, expect_ready: bool = True):
         self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]

@@ -29,10 +29,20 @@ ENVOY_YAML = ROOT / "envoy/envoy.yaml"
 KV_BYTES_PER_TOKEN = 512 * 1024
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before in this process: the kernel may give the
+    same ephemeral port to two binds in a row once the first socket is closed, and two of our
+    servers must never be told the same port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):

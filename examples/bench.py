@@ -27,16 +27,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import (Envoy, MockCluster, envoy_config, free_port, request,  # noqa: E402
-                     wait_until, without_filter)
+from harness import (TARGET, Envoy, MockCluster, envoy_config, free_port,  # noqa: E402
+                     request, wait_until, without_filter)
 
-LOADGEN = ROOT / "target/release/loadgen"
+LOADGEN = TARGET / "release/loadgen"
 DATA = ROOT.parent / "shared/data"
 TRACES = {"azure": ("azure", DATA / "AzureLLMInferenceTrace_conv.csv"),
           "mooncake": ("mooncake", DATA / "mooncake_synthetic_trace.jsonl")}
 # Two fast and two slow GPUs (presets in examples/mock-node/src/engine.rs).
 CLUSTER = [("fast-1", "gpu=a100"), ("fast-2", "gpu=a100"), ("slow-1", "gpu=l4"), ("slow-2", "gpu=l4")]
-POLICIES = ["round_robin", "least_request", "naive_seed", "token_balancer"]
+POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]
+# Envoy's client_side_weighted_round_robin, weighing nodes by the ORCA load reports the mock
+# sends in its `endpoint-load-metrics` response header (qps / utilization).
+CSWRR = {"policies": [{"typed_extension_config": {
+    "name": "envoy.load_balancing_policies.client_side_weighted_round_robin",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                 "client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin",
+        "blackout_period": "1s", "weight_update_period": "1s", "weight_expiration_period": "60s"}}}]}
 SLO_TTFT_MS = 2000.0
 SLO_TPOT_MS = 100.0
 
@@ -49,6 +57,11 @@ def envoy_for(policy: str, nodes: list[str]) -> dict:
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin)
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())
+    elif policy == "cswrr_orca":
+        cfg = without_filter(cfg, "ROUND_ROBIN")
+        cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
+        del cluster["lb_policy"]
+        cluster["load_balancing_policy"] = CSWRR
     return cfg
 
 

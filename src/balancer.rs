@@ -19,6 +19,9 @@ const MEAN_ALPHA: f64 = 0.05;
 /// Completed streams needed before the learned output length replaces the body's cap: a
 /// mean of a handful is noise.
 const MIN_OUTPUT_SAMPLES: u64 = 20;
+/// Standard deviations above the mean output reserved as KV growth (1.3: about the 90th
+/// percentile of a normal; output lengths are skewed right, so this is a floor, not a bound).
+const RESERVE_SIGMAS: f64 = 1.3;
 
 /// How a routed request left the filter.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,8 +46,9 @@ pub struct Balancer {
     params: Params,
     max_hosts: usize,
     mean_request_tokens: Option<f64>,
-    /// Mean output length of the streams seen to completion, and how many.
+    /// Mean and variance of the output length of the streams seen to completion, and how many.
     mean_output_tokens: f64,
+    var_output_tokens: f64,
     output_samples: u64,
 }
 
@@ -65,6 +69,7 @@ impl Balancer {
             max_hosts: cfg.max_hosts_in_header,
             mean_request_tokens: None,
             mean_output_tokens: 0.0,
+            var_output_tokens: 0.0,
             output_samples: 0,
         }
     }
@@ -117,26 +122,47 @@ impl Balancer {
         }
     }
 
+    /// Output tokens to reserve as KV growth for a request capped at `cap`: the learned mean
+    /// plus `RESERVE_SIGMAS` standard deviations (about the 90th percentile), never above the
+    /// cap; the cap itself until enough streams have completed.
+    pub fn reserved_output(&self, cap: u64) -> u64 {
+        if self.output_samples < MIN_OUTPUT_SAMPLES {
+            return cap;
+        }
+        let high = self.mean_output_tokens + RESERVE_SIGMAS * self.var_output_tokens.sqrt();
+        cap.min(high.ceil() as u64)
+    }
+
     /// A stream completed normally with `tokens` output tokens.
     pub fn observe_output(&mut self, tokens: u64) {
         self.output_samples = self.output_samples.saturating_add(1);
-        // A plain mean while few samples exist, then exponentially weighted so the estimate
-        // follows a changing traffic mix.
+        // Plain moments while few samples exist, then exponentially weighted so the estimate
+        // follows a changing traffic mix (West's incremental form).
         let alpha = (1.0 / self.output_samples as f64).max(MEAN_ALPHA);
-        self.mean_output_tokens += alpha * (tokens as f64 - self.mean_output_tokens);
+        let diff = tokens as f64 - self.mean_output_tokens;
+        self.mean_output_tokens += alpha * diff;
+        self.var_output_tokens = (1.0 - alpha) * (self.var_output_tokens + alpha * diff * diff);
     }
 
     /// Chooses the nodes for a request and books it as in flight on the first. `weight` is
     /// the request's estimate with its output cap; the books hold its expected cost.
     pub fn route(&mut self, weight: Weight, now_ms: u64, rng: &mut dyn Rng) -> Outcome {
+        let reserved = self.reserved_output(weight.output_tokens);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
-        let (ranked, over_ceiling) =
-            match choice::decide(&self.nodes, weight, mean, now_ms, &self.params, rng) {
-                Decision::Route(r) => (r, false),
-                Decision::AllOverCeiling(r) => (r, true),
-                Decision::NoFreshNodes => return Outcome::NoFreshNodes,
-            };
+        let (ranked, over_ceiling) = match choice::decide(
+            &self.nodes,
+            weight,
+            reserved,
+            mean,
+            now_ms,
+            &self.params,
+            rng,
+        ) {
+            Decision::Route(r) => (r, false),
+            Decision::AllOverCeiling(r) => (r, true),
+            Decision::NoFreshNodes => return Outcome::NoFreshNodes,
+        };
         let Some(first) = ranked.first().copied() else {
             return Outcome::NoFreshNodes;
         };
@@ -150,7 +176,7 @@ impl Balancer {
             return Outcome::NoFreshNodes;
         };
         let inflight_before = state.inflight_requests;
-        let ticket = state.dispatch(first.node, weight);
+        let ticket = state.dispatch_reserving(first.node, weight, reserved);
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
             ticket,
@@ -307,6 +333,9 @@ mod tests {
             b.observe_output(if i % 2 == 0 { 100 } else { 300 });
         }
         assert_eq!(b.expected(capped).output_tokens, 200);
+        // Outputs of 100 and 300: sd 100, so 200 + 1.3 * 100 is reserved as growth.
+        assert_eq!(b.reserved_output(1024), 330);
+        assert_eq!(b.reserved_output(250), 250);
         // Never above the request's own cap.
         let small = Weight {
             prompt_tokens: 10,
@@ -320,9 +349,9 @@ mod tests {
             panic!("not routed")
         };
         assert_eq!(ticket.weight.output_tokens, 200);
-        assert_eq!(b.nodes()[0].growth_tokens, 200);
+        assert_eq!(b.nodes()[0].growth_tokens, 330);
         b.progress(&ticket, 0, 150);
-        assert_eq!(b.nodes()[0].growth_tokens, 50);
+        assert_eq!(b.nodes()[0].growth_tokens, 180);
         b.release(&ticket, 150);
         assert_eq!(
             (b.nodes()[0].growth_tokens, b.nodes()[0].inflight_tokens),

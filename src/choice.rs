@@ -23,9 +23,11 @@
 //! The predictive safety valve (the seed article's term): a node is excluded when admitting the
 //! request would push its predicted KV-cache use over the ceiling. Predicted use is the reported
 //! use plus what is still to come: the prompts sent since the report, the output the requests in
-//! flight are still expected to generate (running sequences grow one KV slot a token; ignoring
-//! that growth is how a node that looks 85% full overflows a minute later), and this request's
-//! own prompt and expected output.
+//! flight may still generate (running sequences grow one KV slot a token; ignoring that growth
+//! is how a node that looks 85% full overflows a minute later), and this request's own prompt
+//! and output. Output is reserved at a high estimate (the learned mean plus 1.3 standard
+//! deviations, about the 90th percentile, never above the request's cap), while the time
+//! estimate uses the mean: safety wants the tail, speed the average.
 //! When every fresh node would overflow, the request goes to the one that overflows least
 //! (the engine queues it there), which is still better than a balancer blind to VRAM.
 //!
@@ -98,6 +100,7 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
 pub fn decide(
     nodes: &[NodeState],
     weight: Weight,
+    reserved_output: u64,
     mean_request_tokens: f64,
     now_ms: u64,
     p: &Params,
@@ -149,12 +152,13 @@ pub fn decide(
         let backlog =
             r.queue_depth.unwrap_or(0.0) * mean_request_tokens + n.unreflected_tokens as f64;
         let seconds = (backlog + w) / spare;
-        // KV still to come: prompts sent since the report, the expected output of everything
-        // in flight, and this request's own prompt and expected output.
+        // KV still to come: prompts sent since the report, the output reserved for everything
+        // in flight, and this request's own prompt and reserved output.
         let kv_extra = n
             .unreflected_prompt_tokens
             .saturating_add(n.growth_tokens)
-            .saturating_add(weight.total());
+            .saturating_add(weight.prompt_tokens)
+            .saturating_add(reserved_output);
         let kv = kv_fraction(n, r, kv_extra, p);
         let ranked = Ranked {
             node: i,
@@ -227,7 +231,15 @@ mod tests {
     }
 
     fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
-        decide(nodes, weight, 100.0, now, &P, &mut SplitMix64::new(1))
+        decide(
+            nodes,
+            weight,
+            weight.output_tokens,
+            100.0,
+            now,
+            &P,
+            &mut SplitMix64::new(1),
+        )
     }
 
     #[test]
@@ -453,6 +465,7 @@ mod tests {
             let d = decide(
                 &nodes,
                 w(500, 500),
+                500,
                 100.0,
                 2000,
                 &naive,
@@ -469,12 +482,12 @@ mod tests {
         let mut rng = SplitMix64::new(42);
         let mut seen = [0usize; 4];
         for _ in 0..200 {
-            let d = decide(&nodes, w(1, 1), 1.0, 2000, &P, &mut rng);
+            let d = decide(&nodes, w(1, 1), 1, 1.0, 2000, &P, &mut rng);
             seen[order(&d)[0]] += 1;
         }
         assert!(seen.iter().all(|&s| s > 20), "ties spread: {seen:?}");
-        let a = decide(&nodes, w(1, 1), 1.0, 2000, &P, &mut SplitMix64::new(9));
-        let b = decide(&nodes, w(1, 1), 1.0, 2000, &P, &mut SplitMix64::new(9));
+        let a = decide(&nodes, w(1, 1), 1, 1.0, 2000, &P, &mut SplitMix64::new(9));
+        let b = decide(&nodes, w(1, 1), 1, 1.0, 2000, &P, &mut SplitMix64::new(9));
         assert_eq!(a, b);
     }
 }

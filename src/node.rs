@@ -28,6 +28,9 @@ pub struct Ticket {
     pub epoch: u64,
     /// Expected cost: prompt tokens and the output expected (not the cap).
     pub weight: Weight,
+    /// Output tokens booked as KV growth: a high estimate, since a request longer than
+    /// expected is what overflows a cache packed to the mean.
+    pub reserved_output: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -103,7 +106,18 @@ impl NodeState {
         self.report.as_ref().map(|(_, at)| *at)
     }
 
+    /// Books a request whose KV growth is reserved at its expected output.
     pub fn dispatch(&mut self, node: usize, weight: Weight) -> Ticket {
+        self.dispatch_reserving(node, weight, weight.output_tokens)
+    }
+
+    /// Books a request, reserving `reserved_output` tokens of KV growth for it.
+    pub fn dispatch_reserving(
+        &mut self,
+        node: usize,
+        weight: Weight,
+        reserved_output: u64,
+    ) -> Ticket {
         let t = weight.total();
         self.inflight_requests += 1;
         self.inflight_tokens = self.inflight_tokens.saturating_add(t);
@@ -112,19 +126,20 @@ impl NodeState {
         self.unreflected_prompt_tokens = self
             .unreflected_prompt_tokens
             .saturating_add(weight.prompt_tokens);
-        self.growth_tokens = self.growth_tokens.saturating_add(weight.output_tokens);
+        self.growth_tokens = self.growth_tokens.saturating_add(reserved_output);
         Ticket {
             node,
             epoch: self.epoch,
             weight,
+            reserved_output,
         }
     }
 
     /// The request's stream has delivered `before` output tokens so far and now `after`:
     /// that much of its expected growth has happened (and is in the node's KV use).
     pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
-        let expected = ticket.weight.output_tokens;
-        let done = after.min(expected).saturating_sub(before.min(expected));
+        let reserved = ticket.reserved_output;
+        let done = after.min(reserved).saturating_sub(before.min(reserved));
         self.growth_tokens = self.growth_tokens.saturating_sub(done);
     }
 
@@ -133,7 +148,7 @@ impl NodeState {
         let t = ticket.weight.total();
         self.inflight_requests = self.inflight_requests.saturating_sub(1);
         self.inflight_tokens = self.inflight_tokens.saturating_sub(t);
-        let remaining = ticket.weight.output_tokens.saturating_sub(received);
+        let remaining = ticket.reserved_output.saturating_sub(received);
         self.growth_tokens = self.growth_tokens.saturating_sub(remaining);
         if ticket.epoch == self.epoch {
             self.unreflected_requests = self.unreflected_requests.saturating_sub(1);
@@ -209,6 +224,17 @@ mod tests {
         // Releasing twice never underflows.
         n.release(&b, 5);
         assert_eq!((n.inflight_requests, n.inflight_tokens), (0, 0));
+    }
+
+    #[test]
+    fn growth_follows_the_reservation_not_the_expectation() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        let t = n.dispatch_reserving(0, w(10, 100), 250);
+        assert_eq!(n.growth_tokens, 250);
+        n.progress(&t, 0, 120);
+        assert_eq!(n.growth_tokens, 130);
+        n.release(&t, 120);
+        assert_eq!((n.growth_tokens, n.inflight_tokens), (0, 0));
     }
 
     #[test]

@@ -22,8 +22,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-WASM = ROOT / "target/wasm32-wasip1/release/token_balancer.wasm"
-MOCK = ROOT / "target/release/mock-gpu-node"
+# CARGO_TARGET_DIR, when set, is where cargo put the builds (as it is for cargo itself).
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+WASM = TARGET / "wasm32-wasip1/release/token_balancer.wasm"
+MOCK = TARGET / "release/mock-gpu-node"
 ENVOY = ROOT / ".venv/bin/envoy"
 ENVOY_YAML = ROOT / "envoy/envoy.yaml"
 KV_BYTES_PER_TOKEN = 512 * 1024

@@ -11,7 +11,7 @@ import pytest
 
 from harness import ROOT
 
-POLICIES = ["round_robin", "least_request", "naive_seed", "token_balancer"]
+POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]
 
 
 def test_benchmark_pipeline_produces_a_well_formed_report():

@@ -163,6 +163,8 @@ struct Node {
     next_id: AtomicU64,
     requests_total: AtomicU64,
     health_requests_total: AtomicU64,
+    /// Model times at which requests finished, over the last window (for the ORCA report).
+    finished: Mutex<std::collections::VecDeque<f64>>,
 }
 
 /// A poisoned lock only means another request panicked mid-update; the mock keeps serving.
@@ -196,7 +198,10 @@ impl Node {
                 for ev in &it.events {
                     let (id, d) = match *ev {
                         Event::Token { id, index } => (id, Delivery::Token(index)),
-                        Event::Finished { id } => (id, Delivery::Finished),
+                        Event::Finished { id } => {
+                            lock(&self.finished).push_back(self.model_now_ms());
+                            (id, Delivery::Finished)
+                        }
                         Event::Preempted { .. } => continue,
                     };
                     match streams.get(&id) {
@@ -254,6 +259,34 @@ impl Node {
             }
         }
         v
+    }
+
+    /// An ORCA load report for the `endpoint-load-metrics` response header, so that Envoy's
+    /// client_side_weighted_round_robin can weigh nodes: utilization is the KV-cache use or the
+    /// token-throughput use, whichever is higher, plus the queue relative to the batch size;
+    /// rps is requests finished per wall second over the last window.
+    fn orca(&self) -> String {
+        let now = self.model_now_ms();
+        let rps = {
+            let mut f = lock(&self.finished);
+            while matches!(f.front(), Some(t) if *t < now - mock_gpu_node::engine::LOAD_WINDOW_MS) {
+                f.pop_front();
+            }
+            f.len() as f64 / (mock_gpu_node::engine::LOAD_WINDOW_MS / 1000.0) * self.time_scale
+        };
+        let mut e = lock(&self.engine);
+        let kv = if e.config.kv_capacity_tokens > 0 {
+            e.kv_used_tokens() as f64 / e.config.kv_capacity_tokens as f64
+        } else {
+            0.0
+        };
+        let busy = e.load_tokens_per_sec(now) / e.config.capacity_tokens_per_sec().max(1.0);
+        let util = kv.max(busy) + e.waiting() as f64 / e.config.max_running.max(1) as f64;
+        format!(
+            "TEXT application_utilization={util:.4}, cpu_utilization={util:.4}, rps_fractional={rps:.3}, \
+             named_metrics.kv_cache_usage={kv:.4}, named_metrics.num_requests_waiting={}",
+            e.waiting()
+        )
     }
 
     fn metrics(&self) -> String {
@@ -442,12 +475,16 @@ async fn completion(node: Arc<Node>, chat: bool, req: Request<Incoming>) -> Resp
         } else {
             json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
         };
-        return json_response(
+        let mut r = json_response(
             StatusCode::OK,
             &name,
             &json!({"id": rid, "object": object, "created": created, "model": model,
                     "choices": [choice], "usage": usage}),
         );
+        if let Ok(v) = node.orca().parse() {
+            r.headers_mut().insert("endpoint-load-metrics", v);
+        }
+        return r;
     }
 
     let (tx, body_rx) = mpsc::channel::<Bytes>(64);
@@ -524,6 +561,9 @@ async fn completion(node: Arc<Node>, chat: bool, req: Request<Incoming>) -> Resp
     );
     if let Ok(v) = name.parse() {
         h.insert("x-mock-node", v);
+    }
+    if let Ok(v) = node.orca().parse() {
+        h.insert("endpoint-load-metrics", v);
     }
     r
 }
@@ -673,6 +713,7 @@ async fn main() {
             next_id: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
             health_requests_total: AtomicU64::new(0),
+            finished: Mutex::new(std::collections::VecDeque::new()),
         });
         tokio::spawn(node.clone().run());
         tokio::spawn(serve(listener, node));

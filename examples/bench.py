@@ -146,7 +146,7 @@ def ratios(results: dict[str, dict]) -> str:
         return ""
     tb = results["token_balancer"]["summary"]
     out = []
-    for base in ("least_request", "round_robin", "naive_seed"):
+    for base in ("least_request", "round_robin", "cswrr_orca", "naive_seed"):
         if base not in results:
             continue
         b = results[base]["summary"]

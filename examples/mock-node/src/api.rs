@@ -1,0 +1,404 @@
+//! The HTTP API of one node: OpenAI-compatible completions (streaming or not), the seed
+//! /health, vLLM-style /metrics, /v1/models, and the test controls under /admin.
+
+use crate::node::{lock, Delivery, Node, Overrides};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use mock_gpu_node::tokenize;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+const DEFAULT_MAX_TOKENS: u64 = 256;
+const MAX_BODY_BYTES: usize = 16 << 20;
+/// Benchmark-only header carrying the true output length of a replayed request, so the mock
+/// ends it where the real one ended; the filter never reads it.
+const OUTPUT_TOKENS_HEADER: &str = "x-mock-output-tokens";
+
+/// ORCA load report header, read by Envoy's client_side_weighted_round_robin.
+const ORCA_HEADER: &str = "endpoint-load-metrics";
+
+pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+pub async fn handle(
+    node: Arc<Node>,
+    req: Request<Incoming>,
+) -> Result<Response<BoxBody>, Infallible> {
+    let path = req.uri().path().to_string();
+    let mut r = match (req.method().clone(), path.as_str()) {
+        (Method::POST, "/v1/chat/completions") => completion(node.clone(), Kind::Chat, req).await,
+        (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
+        (Method::GET, "/health") => health(&node).await,
+        (Method::GET, "/metrics") => full(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            node.metrics(),
+        ),
+        (Method::GET, "/v1/models") => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [{"id": "mock-model", "object": "model",
+                    "created": 0, "owned_by": "mock-gpu-node"}]}),
+        ),
+        (Method::POST, "/admin/health") => admin_health(&node, req).await,
+        (Method::GET, "/admin/stats") => json_response(
+            StatusCode::OK,
+            &json!({"name": node.name,
+                    "requests_total": node.requests_total.load(Ordering::Relaxed),
+                    "health_requests_total": node.health_requests_total.load(Ordering::Relaxed)}),
+        ),
+        (method, _) => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            &format!("no route for {method} {path}"),
+        ),
+    };
+    // Checked when the command line was parsed.
+    if let Ok(v) = HeaderValue::from_str(&node.name) {
+        r.headers_mut().insert("x-mock-node", v);
+    }
+    Ok(r)
+}
+
+fn full(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<BoxBody> {
+    let mut r = Response::new(Full::new(body.into()).boxed_unsync());
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
+    full(status, "application/json", v.to_string())
+}
+
+/// OpenAI's error shape.
+fn error(status: StatusCode, kind: &str, message: &str) -> Response<BoxBody> {
+    json_response(
+        status,
+        &json!({"error": {"message": message, "type": kind, "param": null, "code": null}}),
+    )
+}
+
+/// Reads a body of bounded size; the error is the response to send.
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, Response<BoxBody>> {
+    match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            &format!("body larger than {MAX_BODY_BYTES} bytes"),
+        )),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("could not read the body: {e}"),
+        )),
+    }
+}
+
+/// Reads a JSON body; the error is the response to send.
+async fn read_json(req: Request<Incoming>) -> Result<Value, Response<BoxBody>> {
+    let body = read_body(req).await?;
+    serde_json::from_slice(&body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("body is not valid JSON: {e}"),
+        )
+    })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// /v1/chat/completions
+    Chat,
+    /// /v1/completions
+    Text,
+}
+
+/// The generated text: token `i` is the word `tok<i>` and a space.
+fn token_text(i: u64) -> String {
+    format!("tok{i} ")
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// What every response or chunk of one completion shares.
+struct Completion {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    finish_reason: &'static str,
+    usage: Value,
+}
+
+impl Completion {
+    fn object(&self, v: Value) -> Value {
+        let mut o = json!({"id": self.id, "created": self.created, "model": self.model});
+        if let (Some(o), Value::Object(v)) = (o.as_object_mut(), v) {
+            o.extend(v);
+        }
+        o
+    }
+
+    fn whole(&self, text: String) -> Value {
+        let (object, choice) = match self.kind {
+            Kind::Chat => (
+                "chat.completion",
+                json!({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": self.finish_reason, "logprobs": null}),
+            ),
+            Kind::Text => (
+                "text_completion",
+                json!({"index": 0, "text": text, "finish_reason": self.finish_reason,
+                       "logprobs": null}),
+            ),
+        };
+        self.object(json!({"object": object, "choices": [choice], "usage": self.usage}))
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Text => "text_completion",
+        }
+    }
+
+    /// The SSE event carrying token `i`.
+    fn token_event(&self, i: u64) -> Bytes {
+        let text = token_text(i);
+        let choice = match self.kind {
+            Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
+                                           "delta": {"role": "assistant", "content": text}}),
+            Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),
+            Kind::Text => {
+                json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null})
+            }
+        };
+        sse(&self.object(json!({"object": self.chunk_object(), "choices": [choice]})))
+    }
+
+    /// The events after the last token: the finish reason, the usage, `[DONE]`.
+    fn closing_events(&self) -> [Bytes; 3] {
+        let last = match self.kind {
+            Kind::Chat => json!({"index": 0, "delta": {}, "finish_reason": self.finish_reason}),
+            Kind::Text => json!({"index": 0, "text": "", "finish_reason": self.finish_reason,
+                                 "logprobs": null}),
+        };
+        [
+            sse(&self.object(json!({"object": self.chunk_object(), "choices": [last]}))),
+            sse(
+                &self.object(json!({"object": self.chunk_object(), "choices": [],
+                                    "usage": self.usage})),
+            ),
+            Bytes::from_static(b"data: [DONE]\n\n"),
+        ]
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Response<BoxBody> {
+    node.requests_total.fetch_add(1, Ordering::Relaxed);
+    let true_output: Option<u64> = req
+        .headers()
+        .get(OUTPUT_TOKENS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
+    let body = match read_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let prompt_tokens = match kind {
+        Kind::Chat => tokenize::chat_prompt_tokens(&body),
+        Kind::Text => tokenize::completion_prompt_tokens(&body),
+    };
+    let prompt_tokens = match prompt_tokens {
+        Ok(n) => n,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &msg),
+    };
+    let max_tokens = body
+        .get("max_completion_tokens")
+        .or_else(|| body.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .filter(|n| *n > 0)
+        .unwrap_or(DEFAULT_MAX_TOKENS);
+    let output = true_output.map_or(max_tokens, |t| t.clamp(1, max_tokens));
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("mock-model")
+        .to_string();
+
+    let (ticket, mut rx) = node.submit(prompt_tokens, output);
+    let c = Completion {
+        kind,
+        id: format!(
+            "{}-{}-{}",
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
+            node.name,
+            ticket.id()
+        ),
+        created: unix_now(),
+        model,
+        finish_reason: if output >= max_tokens {
+            "length"
+        } else {
+            "stop"
+        },
+        usage: json!({"prompt_tokens": prompt_tokens, "completion_tokens": output,
+                      "total_tokens": prompt_tokens + output}),
+    };
+
+    if !stream {
+        // If the client goes away, hyper drops this future and the ticket with it.
+        let mut text = String::new();
+        while let Some(Delivery::Token(i)) = rx.recv().await {
+            text.push_str(&token_text(i));
+        }
+        drop(ticket);
+        let mut r = json_response(StatusCode::OK, &c.whole(text));
+        if let Ok(v) = HeaderValue::from_str(&node.orca()) {
+            r.headers_mut().insert(ORCA_HEADER, v);
+        }
+        return r;
+    }
+
+    let (tx, body_rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move {
+        let _ticket = ticket; // held until the stream ends or the client leaves
+        loop {
+            let delivery = tokio::select! {
+                d = rx.recv() => d,
+                // The client went away (even while the request still waits for a batch slot).
+                _ = tx.closed() => return,
+            };
+            match delivery {
+                Some(Delivery::Token(i)) => {
+                    if tx.send(c.token_event(i)).await.is_err() {
+                        return;
+                    }
+                }
+                Some(Delivery::Finished) => break,
+                None => return,
+            }
+        }
+        for event in c.closing_events() {
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut r = Response::new(ChannelBody(body_rx).boxed_unsync());
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if let Ok(v) = HeaderValue::from_str(&node.orca()) {
+        h.insert(ORCA_HEADER, v);
+    }
+    r
+}
+
+/// A response body fed from a channel, so SSE events leave as the engine produces them.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+async fn health(node: &Node) -> Response<BoxBody> {
+    node.health_requests_total.fetch_add(1, Ordering::Relaxed);
+    let (fail, hang) = {
+        let o = lock(&node.overrides);
+        (o.fail, o.hang)
+    };
+    if hang {
+        // Hold the connection without ever answering, like a wedged node.
+        std::future::pending::<()>().await;
+    }
+    if fail {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "health endpoint set to fail by /admin/health",
+        );
+    }
+    json_response(StatusCode::OK, &node.health())
+}
+
+/// Merges a JSON object into the /health overrides: `fail` and `hang` are switches, any other
+/// field replaces the reported one; `{}` or `{"reset": true}` clears everything.
+async fn admin_health(node: &Node, req: Request<Incoming>) -> Response<BoxBody> {
+    // An empty body counts as `{}`.
+    let v = match read_body(req).await {
+        Ok(b) if b.iter().all(u8::is_ascii_whitespace) => json!({}),
+        Ok(b) => match serde_json::from_slice::<Value>(&b) {
+            Ok(v) => v,
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    &format!("body is not valid JSON: {e}"),
+                )
+            }
+        },
+        Err(r) => return r,
+    };
+    let Some(obj) = v.as_object() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "body must be a JSON object",
+        );
+    };
+    let mut o = lock(&node.overrides);
+    if obj.is_empty() || obj.get("reset").and_then(Value::as_bool) == Some(true) {
+        *o = Overrides::default();
+    } else {
+        for (k, val) in obj {
+            match k.as_str() {
+                "fail" => o.fail = val.as_bool().unwrap_or(false),
+                "hang" => o.hang = val.as_bool().unwrap_or(false),
+                "reset" => {}
+                _ => {
+                    o.fields.insert(k.clone(), val.clone());
+                }
+            }
+        }
+    }
+    json_response(StatusCode::OK, &json!({"ok": true}))
+}

@@ -1,0 +1,244 @@
+//! Command line: `--node PORT[,key=value...]` (repeatable), `--time-scale X`, `--bind ADDR`.
+//! Parsed by hand (no argument-parsing dependency); every mistake is a one-line message.
+
+use hyper::header::HeaderValue;
+use mock_gpu_node::engine::EngineConfig;
+
+pub const USAGE: &str = "\
+usage: mock-gpu-node --node PORT[,key=value...] [--node ...] [--time-scale X] [--bind ADDR]
+
+Serves one mock GPU inference node per --node, all in this process.
+
+  --node PORT[,k=v...]  serve a node on PORT; keys:
+                          name=NAME            x-mock-node and /health name (default node-PORT)
+                          gpu=h100|a100|l4     speed and KV-cache preset (default h100)
+                          floor_ms=F           shortest iteration, ms
+                          per_token_ms=F       compute per token in an iteration, ms
+                          overhead_ms=F        fixed cost per iteration, ms
+                          attention_ms_per_1k=F  cost per 1000 cached KV tokens, ms
+                          kv_tokens=N          KV-cache size in tokens (x 512 KiB = VRAM)
+                          max_running=N        most sequences in a batch
+                          prefill_chunk=N      token budget of one iteration
+                          capacity=F           override the reported tokens_per_sec_capacity
+                                               (tokens per wall second)
+  --time-scale X        run the model X times faster than real time (default 1); reported
+                        rates are per wall-clock second
+  --bind ADDR           address to listen on (default 127.0.0.1)
+  -h, --help            this text
+
+Prints `listening name=NAME port=PORT gpu=GPU` per node once all ports are bound.";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeSpec {
+    pub port: u16,
+    pub name: String,
+    pub gpu: String,
+    pub config: EngineConfig,
+    pub capacity: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Args {
+    pub nodes: Vec<NodeSpec>,
+    pub time_scale: f64,
+    pub bind: String,
+}
+
+#[derive(Debug, PartialEq)]
+pub enum Command {
+    Run(Args),
+    Help,
+}
+
+pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Command, String> {
+    let mut args = Args {
+        nodes: vec![],
+        time_scale: 1.0,
+        bind: "127.0.0.1".to_string(),
+    };
+    let mut it = argv.into_iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--node" => {
+                let node = parse_node(&value()?)?;
+                if args.nodes.iter().any(|n| n.port == node.port) {
+                    return Err(format!("port {} is given to two nodes", node.port));
+                }
+                args.nodes.push(node);
+            }
+            "--time-scale" => {
+                let v = value()?;
+                args.time_scale = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .ok_or_else(|| format!("--time-scale {v:?}: expected a positive number"))?;
+            }
+            "--bind" => args.bind = value()?,
+            "-h" | "--help" => return Ok(Command::Help),
+            _ => return Err(format!("unknown argument {flag:?}")),
+        }
+    }
+    if args.nodes.is_empty() {
+        return Err("at least one --node PORT is needed".into());
+    }
+    Ok(Command::Run(args))
+}
+
+fn parse_node(spec: &str) -> Result<NodeSpec, String> {
+    let err = |msg: String| format!("--node {spec:?}: {msg}");
+    let mut parts = spec.split(',');
+    let first = parts.next().unwrap_or_default();
+    let port: u16 = first
+        .parse()
+        .map_err(|_| err(format!("{first:?} is not a port (0-65535)")))?;
+    let mut pairs = vec![];
+    for p in parts {
+        let (k, v) = p
+            .split_once('=')
+            .ok_or_else(|| err(format!("{p:?} is not key=value")))?;
+        pairs.push((k, v));
+    }
+    // The preset first, so that the other keys override it whatever their order.
+    let gpu = pairs
+        .iter()
+        .rev()
+        .find(|(k, _)| *k == "gpu")
+        .map_or("h100", |(_, v)| *v);
+    let mut config = EngineConfig::preset(gpu)
+        .ok_or_else(|| err(format!("unknown gpu {gpu:?} (h100, a100, l4)")))?;
+    let mut name = format!("node-{port}");
+    let mut capacity = None;
+    let float = |k: &str, v: &str| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| err(format!("{k}={v:?}: expected a non-negative number")))
+    };
+    let int = |k: &str, v: &str| {
+        v.parse::<u64>()
+            .ok()
+            .filter(|x| *x > 0)
+            .ok_or_else(|| err(format!("{k}={v:?}: expected a positive integer")))
+    };
+    for (k, v) in pairs {
+        match k {
+            "gpu" => {}
+            "name" => name = v.to_string(),
+            "floor_ms" => config.floor_ms = float(k, v)?,
+            "per_token_ms" => config.per_token_ms = float(k, v)?,
+            "overhead_ms" => config.overhead_ms = float(k, v)?,
+            "attention_ms_per_1k" => config.attention_ms_per_1k_ctx = float(k, v)?,
+            "kv_tokens" => config.kv_capacity_tokens = int(k, v)?,
+            "max_running" => config.max_running = usize::try_from(int(k, v)?).unwrap_or(usize::MAX),
+            "prefill_chunk" => config.prefill_chunk_tokens = int(k, v)?,
+            "capacity" => capacity = Some(float(k, v)?),
+            _ => return Err(err(format!("unknown key {k:?}"))),
+        }
+    }
+    if name.is_empty() || HeaderValue::from_str(&name).is_err() {
+        return Err(err(format!(
+            "name={name:?} must be non-empty printable text (it is sent as a header)"
+        )));
+    }
+    // A zero-length iteration would make the driver spin and the capacity infinite.
+    if config.iteration_ms(1, 0) <= 0.0 {
+        return Err(err(
+            "floor_ms, per_token_ms and overhead_ms cannot all be 0".into(),
+        ));
+    }
+    Ok(NodeSpec {
+        port,
+        name,
+        gpu: gpu.to_string(),
+        config,
+        capacity,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    fn run(s: &str) -> Args {
+        match parse(argv(s)) {
+            Ok(Command::Run(a)) => a,
+            other => panic!("{s}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nodes_and_flags() {
+        let a = run(
+            "--node 8001 --node 8002,name=slow,gpu=l4,kv_tokens=1000,capacity=5e3 \
+                     --time-scale 10 --bind 0.0.0.0",
+        );
+        assert_eq!((a.time_scale, a.bind.as_str()), (10.0, "0.0.0.0"));
+        let [fast, slow] = &a.nodes[..] else {
+            panic!("{a:?}")
+        };
+        assert_eq!(
+            (fast.port, fast.name.as_str(), fast.gpu.as_str()),
+            (8001, "node-8001", "h100")
+        );
+        assert_eq!(fast.config, EngineConfig::h100());
+        assert_eq!((slow.name.as_str(), slow.capacity), ("slow", Some(5000.0)));
+        assert_eq!(slow.config.kv_capacity_tokens, 1000);
+        assert_eq!(slow.config.floor_ms, EngineConfig::l4().floor_ms);
+    }
+
+    #[test]
+    fn keys_override_the_preset_in_any_order() {
+        let a = run(
+            "--node 1,floor_ms=3,gpu=a100,max_running=4,prefill_chunk=64,attention_ms_per_1k=0",
+        );
+        let c = &a.nodes[0].config;
+        assert_eq!(
+            (c.floor_ms, c.per_token_ms),
+            (3.0, EngineConfig::a100().per_token_ms)
+        );
+        assert_eq!((c.max_running, c.prefill_chunk_tokens), (4, 64));
+        assert_eq!(c.attention_ms_per_1k_ctx, 0.0);
+    }
+
+    #[test]
+    fn help() {
+        assert_eq!(parse(argv("--node 1 --help")), Ok(Command::Help));
+        assert_eq!(parse(argv("-h")), Ok(Command::Help));
+    }
+
+    #[test]
+    fn mistakes_are_explained() {
+        for (args, needle) in [
+            ("", "at least one --node"),
+            ("--node", "--node needs a value"),
+            ("--node x", "is not a port"),
+            ("--node 70000", "is not a port"),
+            ("--node 1,gpu=tpu", "unknown gpu"),
+            ("--node 1,speed=3", "unknown key"),
+            ("--node 1,name", "is not key=value"),
+            ("--node 1,floor_ms=-1", "non-negative number"),
+            ("--node 1,kv_tokens=1.5", "positive integer"),
+            ("--node 1,max_running=0", "positive integer"),
+            ("--node 1,name=", "non-empty"),
+            (
+                "--node 1,floor_ms=0,per_token_ms=0,overhead_ms=0",
+                "cannot all be 0",
+            ),
+            ("--node 1 --node 1,name=b", "two nodes"),
+            ("--node 1 --time-scale 0", "positive number"),
+            ("--node 1 --time-scale fast", "positive number"),
+            ("--node 1 --verbose", "unknown argument"),
+        ] {
+            match parse(argv(args)) {
+                Err(e) => assert!(e.contains(needle), "{args:?}: {e:?} lacks {needle:?}"),
+                Ok(c) => panic!("{args:?} accepted: {c:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,489 @@
+//! Starts the real binary and talks HTTP/1.1 to it over plain TcpStreams (no client library),
+//! polling with deadlines rather than sleeping.
+
+// A test crate: failing loudly is the point (the helpers outside #[test] fns need this too).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use mock_gpu_node::tokenize;
+use serde_json::Value;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_mock-gpu-node");
+
+/// A running mock-gpu-node process, killed when dropped (also when a test fails).
+struct Mock {
+    child: Child,
+    ports: Vec<u16>,
+}
+
+impl Drop for Mock {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Free ports from the OS: bind port 0, read the port, let go (all held at once, so distinct).
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+/// Starts the mock with one `--node PORT,<spec>` per spec and waits for every "listening"
+/// line. Retries with other ports if one was taken between choosing and binding it.
+fn start(specs: &[&str], extra: &[&str]) -> Mock {
+    for _attempt in 0..3 {
+        let ports = free_ports(specs.len());
+        let mut cmd = Command::new(BIN);
+        for (port, spec) in ports.iter().zip(specs) {
+            let sep = if spec.is_empty() { "" } else { "," };
+            cmd.arg("--node").arg(format!("{port}{sep}{spec}"));
+        }
+        cmd.args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mock = Mock { child, ports };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut listening = 0;
+        while listening < specs.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.starts_with("listening ") => listening += 1,
+                Ok(_) => {}
+                Err(mpsc::RecvTimeoutError::Timeout) => panic!("no listening line in 20 s"),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break, // exited
+            }
+        }
+        if listening == specs.len() {
+            return mock;
+        }
+        let mut mock = mock;
+        let mut err = String::new();
+        if let Some(mut e) = mock.child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        assert!(err.contains("cannot listen"), "mock exited: {err}");
+    }
+    panic!("could not find free ports in 3 attempts")
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// Arrival time of each chunk of a chunked body.
+    chunk_times: Vec<Instant>,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection.
+struct Conn {
+    r: BufReader<TcpStream>,
+}
+
+impl Conn {
+    fn open(port: u16) -> Conn {
+        let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        Conn {
+            r: BufReader::new(s),
+        }
+    }
+
+    fn send(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) {
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {}\r\n",
+            body.len()
+        );
+        if !body.is_empty() {
+            req.push_str("content-type: application/json\r\n");
+        }
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        req.push_str(body);
+        self.r.get_mut().write_all(req.as_bytes()).unwrap();
+    }
+
+    fn line(&mut self) -> std::io::Result<String> {
+        let mut l = String::new();
+        if self.r.read_line(&mut l)? == 0 {
+            return Err(ErrorKind::UnexpectedEof.into());
+        }
+        Ok(l.trim_end_matches(['\r', '\n']).to_string())
+    }
+
+    fn read_response(&mut self) -> std::io::Result<Response> {
+        let status_line = self.line()?;
+        let status = status_line
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+        let mut headers = vec![];
+        loop {
+            let l = self.line()?;
+            if l.is_empty() {
+                break;
+            }
+            let (k, v) = l.split_once(':').unwrap();
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+        let mut resp = Response {
+            status,
+            headers,
+            body: vec![],
+            chunk_times: vec![],
+        };
+        if resp.header("transfer-encoding") == Some("chunked") {
+            loop {
+                let size = usize::from_str_radix(self.line()?.trim(), 16).unwrap();
+                if size == 0 {
+                    self.line()?; // the blank line after the last chunk
+                    break;
+                }
+                let mut chunk = vec![0; size];
+                self.r.read_exact(&mut chunk)?;
+                resp.chunk_times.push(Instant::now());
+                resp.body.extend(chunk);
+                self.line()?;
+            }
+        } else {
+            let len: usize = resp
+                .header("content-length")
+                .map_or(0, |v| v.parse().unwrap());
+            resp.body = vec![0; len];
+            self.r.read_exact(&mut resp.body)?;
+        }
+        Ok(resp)
+    }
+
+    fn call(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Response {
+        self.send(method, path, headers, body);
+        self.read_response().unwrap()
+    }
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not an SSE data event: {e:?}"))
+                .to_string()
+        })
+        .collect()
+}
+
+const PROMPT: &str = "Hello, how are you today?";
+
+fn chat_body(max_tokens: u64, stream: bool) -> String {
+    format!(
+        r#"{{"model":"m1","stream":{stream},"max_tokens":{max_tokens},
+            "messages":[{{"role":"user","content":"{PROMPT}"}}]}}"#
+    )
+}
+
+#[test]
+fn completions_on_one_keep_alive_connection() {
+    let mock = start(&["name=alpha"], &["--time-scale", "10"]);
+    let mut c = Conn::open(mock.ports[0]);
+    let prompt_tokens = tokenize::count(PROMPT) + tokenize::PER_MESSAGE;
+
+    // Chat, ended by max_tokens.
+    let r = c.call("POST", "/v1/chat/completions", &[], &chat_body(5, false));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-mock-node"), Some("alpha"));
+    assert!(r
+        .header("endpoint-load-metrics")
+        .is_some_and(|v| v.starts_with("TEXT ")));
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "m1");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        "tok0 tok1 tok2 tok3 tok4 "
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 5);
+
+    // The benchmark header ends it earlier: a natural stop.
+    let r = c.call(
+        "POST",
+        "/v1/chat/completions",
+        &[("x-mock-output-tokens", "2")],
+        &chat_body(5, false),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+
+    // Text completion, default model, array prompt.
+    let r = c.call(
+        "POST",
+        "/v1/completions",
+        &[],
+        r#"{"prompt":["Once upon a time"],"max_tokens":3}"#,
+    );
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], "mock-model");
+    assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 ");
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        tokenize::count("Once upon a time")
+    );
+
+    // Bad input: OpenAI-style errors, still tagged, and the connection survives.
+    for (path, body, status) in [
+        ("/v1/chat/completions", "{not json", 400),
+        ("/v1/chat/completions", r#"{"messages":"hi"}"#, 400),
+        ("/v1/completions", r#"{"max_tokens":3}"#, 400),
+        ("/v1/embeddings", "{}", 404),
+    ] {
+        let r = c.call("POST", path, &[], body);
+        assert_eq!(r.status, status, "{path} {body}");
+        assert_eq!(r.header("x-mock-node"), Some("alpha"));
+        assert_eq!(
+            r.json()["error"]["type"],
+            "invalid_request_error",
+            "{path} {body}"
+        );
+    }
+    let r = c.call("GET", "/v1/models", &[], "");
+    assert_eq!(r.json()["data"][0]["id"], "mock-model");
+
+    let stats = c.call("GET", "/admin/stats", &[], "").json();
+    assert_eq!(stats["name"], "alpha");
+    assert_eq!(stats["requests_total"], 6, "{stats}");
+}
+
+#[test]
+fn streaming_sends_one_event_per_token_as_produced() {
+    // Real time: 10 tokens take at least 10 iterations of >= 7.6 ms on an H100.
+    let mock = start(&["name=beta,gpu=h100"], &[]);
+    let mut c = Conn::open(mock.ports[0]);
+    let r = c.call("POST", "/v1/chat/completions", &[], &chat_body(10, true));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-mock-node"), Some("beta"));
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 10 + 3, "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..12]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["content"], "tok0 ");
+    assert_eq!(chunks[9]["choices"][0]["delta"]["content"], "tok9 ");
+    assert!(chunks[9]["choices"][0]["delta"].get("role").is_none());
+    assert_eq!(chunks[10]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[11]["choices"], Value::Array(vec![]));
+    assert_eq!(chunks[11]["usage"]["completion_tokens"], 10);
+    // The tokens were not buffered to the end: they came in separate chunks, spread over
+    // at least the nine iterations between the first token and the last.
+    assert!(r.chunk_times.len() >= 13, "{} chunks", r.chunk_times.len());
+    let spread = r.chunk_times[9].duration_since(r.chunk_times[0]);
+    assert!(spread >= Duration::from_millis(50), "{spread:?}");
+
+    // Text completions stream the same way, on the same connection.
+    let r = c.call(
+        "POST",
+        "/v1/completions",
+        &[("x-mock-output-tokens", "3")],
+        r#"{"prompt":"Once upon a time","max_tokens":8,"stream":true}"#,
+    );
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 3 + 3, "{events:?}");
+    let last: Value = serde_json::from_str(&events[3]).unwrap();
+    assert_eq!(last["object"], "text_completion");
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["text"], "tok0 ");
+}
+
+#[test]
+fn health_metrics_and_test_controls() {
+    // Time scale 2: the 1 s load window is half a wall second.
+    let mock = start(&["name=gamma,gpu=a100"], &["--time-scale", "2"]);
+    let port = mock.ports[0];
+    let mut c = Conn::open(port);
+
+    let h = c.call("GET", "/health", &[], "");
+    assert_eq!(h.status, 200);
+    assert_eq!(h.header("x-mock-node"), Some("gamma"));
+    let v = h.json();
+    for field in [
+        "tokens_per_sec_load",
+        "tokens_per_sec_capacity",
+        "vram_used_bytes",
+        "vram_total_bytes",
+        "kv_cache_usage",
+        "queue_depth",
+        "running_requests",
+        "vram_overflow_events",
+        "name",
+    ] {
+        assert!(v.get(field).is_some(), "{field} missing from {v}");
+    }
+    assert_eq!(v["name"], "gamma");
+    assert_eq!(v["vram_total_bytes"], 50_000u64 * 524_288);
+    // Capacity is per wall second: twice the model's at --time-scale 2.
+    let a100 = 512.0 / (512.0 * 0.063 + 2.0) * 1000.0;
+    let cap = v["tokens_per_sec_capacity"].as_f64().unwrap();
+    assert!((cap - a100 * 2.0).abs() < 1e-6, "{cap}");
+
+    // Work shows up as load.
+    c.call("POST", "/v1/chat/completions", &[], &chat_body(20, false));
+    let load = c.call("GET", "/health", &[], "").json()["tokens_per_sec_load"]
+        .as_f64()
+        .unwrap();
+    assert!(load > 0.0, "{load}");
+
+    // Overrides replace fields; the rest stays real.
+    let r = c.call(
+        "POST",
+        "/admin/health",
+        &[],
+        r#"{"tokens_per_sec_load":1e9,"vram_used_bytes":123}"#,
+    );
+    assert_eq!((r.status, r.json()["ok"].clone()), (200, Value::Bool(true)));
+    let v = c.call("GET", "/health", &[], "").json();
+    assert_eq!(v["tokens_per_sec_load"], 1e9);
+    assert_eq!(v["vram_used_bytes"], 123);
+    assert_eq!(v["name"], "gamma");
+
+    c.call("POST", "/admin/health", &[], r#"{"fail":true}"#);
+    let r = c.call("GET", "/health", &[], "");
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("x-mock-node"), Some("gamma"));
+
+    // A hanging /health holds the connection without answering.
+    c.call("POST", "/admin/health", &[], r#"{"hang":true}"#);
+    let mut hung = Conn::open(port);
+    hung.r
+        .get_ref()
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    hung.send("GET", "/health", &[], "");
+    let err = hung
+        .read_response()
+        .err()
+        .expect("a hanging /health answered");
+    assert!(
+        matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
+        "{err}"
+    );
+
+    c.call("POST", "/admin/health", &[], r#"{"reset":true}"#);
+    let v = c.call("GET", "/health", &[], "").json();
+    assert_eq!(v["vram_used_bytes"], 0);
+    assert!(v["tokens_per_sec_load"].as_f64().unwrap() < 1e9);
+    // `{}` clears too.
+    c.call("POST", "/admin/health", &[], r#"{"queue_depth":99}"#);
+    c.call("POST", "/admin/health", &[], "{}");
+    assert_eq!(c.call("GET", "/health", &[], "").json()["queue_depth"], 0);
+
+    let stats = c.call("GET", "/admin/stats", &[], "").json();
+    assert_eq!(stats["health_requests_total"], 7, "{stats}");
+
+    let m = c.call("GET", "/metrics", &[], "").text();
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "mock:vram_overflow_events_total",
+    ] {
+        assert!(m.contains(&format!("# TYPE {name} ")), "{name}: {m}");
+        assert!(
+            m.contains(&format!(
+                "{name}{{model_name=\"mock-model\",node=\"gamma\"}} "
+            )),
+            "{name}: {m}"
+        );
+    }
+    assert!(
+        m.contains("vllm:generation_tokens_total{model_name=\"mock-model\",node=\"gamma\"} 20\n")
+    );
+}
+
+#[test]
+fn one_process_serves_several_nodes() {
+    let mock = start(&["name=fast,gpu=h100", "name=slow,gpu=l4"], &[]);
+    let caps: Vec<f64> = mock
+        .ports
+        .iter()
+        .zip(["fast", "slow"])
+        .map(|(port, name)| {
+            let r = Conn::open(*port).call("GET", "/health", &[], "");
+            assert_eq!(r.header("x-mock-node"), Some(name));
+            r.json()["tokens_per_sec_capacity"].as_f64().unwrap()
+        })
+        .collect();
+    assert!(caps[0] > caps[1], "{caps:?}");
+}
+
+#[test]
+fn bad_command_lines_are_explained() {
+    for (args, needle) in [
+        (vec![], "at least one --node"),
+        (vec!["--node", "1,gpu=tpu"], "unknown gpu"),
+        (vec!["--node", "1", "--time-scale", "-3"], "positive number"),
+    ] {
+        let out = Command::new(BIN).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--time-scale"));
+}

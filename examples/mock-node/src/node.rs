@@ -97,15 +97,19 @@ impl Node {
     ///
     /// The model clock advances by iteration durations and each wait is until an absolute
     /// deadline, so the timer's millisecond granularity delays single iterations but does not
-    /// accumulate: over time the node runs exactly `time_scale` times faster than real time.
-    /// When idle, or when the process fell behind, the clock catches up with the wall clock.
+    /// accumulate: a busy node runs `time_scale` times faster than real time. After idling the
+    /// clock jumps to the wall clock; if the process falls far behind (a stall), it catches up
+    /// to within `MAX_LAG` so that the backlog is not delivered in one long burst.
     pub async fn drive(self: Arc<Self>) {
+        const MAX_LAG: Duration = Duration::from_millis(20);
+        let max_lag_ms = MAX_LAG.as_secs_f64() * 1000.0 * self.time_scale;
         let mut clock_ms = 0.0_f64;
         loop {
-            let now = clock_ms.max(self.wall_model_ms());
+            let now = clock_ms.max(self.wall_model_ms() - max_lag_ms);
             let step = lock(&self.engine).step(now);
             let Some(it) = step else {
                 self.wake.notified().await;
+                clock_ms = clock_ms.max(self.wall_model_ms());
                 continue;
             };
             clock_ms = now + it.duration_ms;
@@ -119,7 +123,13 @@ impl Node {
                 );
                 return;
             };
-            tokio::time::sleep_until(deadline.into()).await;
+            // tokio's timer fires on millisecond ticks even for a deadline already past, so
+            // when behind, go on at once (yielding): that is what makes lateness not add up.
+            if deadline > Instant::now() {
+                tokio::time::sleep_until(deadline.into()).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
             self.deliver(&it.events);
         }
     }

@@ -239,7 +239,7 @@ def main():
     ap.add_argument("--trace", choices=sorted(TRACES), default="azure")
     ap.add_argument("--start-s", type=float, default=600.0)
     ap.add_argument("--duration-s", type=float, default=240.0, help="trace seconds replayed")
-    ap.add_argument("--rate", type=float, default=2.0, help="offered-load multiplier over the trace")
+    ap.add_argument("--rate", type=float, default=1.5, help="offered-load multiplier over the trace")
     ap.add_argument("--time-scale", type=float, default=4.0)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=0)

@@ -114,7 +114,8 @@ impl Metrics {
 
 /// What the root context and its requests share (one VM is single-threaded).
 struct State {
-    config: Config,
+    /// Shared with the requests by reference count: no per-request copies of its strings.
+    config: Rc<Config>,
     balancer: Balancer,
     rng: SplitMix64,
     metrics: Metrics,
@@ -209,7 +210,7 @@ impl RootContext for Root {
             balancer: Balancer::new(&config),
             rng: SplitMix64::new(seed),
             metrics: Metrics::define(&config),
-            config,
+            config: Rc::new(config),
         };
         info!(
             "token-balancer configured: {} nodes, health via cluster {:?} every {} ms",
@@ -309,6 +310,12 @@ struct Request {
 }
 
 impl Request {
+    /// The configuration; `None` when the plugin has none.
+    fn config(&self) -> Option<Rc<Config>> {
+        let guard = self.state.try_borrow().ok()?;
+        guard.as_ref().map(|s| s.config.clone())
+    }
+
     /// Runs `f` on the shared state; `None` when the plugin has no configuration.
     fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> Option<R> {
         let mut guard = self.state.try_borrow_mut().ok()?;
@@ -345,11 +352,7 @@ impl Request {
                     bump(s.metrics.routed_over_vram_ceiling);
                 }
             }
-            (
-                outcome,
-                s.config.routing_header.clone(),
-                s.config.debug_header.is_some(),
-            )
+            (outcome, s.config.clone())
         });
         match routed {
             Some((
@@ -360,12 +363,11 @@ impl Request {
                     inflight_before,
                     ..
                 },
-                header,
-                debug_on,
+                config,
             )) => {
                 if hostcalls::set_map_value(
                     MapType::HttpRequestHeaders,
-                    &header,
+                    &config.routing_header,
                     Some(&header_value),
                 )
                 .is_err()
@@ -378,7 +380,7 @@ impl Request {
                     return Action::Continue;
                 }
                 self.ticket = Some(ticket);
-                if debug_on {
+                if config.debug_header.is_some() {
                     self.debug = Some(format!(
                         "node={header_value}; prompt_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}",
                         ticket.weight.prompt_tokens,
@@ -417,21 +419,16 @@ impl Context for Request {}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        let Some((routing_header, debug_header)) = self.with(|s| {
-            (
-                s.config.routing_header.clone(),
-                s.config.debug_header.clone(),
-            )
-        }) else {
+        let Some(config) = self.config() else {
             return Action::Continue;
         };
+        let routing_header = config.routing_header.as_str();
         // Clients never pick their node: whatever they sent is dropped before anything else.
-        if let Ok(Some(_)) = hostcalls::get_map_value(MapType::HttpRequestHeaders, &routing_header)
-        {
-            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &routing_header);
+        if let Ok(Some(_)) = hostcalls::get_map_value(MapType::HttpRequestHeaders, routing_header) {
+            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, routing_header);
             self.with(|s| bump(s.metrics.client_routing_header_removed));
         }
-        if let Some(h) = &debug_header {
+        if let Some(h) = &config.debug_header {
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, h);
         }
         if end_of_stream {
@@ -487,7 +484,7 @@ impl HttpContext for Request {
             Ok(Some(s)) if s == "200"
         );
         if let Some(value) = &self.debug {
-            if let Some(Some(name)) = self.with(|s| s.config.debug_header.clone()) {
+            if let Some(name) = self.config().and_then(|c| c.debug_header.clone()) {
                 let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, Some(value));
             }
         }

@@ -160,7 +160,6 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     Starting from the shipped file (not a copy kept for tests) means the tests run the same
     listener, clusters, retry policy and filter settings a user runs."""
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
-    cfg = copy.deepcopy(cfg)
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = cfg["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port

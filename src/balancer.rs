@@ -38,6 +38,9 @@ pub enum Outcome {
     },
     /// No basis to choose: the routing header is not set and Envoy's fallback balancer routes.
     NoFreshNodes,
+    /// Every fresh node would pass its VRAM ceiling and the caller may hold the request:
+    /// nothing was booked; ask again when a stream ends or a report arrives (see `admission`).
+    Saturated,
 }
 
 #[derive(Debug, Clone)]
@@ -145,8 +148,16 @@ impl Balancer {
     }
 
     /// Chooses the nodes for a request and books it as in flight on the first. `weight` is
-    /// the request's estimate with its output cap; the books hold its expected cost.
-    pub fn route(&mut self, weight: Weight, now_ms: u64, rng: &mut dyn Rng) -> Outcome {
+    /// the request's estimate with its output cap; the books hold its expected cost. With
+    /// `may_hold`, a request every node would overflow is not routed: the answer is
+    /// `Saturated` and the caller holds it; without, it goes to the node that overflows least.
+    pub fn route(
+        &mut self,
+        weight: Weight,
+        now_ms: u64,
+        rng: &mut dyn Rng,
+        may_hold: bool,
+    ) -> Outcome {
         let reserved = self.reserved_output(weight.output_tokens);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
@@ -160,6 +171,7 @@ impl Balancer {
             rng,
         ) {
             Decision::Route(r) => (r, false),
+            Decision::AllOverCeiling(_) if may_hold => return Outcome::Saturated,
             Decision::AllOverCeiling(r) => (r, true),
             Decision::NoFreshNodes => return Outcome::NoFreshNodes,
         };
@@ -243,7 +255,7 @@ mod tests {
                 format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
             b.on_health(i, Some(body.as_bytes()), 0).unwrap();
         }
-        match b.route(W, 10, &mut SplitMix64::new(1)) {
+        match b.route(W, 10, &mut SplitMix64::new(1), false) {
             Outcome::Routed {
                 header_value,
                 ticket,
@@ -263,7 +275,7 @@ mod tests {
     fn failed_or_garbage_polls_keep_the_last_good_report() {
         let mut b = Balancer::new(&cfg(1, ""));
         assert_eq!(
-            b.route(W, 0, &mut SplitMix64::new(1)),
+            b.route(W, 0, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes
         );
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 0)
@@ -276,12 +288,12 @@ mod tests {
         assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
         assert_eq!(b.nodes()[0].failures_in_row, 2);
         assert!(matches!(
-            b.route(W, 3000, &mut SplitMix64::new(1)),
+            b.route(W, 3000, &mut SplitMix64::new(1), false),
             Outcome::Routed { .. }
         ));
         // The good report is now stale, and nothing replaced it.
         assert_eq!(
-            b.route(W, 3001, &mut SplitMix64::new(1)),
+            b.route(W, 3001, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes
         );
     }
@@ -295,7 +307,7 @@ mod tests {
         }
         let mut rng = SplitMix64::new(3);
         let tickets: Vec<Ticket> = (0..10)
-            .filter_map(|_| match b.route(W, 1, &mut rng) {
+            .filter_map(|_| match b.route(W, 1, &mut rng, false) {
                 Outcome::Routed { ticket, .. } => Some(ticket),
                 _ => None,
             })
@@ -345,7 +357,8 @@ mod tests {
         // Routing books the expected cost, and progress plus release return it all.
         b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 0)
             .unwrap();
-        let Outcome::Routed { ticket, .. } = b.route(capped, 1, &mut SplitMix64::new(1)) else {
+        let Outcome::Routed { ticket, .. } = b.route(capped, 1, &mut SplitMix64::new(1), false)
+        else {
             panic!("not routed")
         };
         assert_eq!(ticket.weight.output_tokens, 200);
@@ -371,7 +384,7 @@ mod tests {
             .unwrap();
         }
         assert!(matches!(
-            b.route(W, 1, &mut SplitMix64::new(1)),
+            b.route(W, 1, &mut SplitMix64::new(1), false),
             Outcome::Routed {
                 over_ceiling: true,
                 ..

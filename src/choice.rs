@@ -28,8 +28,9 @@
 //! and output. Output is reserved at a high estimate (the learned mean plus 1.3 standard
 //! deviations, about the 90th percentile, never above the request's cap), while the time
 //! estimate uses the mean: safety wants the tail, speed the average.
-//! When every fresh node would overflow, the request goes to the one that overflows least
-//! (the engine queues it there), which is still better than a balancer blind to VRAM.
+//! When every fresh node would overflow, the decision says so (`AllOverCeiling`, least overflow
+//! first): the caller either holds the request until a node has room (`admission`, when
+//! `max_hold_ms` is set) or sends it to the one that overflows least.
 //!
 //! Exact ties are broken at random with the injected generator, so equal idle nodes share a
 //! burst instead of the first one in the list taking it all.

@@ -71,6 +71,12 @@ pub struct Config {
     /// The ranking rule: `token_throughput` (default), or the seed article's naive
     /// `least_reported_load`, kept only as a benchmark baseline.
     pub policy: Rule,
+    /// Longest a request waits in the filter while every node is predicted over the VRAM
+    /// ceiling, before it is routed anyway. 0 (default) never holds: such a request goes at
+    /// once to the node that overflows least.
+    pub max_hold_ms: u64,
+    /// Most requests held at once per Envoy worker; more are routed at once.
+    pub max_held_requests: usize,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -88,6 +94,8 @@ const CONFIG_FIELDS: &[&str] = &[
     "max_hosts_in_header",
     "debug_header",
     "policy",
+    "max_hold_ms",
+    "max_held_requests",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -350,8 +358,18 @@ impl Config {
                 ))
             }
         };
+        let max_hold_ms = f.uint("max_hold_ms")?.unwrap_or(0);
+        if max_hold_ms > 600_000 {
+            return Err(err(
+                "max_hold_ms",
+                "must be at most 600000 (10 minutes); a request held longer is a lost request",
+            ));
+        }
+        let max_held_requests = f.uint("max_held_requests")?.unwrap_or(1024);
         Ok(Config {
             policy,
+            max_hold_ms,
+            max_held_requests: usize::try_from(max_held_requests).unwrap_or(usize::MAX),
             nodes,
             health_cluster,
             health_target_header: header_name(
@@ -393,6 +411,8 @@ mod tests {
         assert_eq!(c.max_hosts_in_header, 3);
         assert_eq!(c.debug_header, None);
         assert_eq!(c.policy, Rule::TokenThroughput);
+        assert_eq!(c.max_hold_ms, 0);
+        assert_eq!(c.max_held_requests, 1024);
         assert_eq!(c.nodes[0].health_path, "/health");
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
     }
@@ -406,7 +426,8 @@ mod tests {
                "health_cluster":"h","health_target_header":"x-t","tick_ms":200,"health_timeout_ms":100,
                "stale_after_ms":1000,"routing_header":"x-r","max_body_bytes":4096,"vram_ceiling":0.8,
                "default_max_tokens":64,"kv_bytes_per_token":1024,"max_hosts_in_header":2,
-               "debug_header":"x-token-balancer-debug","policy":"least_reported_load"}"#,
+               "debug_header":"x-token-balancer-debug","policy":"least_reported_load",
+               "max_hold_ms":5000,"max_held_requests":10}"#,
         )
         .unwrap();
         assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
@@ -414,6 +435,8 @@ mod tests {
         assert_eq!(c.nodes[1].address, "[::1]:8000");
         assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
         assert_eq!(c.policy, Rule::LeastReportedLoad);
+        assert_eq!(c.max_hold_ms, 5000);
+        assert_eq!(c.max_held_requests, 10);
     }
 
     /// Every rejected configuration names the field it is about.
@@ -458,6 +481,9 @@ mod tests {
             (with(r#""max_hosts_in_header":0"#), "max_hosts_in_header"),
             (with(r#""policy":"random""#), "policy"),
             (with(r#""policy":1"#), "policy"),
+            (with(r#""max_hold_ms":600001"#), "max_hold_ms"),
+            (with(r#""max_hold_ms":-5"#), "max_hold_ms"),
+            (with(r#""max_held_requests":"many""#), "max_held_requests"),
         ];
         for (json, field) in cases {
             let e = Config::parse(json.as_bytes()).expect_err(&json);

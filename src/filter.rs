@@ -11,10 +11,12 @@
 //! errors instead of panicking like the SDK's convenience trait methods do; an error from Envoy
 //! degrades to the fail-open path, since a panic would trap the VM and fail the traffic.
 
+use crate::admission::HoldQueue;
 use crate::balancer::{Balancer, HealthError, Outcome};
 use crate::config::Config;
 use crate::node::Ticket;
 use crate::rng::SplitMix64;
+use crate::telemetry::Report;
 use crate::usage;
 use crate::weight::{self, Api, Weight};
 use log::{debug, error, info, warn};
@@ -34,7 +36,12 @@ const FIRST_POLL: Duration = Duration::from_millis(50);
 
 pub fn start() {
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| Box::new(Root::default()));
+    proxy_wasm::set_root_context(|context_id| {
+        Box::new(Root {
+            context_id,
+            ..Root::default()
+        })
+    });
 }
 
 fn now_ms() -> u64 {
@@ -57,6 +64,9 @@ struct Metrics {
     fallback_encoded_body: u32,
     fallback_internal: u32,
     client_routing_header_removed: u32,
+    held: u32,
+    held_routed_over_ceiling: u32,
+    held_now: u32,
     health_ok: u32,
     health_failed: u32,
     health_unparsable: u32,
@@ -95,6 +105,10 @@ impl Metrics {
             fallback_encoded_body: counter(&format!("{p}.fallback.encoded_body")),
             fallback_internal: counter(&format!("{p}.fallback.internal")),
             client_routing_header_removed: counter(&format!("{p}.client_routing_header_removed")),
+            held: counter(&format!("{p}.held")),
+            held_routed_over_ceiling: counter(&format!("{p}.held_routed_over_ceiling")),
+            held_now: hostcalls::define_metric(MetricType::Gauge, &format!("{p}.held_now"))
+                .unwrap_or(0),
             health_ok: counter(&format!("{p}.health.ok")),
             health_failed: counter(&format!("{p}.health.failed")),
             health_unparsable: counter(&format!("{p}.health.unparsable")),
@@ -119,12 +133,132 @@ struct State {
     balancer: Balancer,
     rng: SplitMix64,
     metrics: Metrics,
+    /// Requests waiting for a node with VRAM room (see `admission`).
+    held: HoldQueue<Slot>,
+}
+
+/// A routed request's booking and debug header value.
+#[derive(Default)]
+struct Placed {
+    ticket: Option<Ticket>,
+    debug: Option<String>,
+}
+
+/// Where a held request finds its placement once it is admitted: written by whichever
+/// callback admits it (a tick, a health answer, another request's end), read by the request.
+type Slot = Rc<RefCell<Option<Placed>>>;
+
+/// Applies a routing outcome to the current (effective) request: sets the routing header and
+/// counts it. `held_ms` is how long the request waited in the hold queue, if it did.
+fn place(s: &mut State, outcome: Outcome, cap: Weight, held_ms: Option<u64>) -> Placed {
+    let debug_on = s.config.debug_header.is_some();
+    let held = held_ms
+        .map(|ms| format!("; held_ms={ms}"))
+        .unwrap_or_default();
+    match outcome {
+        Outcome::Routed {
+            ticket,
+            header_value,
+            predicted_seconds,
+            over_ceiling,
+            inflight_before,
+        } => {
+            if hostcalls::set_map_value(
+                MapType::HttpRequestHeaders,
+                &s.config.routing_header,
+                Some(&header_value),
+            )
+            .is_err()
+            {
+                // Without the header Envoy balances on its own; undo the booking.
+                s.balancer.release(&ticket, 0);
+                bump(s.metrics.fallback_internal);
+                return Placed::default();
+            }
+            bump(s.metrics.routed);
+            bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
+            if over_ceiling {
+                bump(s.metrics.routed_over_vram_ceiling);
+                if held_ms.is_some() {
+                    bump(s.metrics.held_routed_over_ceiling);
+                }
+            }
+            let debug = debug_on.then(|| {
+                format!(
+                    "node={header_value}; prompt_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}{held}",
+                    ticket.weight.prompt_tokens,
+                    ticket.weight.output_tokens,
+                    cap.output_tokens,
+                    predicted_seconds * 1000.0
+                )
+            });
+            Placed {
+                ticket: Some(ticket),
+                debug,
+            }
+        }
+        Outcome::NoFreshNodes | Outcome::Saturated => {
+            bump(s.metrics.fallback_no_fresh_nodes);
+            Placed {
+                ticket: None,
+                debug: debug_on.then(|| format!("fallback=no_fresh_nodes{held}")),
+            }
+        }
+    }
+}
+
+/// Routes the held requests that now have a node (or have waited long enough) and lets them
+/// go. Called from the root's callbacks and from a request's end, which frees room. Envoy
+/// defers the resumption until this VM call returns, so no callback re-enters the VM here.
+/// `current` is the context this runs in, restored as the effective context afterwards.
+fn admit_held(state: &Shared, current: u32) {
+    let Ok(mut guard) = state.try_borrow_mut() else {
+        return;
+    };
+    let Some(s) = guard.as_mut() else { return };
+    if s.held.is_empty() {
+        return;
+    }
+    let now = now_ms();
+    let admitted = s.held.admit(now, &mut s.balancer, &mut s.rng);
+    if admitted.is_empty() {
+        return;
+    }
+    shift(s.metrics.held_now, -(admitted.len() as i64));
+    for (held, outcome) in admitted {
+        if hostcalls::set_effective_context(held.id).is_err() {
+            // The stream is gone without its end being seen: give the booking back.
+            if let Outcome::Routed { ticket, .. } = &outcome {
+                s.balancer.release(ticket, 0);
+            }
+            continue;
+        }
+        let placed = place(
+            s,
+            outcome,
+            held.weight,
+            Some(now.saturating_sub(held.since_ms)),
+        );
+        if let Ok(mut slot) = held.payload.try_borrow_mut() {
+            *slot = Some(placed);
+        }
+        let _ = hostcalls::resume_http_request();
+    }
+    let _ = hostcalls::set_effective_context(current);
+}
+
+/// Moves a gauge by `delta`: every worker VM adds its own changes, so the gauge is the total.
+fn shift(id: u32, delta: i64) {
+    if id != 0 {
+        let _ = hostcalls::increment_metric(id, delta);
+    }
 }
 
 type Shared = Rc<RefCell<Option<State>>>;
 
 #[derive(Default)]
 struct Root {
+    context_id: u32,
     state: Shared,
     /// Outstanding health callouts: token -> node index.
     pending: HashMap<u32, usize>,
@@ -154,11 +288,68 @@ impl Context for Root {
         } else {
             None
         };
-        let Ok(mut guard) = self.state.try_borrow_mut() else {
+        {
+            let Ok(mut guard) = self.state.try_borrow_mut() else {
+                return;
+            };
+            let Some(s) = guard.as_mut() else { return };
+            let result = s.balancer.on_health(node, body.as_deref(), now_ms());
+            self.count_health(s, node, result);
+        }
+        // A fresh report may show room for held requests.
+        admit_held(&self.state, self.context_id);
+    }
+}
+
+impl Root {
+    /// Sends one health callout to every node that has none outstanding.
+    fn poll(&mut self) {
+        let Ok(guard) = self.state.try_borrow() else {
             return;
         };
-        let Some(s) = guard.as_mut() else { return };
-        let result = s.balancer.on_health(node, body.as_deref(), now_ms());
+        let Some(s) = guard.as_ref() else { return };
+        if !self.first_tick_done {
+            self.first_tick_done = true;
+            let _ = hostcalls::set_tick_period(Duration::from_millis(s.config.tick_ms));
+        }
+        let timeout = Duration::from_millis(s.config.health_timeout_ms);
+        for (i, node) in s.config.nodes.iter().enumerate() {
+            // A node whose last poll is still outstanding is not polled again: slow nodes must
+            // not pile up callouts.
+            if self.pending.values().any(|&n| n == i) {
+                continue;
+            }
+            let target = node.health_target();
+            let headers = vec![
+                (":method", "GET"),
+                (":path", node.health_path.as_str()),
+                (":authority", target),
+                (":scheme", "http"),
+                (s.config.health_target_header.as_str(), target),
+                ("user-agent", "token-balancer"),
+            ];
+            match hostcalls::dispatch_http_call(
+                &s.config.health_cluster,
+                headers,
+                None,
+                vec![],
+                timeout,
+            ) {
+                Ok(token) => {
+                    self.pending.insert(token, i);
+                }
+                Err(e) => {
+                    bump(s.metrics.health_failed);
+                    warn!(
+                        "health call to {target} via cluster {:?} could not start: {e:?}",
+                        s.config.health_cluster
+                    );
+                }
+            }
+        }
+    }
+
+    fn count_health(&self, s: &State, node: usize, result: Result<Report, HealthError>) {
         let address = s
             .config
             .nodes
@@ -210,6 +401,7 @@ impl RootContext for Root {
             balancer: Balancer::new(&config),
             rng: SplitMix64::new(seed),
             metrics: Metrics::define(&config),
+            held: HoldQueue::new(config.max_held_requests, config.max_hold_ms),
             config: Rc::new(config),
         };
         info!(
@@ -228,53 +420,15 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let Ok(guard) = self.state.try_borrow() else {
-            return;
-        };
-        let Some(s) = guard.as_ref() else { return };
-        if !self.first_tick_done {
-            self.first_tick_done = true;
-            let _ = hostcalls::set_tick_period(Duration::from_millis(s.config.tick_ms));
-        }
-        let timeout = Duration::from_millis(s.config.health_timeout_ms);
-        for (i, node) in s.config.nodes.iter().enumerate() {
-            // A node whose last poll is still outstanding is not polled again: slow nodes must
-            // not pile up callouts.
-            if self.pending.values().any(|&n| n == i) {
-                continue;
-            }
-            let target = node.health_target();
-            let headers = vec![
-                (":method", "GET"),
-                (":path", node.health_path.as_str()),
-                (":authority", target),
-                (":scheme", "http"),
-                (s.config.health_target_header.as_str(), target),
-                ("user-agent", "token-balancer"),
-            ];
-            match hostcalls::dispatch_http_call(
-                &s.config.health_cluster,
-                headers,
-                None,
-                vec![],
-                timeout,
-            ) {
-                Ok(token) => {
-                    self.pending.insert(token, i);
-                }
-                Err(e) => {
-                    bump(s.metrics.health_failed);
-                    warn!(
-                        "health call to {target} via cluster {:?} could not start: {e:?}",
-                        s.config.health_cluster
-                    );
-                }
-            }
-        }
+        self.poll();
+        // Held requests past their limit leave on the tick, whatever else happens.
+        admit_held(&self.state, self.context_id);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
+            context_id,
+            slot: None,
             state: self.state.clone(),
             api: Api::Other,
             ticket: None,
@@ -293,6 +447,9 @@ impl RootContext for Root {
 }
 
 struct Request {
+    context_id: u32,
+    /// Set while the request is held, until its placement is adopted.
+    slot: Option<Slot>,
     state: Shared,
     api: Api,
     ticket: Option<Ticket>,
@@ -338,63 +495,65 @@ impl Request {
 
     fn route(&mut self, weight: Weight) -> Action {
         self.decided = true;
-        let routed = self.with(|s| {
-            let outcome = s.balancer.route(weight, now_ms(), &mut s.rng);
-            if let Outcome::Routed {
-                ticket,
-                over_ceiling,
-                ..
-            } = &outcome
-            {
-                bump(s.metrics.routed);
-                bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
-                if *over_ceiling {
-                    bump(s.metrics.routed_over_vram_ceiling);
+        let id = self.context_id;
+        let step = self.with(|s| {
+            let now = now_ms();
+            let may_hold = s.held.may_hold();
+            match s.balancer.route(weight, now, &mut s.rng, may_hold) {
+                Outcome::Saturated => {
+                    let slot: Slot = Rc::new(RefCell::new(None));
+                    match s.held.push(id, weight, now, slot.clone()) {
+                        Ok(()) => {
+                            bump(s.metrics.held);
+                            shift(s.metrics.held_now, 1);
+                            Err(slot)
+                        }
+                        // `may_hold` said there was room; route over the ceiling if not.
+                        Err(_) => {
+                            let outcome = s.balancer.route(weight, now, &mut s.rng, false);
+                            Ok(place(s, outcome, weight, None))
+                        }
+                    }
                 }
+                outcome => Ok(place(s, outcome, weight, None)),
             }
-            (outcome, s.config.clone())
         });
-        match routed {
-            Some((
-                Outcome::Routed {
-                    ticket,
-                    header_value,
-                    predicted_seconds,
-                    inflight_before,
-                    ..
-                },
-                config,
-            )) => {
-                if hostcalls::set_map_value(
-                    MapType::HttpRequestHeaders,
-                    &config.routing_header,
-                    Some(&header_value),
-                )
-                .is_err()
-                {
-                    // Without the header Envoy balances on its own; undo the booking.
-                    self.with(|s| {
-                        s.balancer.release(&ticket, 0);
-                        bump(s.metrics.fallback_internal);
-                    });
-                    return Action::Continue;
-                }
-                self.ticket = Some(ticket);
-                if config.debug_header.is_some() {
-                    self.debug = Some(format!(
-                        "node={header_value}; prompt_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}",
-                        ticket.weight.prompt_tokens,
-                        ticket.weight.output_tokens,
-                        weight.output_tokens,
-                        predicted_seconds * 1000.0
-                    ));
-                }
+        match step {
+            Some(Ok(placed)) => {
+                self.ticket = placed.ticket;
+                self.debug = placed.debug;
                 Action::Continue
             }
-            Some((Outcome::NoFreshNodes, ..)) => {
-                self.fallback("no_fresh_nodes", |m| m.fallback_no_fresh_nodes)
+            Some(Err(slot)) => {
+                // Held: whoever admits it sets the header and resumes the request.
+                self.slot = Some(slot);
+                Action::Pause
             }
             None => Action::Continue,
+        }
+    }
+
+    /// Takes over the placement of a request that was held, once it has been admitted.
+    fn adopt(&mut self) {
+        let Some(slot) = &self.slot else { return };
+        let placed = slot.try_borrow_mut().ok().and_then(|mut p| p.take());
+        if let Some(placed) = placed {
+            self.ticket = placed.ticket;
+            self.debug = placed.debug;
+            self.slot = None;
+        }
+    }
+
+    /// The stream ends: a request still held leaves the queue (nothing was booked for it).
+    fn leave_queue(&mut self) {
+        self.adopt();
+        if self.slot.take().is_some() {
+            let id = self.context_id;
+            self.with(|s| {
+                if s.held.remove(id).is_some() {
+                    shift(s.metrics.held_now, -1);
+                }
+            });
         }
     }
 
@@ -479,6 +638,7 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.adopt();
         self.status_ok = matches!(
             hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status"),
             Ok(Some(s)) if s == "200"
@@ -514,13 +674,17 @@ impl HttpContext for Request {
     }
 
     fn on_log(&mut self) {
+        self.leave_queue();
         self.release();
+        // The room this stream held may let a held request go.
+        admit_held(&self.state, self.context_id);
     }
 }
 
 impl Drop for Request {
     /// Belt and braces: a context destroyed without `on_log` still releases its booking.
     fn drop(&mut self) {
+        self.leave_queue();
         self.release();
     }
 }

@@ -6,6 +6,7 @@
 //! arguments and is tested natively and compiled to wasm32-wasip1. The `filter` module is the
 //! thin glue that moves bytes between Envoy and that core; it holds no decision logic.
 
+pub mod admission;
 pub mod balancer;
 pub mod choice;
 pub mod config;

@@ -1,0 +1,244 @@
+//! Admission under saturation: hold a request at the gateway while every node is predicted
+//! over its VRAM ceiling, and bind it to a node only when one has room (late binding).
+//!
+//! Without this, a request that no node can take still has to go somewhere: it lands in the
+//! least-full node's own queue, the engine admits it as soon as the prompt fits, and when the
+//! running sequences then grow past the cache the engine preempts one (a VRAM-overflow event,
+//! and the recompute costs the whole batch). Holding the request in the filter instead keeps
+//! the choice open until a stream ends or a fresh report shows room, and then gives it to the
+//! node that has room at that moment, not the one that looked least bad when it arrived. This
+//! is the late-binding argument of Llumnix (OSDI '24) and of the Kubernetes inference gateway's
+//! flow control, applied inside one Envoy worker.
+//!
+//! The queue is first in, first out: a large request at the head is not overtaken by small
+//! ones forever. Nothing is ever dropped: a request held for `max_hold_ms` is routed anyway, to
+//! the node that overflows least, and a full queue routes new requests at once the same way.
+//! The queue is generic over what the glue keeps per request, so it is tested natively.
+
+use crate::balancer::{Balancer, Outcome};
+use crate::rng::Rng;
+use crate::weight::Weight;
+use std::collections::VecDeque;
+
+/// One request waiting for a node.
+#[derive(Debug)]
+pub struct Held<T> {
+    /// The glue's handle for the request (its proxy-wasm context id).
+    pub id: u32,
+    pub weight: Weight,
+    pub since_ms: u64,
+    pub payload: T,
+}
+
+/// The requests held by one filter instance, oldest first.
+#[derive(Debug)]
+pub struct HoldQueue<T> {
+    entries: VecDeque<Held<T>>,
+    max_len: usize,
+    max_hold_ms: u64,
+}
+
+impl<T> HoldQueue<T> {
+    /// A queue of at most `max_len` requests, each held at most `max_hold_ms`. Either at zero
+    /// disables holding.
+    pub fn new(max_len: usize, max_hold_ms: u64) -> Self {
+        HoldQueue {
+            entries: VecDeque::new(),
+            max_len,
+            max_hold_ms,
+        }
+    }
+
+    /// Whether a request that finds every node over the ceiling may wait here now.
+    pub fn may_hold(&self) -> bool {
+        self.max_hold_ms > 0 && self.entries.len() < self.max_len
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Holds a request. A full or disabled queue gives the payload back: route it now.
+    pub fn push(&mut self, id: u32, weight: Weight, now_ms: u64, payload: T) -> Result<(), T> {
+        if !self.may_hold() {
+            return Err(payload);
+        }
+        self.entries.push_back(Held {
+            id,
+            weight,
+            since_ms: now_ms,
+            payload,
+        });
+        Ok(())
+    }
+
+    /// Takes a request out of the queue without routing it (its stream ended while held).
+    pub fn remove(&mut self, id: u32) -> Option<Held<T>> {
+        let at = self.entries.iter().position(|h| h.id == id)?;
+        self.entries.remove(at)
+    }
+
+    /// Routes held requests from the head for as long as the balancer finds them a node with
+    /// room; a request held past `max_hold_ms` is routed even over the ceiling. Stops at the
+    /// first request that must keep waiting, so the order of arrival is kept.
+    pub fn admit(
+        &mut self,
+        now_ms: u64,
+        balancer: &mut Balancer,
+        rng: &mut dyn Rng,
+    ) -> Vec<(Held<T>, Outcome)> {
+        let mut out = Vec::new();
+        while let Some(head) = self.entries.front() {
+            let expired = now_ms.saturating_sub(head.since_ms) >= self.max_hold_ms;
+            let outcome = balancer.route(head.weight, now_ms, rng, !expired);
+            if matches!(outcome, Outcome::Saturated) {
+                break;
+            }
+            match self.entries.pop_front() {
+                Some(held) => out.push((held, outcome)),
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::rng::SplitMix64;
+    use crate::telemetry::Report;
+
+    /// One node with a 1,000-token cache and a 0.9 ceiling.
+    fn balancer() -> Balancer {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":1000}]}"#,
+        )
+        .unwrap();
+        Balancer::new(&cfg)
+    }
+
+    fn report(balancer: &mut Balancer, kv_used: f64, now_ms: u64) {
+        let body = format!(
+            r#"{{"tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":{kv_used}}}"#
+        );
+        let r: Report = balancer
+            .on_health(0, Some(body.as_bytes()), now_ms)
+            .unwrap();
+        assert_eq!(r.kv_cache_usage, Some(kv_used));
+    }
+
+    fn w(prompt: u64) -> Weight {
+        Weight {
+            prompt_tokens: prompt,
+            output_tokens: 10,
+        }
+    }
+
+    #[test]
+    fn a_full_node_holds_then_admits_in_order_when_room_appears() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(1);
+        report(&mut b, 0.85, 0);
+        // 850 used + 100 + 10 > 900: over the ceiling, so the balancer asks to hold.
+        assert!(matches!(
+            b.route(w(100), 0, &mut rng, true),
+            Outcome::Saturated
+        ));
+        let mut q = HoldQueue::new(8, 5_000);
+        q.push(1, w(100), 0, "first").unwrap();
+        q.push(2, w(20), 10, "second").unwrap();
+        assert!(q.admit(100, &mut b, &mut rng).is_empty());
+        assert_eq!(q.len(), 2);
+        // The node drains: both fit, and they leave in the order they came.
+        report(&mut b, 0.1, 200);
+        let out = q.admit(200, &mut b, &mut rng);
+        let order: Vec<_> = out.iter().map(|(h, _)| h.payload).collect();
+        assert_eq!(order, vec!["first", "second"]);
+        assert!(out
+            .iter()
+            .all(|(_, o)| matches!(o, Outcome::Routed { over_ceiling, .. } if !over_ceiling)));
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn the_head_blocks_smaller_requests_behind_it() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(2);
+        report(&mut b, 0.5, 0);
+        let mut q = HoldQueue::new(8, 5_000);
+        q.push(1, w(600), 0, ()).unwrap(); // 500 + 600 + 10 > 900
+        q.push(2, w(10), 0, ()).unwrap(); // would fit on its own
+        assert!(q.admit(10, &mut b, &mut rng).is_empty());
+        assert_eq!(q.len(), 2);
+    }
+
+    #[test]
+    fn a_request_held_too_long_is_routed_over_the_ceiling() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(3);
+        report(&mut b, 0.95, 0);
+        let mut q = HoldQueue::new(8, 1_000);
+        q.push(1, w(10), 0, ()).unwrap();
+        q.push(2, w(10), 600, ()).unwrap();
+        let out = q.admit(1_000, &mut b, &mut rng);
+        assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
+        assert_eq!(out[0].0.id, 1);
+        assert!(matches!(
+            out[0].1,
+            Outcome::Routed {
+                over_ceiling: true,
+                ..
+            }
+        ));
+        assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn stale_telemetry_releases_everything_to_the_fallback() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(4);
+        report(&mut b, 0.95, 0);
+        let mut q = HoldQueue::new(8, 1_000_000);
+        q.push(1, w(10), 0, ()).unwrap();
+        // Long after the report went stale, no node is fresh: the request leaves for Envoy's
+        // own balancer instead of waiting for a report that may never come.
+        let out = q.admit(100_000, &mut b, &mut rng);
+        assert!(matches!(out[0].1, Outcome::NoFreshNodes));
+    }
+
+    #[test]
+    fn bounds_and_disabling() {
+        let mut q = HoldQueue::new(2, 1_000);
+        assert!(q.push(1, w(1), 0, 'a').is_ok());
+        assert!(q.push(2, w(1), 0, 'b').is_ok());
+        assert_eq!(q.push(3, w(1), 0, 'c'), Err('c'));
+        assert_eq!(q.remove(1).map(|h| h.payload), Some('a'));
+        assert!(q.remove(1).is_none());
+        assert!(q.may_hold());
+        let mut off: HoldQueue<char> = HoldQueue::new(8, 0);
+        assert!(!off.may_hold());
+        assert_eq!(off.push(1, w(1), 0, 'x'), Err('x'));
+        let mut none: HoldQueue<char> = HoldQueue::new(0, 1_000);
+        assert_eq!(none.push(1, w(1), 0, 'y'), Err('y'));
+    }
+
+    #[test]
+    fn without_a_hold_the_balancer_still_routes_over_the_ceiling() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(5);
+        report(&mut b, 0.95, 0);
+        assert!(matches!(
+            b.route(w(10), 0, &mut rng, false),
+            Outcome::Routed {
+                over_ceiling: true,
+                ..
+            }
+        ));
+    }
+}

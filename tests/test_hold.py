@@ -1,0 +1,124 @@
+"""Holding under saturation, through the real Envoy: a request that every node would overflow
+waits in the filter (late binding) and goes to the first node that reports room; it is never
+lost — a request held past max_hold_ms is routed anyway, and one whose client leaves while held
+leaves the queue."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+
+import pytest
+
+from harness import (KV_BYTES_PER_TOKEN, Envoy, MockCluster, chat, envoy_config, free_port,
+                     wait_until)
+
+TICK_MS = 100
+KV_TOKENS = 20_000
+TOTAL = KV_TOKENS * KV_BYTES_PER_TOKEN
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = MockCluster([("node-a", f"gpu=h100,kv_tokens={KV_TOKENS}"),
+                     ("node-b", f"gpu=h100,kv_tokens={KV_TOKENS}")])
+    yield c
+    c.stop()
+
+
+def start_envoy(cluster, max_hold_ms: int) -> Envoy:
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": 60_000,
+                               "max_hold_ms": max_hold_ms})
+    return Envoy(cfg)
+
+
+def polls_seen(cluster, rounds: int = 3):
+    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
+    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
+                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+
+
+def served(cluster) -> int:
+    return sum(n.stats()["requests_total"] for n in cluster.nodes)
+
+
+def fill(node, share: float):
+    node.set_health(tokens_per_sec_load=0, vram_used_bytes=int(TOTAL * share), vram_total_bytes=TOTAL)
+
+
+@pytest.fixture(autouse=True)
+def clean(cluster):
+    for n in cluster.nodes:
+        n.reset_health()
+    yield
+
+
+def test_a_request_waits_for_room_and_goes_to_the_node_that_frees(cluster):
+    envoy = start_envoy(cluster, max_hold_ms=60_000)
+    try:
+        fill(cluster[0], 0.99)
+        fill(cluster[1], 0.99)
+        polls_seen(cluster)
+        before = served(cluster)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(envoy.post, "/v1/chat/completions", chat("hello", 4), None, 60)
+            wait_until(lambda: envoy.counter("token_balancer.held_now") == 1, 10, "the request to be held")
+            assert envoy.counter("token_balancer.held") == 1
+            assert not pending.done()
+            # Held, not sent: neither node has seen it.
+            assert served(cluster) == before
+            cluster[1].reset_health()  # node-b drains
+            r = pending.result(timeout=20)
+        assert r.status == 200, r.body[:200]
+        assert r.headers["x-mock-node"] == "node-b"
+        debug = r.headers["x-token-balancer"]
+        assert "held_ms=" in debug and debug.startswith(f"node={cluster[1].address}"), debug
+        assert envoy.counter("token_balancer.held_now") == 0
+        assert envoy.counter("token_balancer.held_routed_over_ceiling") == 0
+    finally:
+        envoy.stop()
+
+
+def test_a_request_held_past_the_limit_is_routed_anyway(cluster):
+    envoy = start_envoy(cluster, max_hold_ms=300)
+    try:
+        fill(cluster[0], 0.95)
+        fill(cluster[1], 0.99)
+        polls_seen(cluster)
+        r = envoy.post("/v1/chat/completions", chat("hello", 4), timeout=20)
+        assert r.status == 200, r.body[:200]
+        # Least overflow wins once the wait is over.
+        assert r.headers["x-mock-node"] == "node-a"
+        held_ms = int(r.headers["x-token-balancer"].split("held_ms=")[1].split(";")[0])
+        assert 300 <= held_ms < 300 + 5 * TICK_MS, held_ms
+        assert envoy.counter("token_balancer.held_routed_over_ceiling") == 1
+        assert envoy.counter("token_balancer.held_now") == 0
+    finally:
+        envoy.stop()
+
+
+def test_a_client_that_leaves_while_held_leaves_the_queue(cluster):
+    envoy = start_envoy(cluster, max_hold_ms=60_000)
+    try:
+        fill(cluster[0], 0.99)
+        fill(cluster[1], 0.99)
+        polls_seen(cluster)
+        before = served(cluster)
+        body = json.dumps(chat("hello", 4)).encode()
+        s = socket.create_connection(("127.0.0.1", envoy.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: envoy.counter("token_balancer.held_now") == 1, 10, "the request to be held")
+        s.close()
+        wait_until(lambda: envoy.counter("token_balancer.held_now") == 0, 10, "the queue to empty")
+        # Nothing was booked for it and nothing is sent once room appears.
+        for n in cluster.nodes:
+            n.reset_health()
+        polls_seen(cluster)
+        assert served(cluster) == before
+        r = envoy.post("/v1/chat/completions", chat("hello", 4))
+        assert r.status == 200 and "held_ms" not in r.headers["x-token-balancer"]
+    finally:
+        envoy.stop()

@@ -37,6 +37,10 @@ TRACES = {"azure": ("azure", DATA / "AzureLLMInferenceTrace_conv.csv"),
 # Two fast and two slow GPUs (presets in examples/mock-node/src/engine.rs).
 CLUSTER = [("fast-1", "gpu=a100"), ("fast-2", "gpu=a100"), ("slow-1", "gpu=l4"), ("slow-2", "gpu=l4")]
 POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]
+# Ablations of token-balancer, run only when named in --policies: the shipped configuration
+# with one setting changed.
+VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
+            "tb_hold_at_ceiling": {"hold_kv_ceiling": 0.9}}
 # Envoy's client_side_weighted_round_robin, weighing nodes by the ORCA load reports the mock
 # sends in its `endpoint-load-metrics` response header (qps / utilization).
 CSWRR = {"policies": [{"typed_extension_config": {
@@ -54,6 +58,7 @@ def envoy_for(policy: str, nodes: list[str]) -> dict:
     plugin = {"debug_header": None}
     if policy == "naive_seed":
         plugin["policy"] = "least_reported_load"
+    plugin.update(VARIANTS.get(policy, {}))
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin)
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())
@@ -93,7 +98,7 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
     envoy = None
     try:
         envoy = Envoy(envoy_for(policy, [n.address for n in cluster.nodes]))
-        if policy in ("naive_seed", "token_balancer"):
+        if policy in ("naive_seed", "token_balancer", *VARIANTS):
             wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2 * len(CLUSTER), 10,
                        "first health reports")
         sampler = Sampler(cluster, 0.25)
@@ -249,9 +254,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p]
-    unknown = set(policies) - set(POLICIES)
+    unknown = set(policies) - set(POLICIES) - set(VARIANTS)
     if unknown:
-        ap.error(f"unknown policies {sorted(unknown)}; known: {POLICIES}")
+        ap.error(f"unknown policies {sorted(unknown)}; known: {POLICIES + sorted(VARIANTS)}")
     kind, path = TRACES[args.trace]
     if not path.exists():
         print(f"bench: trace {path} not found (the shared data folder sits beside the repository); skipping")

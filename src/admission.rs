@@ -117,7 +117,8 @@ mod tests {
     /// One node with a 1,000-token cache and a 0.9 ceiling.
     fn balancer() -> Balancer {
         let cfg = Config::parse(
-            br#"{"health_cluster":"h","nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":1000}]}"#,
+            br#"{"health_cluster":"h","nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":1000}],
+                 "hold_kv_ceiling":0.9}"#,
         )
         .unwrap();
         Balancer::new(&cfg)
@@ -226,6 +227,30 @@ mod tests {
         assert_eq!(off.push(1, w(1), 0, 'x'), Err('x'));
         let mut none: HoldQueue<char> = HoldQueue::new(0, 1_000);
         assert_eq!(none.push(1, w(1), 0, 'y'), Err('y'));
+    }
+
+    #[test]
+    fn by_default_only_what_would_outgrow_the_whole_cache_is_held() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":1000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(6);
+        report(&mut b, 0.85, 0);
+        // 0.85 + 0.11 passes the 0.9 ceiling but fits the cache: routed, flagged.
+        assert!(matches!(
+            b.route(w(100), 0, &mut rng, true),
+            Outcome::Routed {
+                over_ceiling: true,
+                ..
+            }
+        ));
+        // 0.85 + 0.11 booked + 0.11 more: past the whole cache, held.
+        assert!(matches!(
+            b.route(w(100), 0, &mut rng, true),
+            Outcome::Saturated
+        ));
     }
 
     #[test]

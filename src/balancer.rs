@@ -5,9 +5,9 @@
 //! `now_ms` and randomness as a `Rng`, so every behaviour is tested natively and, compiled to
 //! wasm32-wasip1, in the same instruction set the filter ships in.
 
-use crate::choice::{self, Decision, Params};
+use crate::choice::{self, Decision, Growth, Params};
 use crate::config::Config;
-use crate::node::{NodeState, Ticket};
+use crate::node::{NodeState, Ticket, Transition};
 use crate::rng::Rng;
 use crate::telemetry::{self, Report, ReportError};
 use crate::weight::Weight;
@@ -19,9 +19,10 @@ const MEAN_ALPHA: f64 = 0.05;
 /// Completed streams needed before the learned output length replaces the body's cap: a
 /// mean of a handful is noise.
 const MIN_OUTPUT_SAMPLES: u64 = 20;
-/// Standard deviations above the mean output reserved as KV growth (1.3: about the 90th
-/// percentile of a normal; output lengths are skewed right, so this is a floor, not a bound).
-const RESERVE_SIGMAS: f64 = 1.3;
+/// Standard deviations of the output of a node's in-flight requests, taken together, reserved
+/// as KV growth beyond their means (2: a 2% chance a node's total outgrows it if lengths were
+/// normal and independent; they are skewed right, so this is a floor, not a bound).
+const RESERVE_SIGMAS: f64 = 2.0;
 
 /// How a routed request left the filter.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +49,8 @@ pub struct Balancer {
     nodes: Vec<NodeState>,
     params: Params,
     max_hosts: usize,
+    /// Predicted KV use the least-full node must pass before a request is held.
+    hold_kv_ceiling: f64,
     mean_request_tokens: Option<f64>,
     /// Mean and variance of the output length of the streams seen to completion, and how many.
     mean_output_tokens: f64,
@@ -61,7 +64,10 @@ impl Balancer {
             nodes: cfg
                 .nodes
                 .iter()
-                .map(|n| NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens))
+                .map(|n| {
+                    NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
+                        .with_hysteresis(cfg.unhealthy_after_failures, cfg.healthy_after_successes)
+                })
                 .collect(),
             params: Params {
                 rule: cfg.policy,
@@ -70,6 +76,7 @@ impl Balancer {
                 kv_bytes_per_token: cfg.kv_bytes_per_token,
             },
             max_hosts: cfg.max_hosts_in_header,
+            hold_kv_ceiling: cfg.hold_kv_ceiling,
             mean_request_tokens: None,
             mean_output_tokens: 0.0,
             var_output_tokens: 0.0,
@@ -94,19 +101,26 @@ impl Balancer {
             return Err(HealthError::UnknownNode);
         };
         let Some(body) = body else {
-            state.note_failure();
+            let _ = state.note_failure();
             return Err(HealthError::CallFailed);
         };
         match telemetry::parse_health(body) {
             Ok(report) => {
-                state.accept_report(report, now_ms);
+                let _ = state.accept_report(report, now_ms);
                 Ok(report)
             }
             Err(e) => {
-                state.note_failure();
+                let _ = state.note_failure();
                 Err(HealthError::Unparsable(e))
             }
         }
+    }
+
+    /// Whether node `node` was ejected or readmitted since this was last asked.
+    pub fn take_transition(&mut self, node: usize) -> Option<Transition> {
+        self.nodes
+            .get_mut(node)
+            .and_then(NodeState::take_transition)
     }
 
     /// What a request is expected to cost: its prompt, and as output the smaller of its cap and
@@ -125,15 +139,20 @@ impl Balancer {
         }
     }
 
-    /// Output tokens to reserve as KV growth for a request capped at `cap`: the learned mean
-    /// plus `RESERVE_SIGMAS` standard deviations (about the 90th percentile), never above the
-    /// cap; the cap itself until enough streams have completed.
-    pub fn reserved_output(&self, cap: u64) -> u64 {
+    /// KV growth to reserve for a request capped at `cap`: its expected output (the cap until
+    /// enough streams have completed), and the pooled margin of `RESERVE_SIGMAS` standard
+    /// deviations per square root of the requests in flight (see `choice`).
+    pub fn growth(&self, cap: u64) -> Growth {
         if self.output_samples < MIN_OUTPUT_SAMPLES {
-            return cap;
+            return Growth {
+                own: cap,
+                margin_per_sqrt: 0.0,
+            };
         }
-        let high = self.mean_output_tokens + RESERVE_SIGMAS * self.var_output_tokens.sqrt();
-        cap.min(high.ceil() as u64)
+        Growth {
+            own: cap.min(self.mean_output_tokens.ceil() as u64),
+            margin_per_sqrt: RESERVE_SIGMAS * self.var_output_tokens.max(0.0).sqrt(),
+        }
     }
 
     /// A stream completed normally with `tokens` output tokens.
@@ -158,23 +177,23 @@ impl Balancer {
         rng: &mut dyn Rng,
         may_hold: bool,
     ) -> Outcome {
-        let reserved = self.reserved_output(weight.output_tokens);
+        let growth = self.growth(weight.output_tokens);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
-        let (ranked, over_ceiling) = match choice::decide(
-            &self.nodes,
-            weight,
-            reserved,
-            mean,
-            now_ms,
-            &self.params,
-            rng,
-        ) {
-            Decision::Route(r) => (r, false),
-            Decision::AllOverCeiling(_) if may_hold => return Outcome::Saturated,
-            Decision::AllOverCeiling(r) => (r, true),
-            Decision::NoFreshNodes => return Outcome::NoFreshNodes,
-        };
+        let (ranked, over_ceiling) =
+            match choice::decide(&self.nodes, weight, growth, mean, now_ms, &self.params, rng) {
+                Decision::Route(r) => (r, false),
+                Decision::AllOverCeiling(r)
+                    if may_hold
+                        && r.first()
+                            .and_then(|x| x.kv_fraction)
+                            .is_some_and(|f| f > self.hold_kv_ceiling) =>
+                {
+                    return Outcome::Saturated
+                }
+                Decision::AllOverCeiling(r) => (r, true),
+                Decision::NoFreshNodes => return Outcome::NoFreshNodes,
+            };
         let Some(first) = ranked.first().copied() else {
             return Outcome::NoFreshNodes;
         };
@@ -188,7 +207,7 @@ impl Balancer {
             return Outcome::NoFreshNodes;
         };
         let inflight_before = state.inflight_requests;
-        let ticket = state.dispatch_reserving(first.node, weight, reserved);
+        let ticket = state.dispatch_reserving(first.node, weight, growth.own);
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
             ticket,
@@ -273,7 +292,8 @@ mod tests {
 
     #[test]
     fn failed_or_garbage_polls_keep_the_last_good_report() {
-        let mut b = Balancer::new(&cfg(1, ""));
+        // Three failures to eject: two failed polls keep the last good report in use.
+        let mut b = Balancer::new(&cfg(1, r#","unhealthy_after_failures":3"#));
         assert_eq!(
             b.route(W, 0, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes
@@ -296,6 +316,25 @@ mod tests {
             b.route(W, 3001, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes
         );
+        assert_eq!(b.take_transition(0), None);
+        // The third failure in a row takes the node out of the choice at once.
+        assert_eq!(b.on_health(0, None, 300), Err(HealthError::CallFailed));
+        assert_eq!(b.take_transition(0), Some(Transition::Ejected));
+        assert_eq!(b.take_transition(0), None);
+        b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 400)
+            .unwrap();
+        assert_eq!(
+            b.route(W, 400, &mut SplitMix64::new(1), false),
+            Outcome::NoFreshNodes,
+            "one good poll is not enough to come back"
+        );
+        b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 500)
+            .unwrap();
+        assert_eq!(b.take_transition(0), Some(Transition::Readmitted));
+        assert!(matches!(
+            b.route(W, 500, &mut SplitMix64::new(1), false),
+            Outcome::Routed { .. }
+        ));
     }
 
     #[test]
@@ -345,9 +384,12 @@ mod tests {
             b.observe_output(if i % 2 == 0 { 100 } else { 300 });
         }
         assert_eq!(b.expected(capped).output_tokens, 200);
-        // Outputs of 100 and 300: sd 100, so 200 + 1.3 * 100 is reserved as growth.
-        assert_eq!(b.reserved_output(1024), 330);
-        assert_eq!(b.reserved_output(250), 250);
+        // Outputs of 100 and 300: each request books the mean, 200, and the node's pooled
+        // margin is 2 sd = 200 per square root of its requests in flight.
+        let g = b.growth(1024);
+        assert_eq!(g.own, 200);
+        assert!((g.margin_per_sqrt - 200.0).abs() < 1e-6, "{g:?}");
+        assert_eq!(b.growth(150).own, 150);
         // Never above the request's own cap.
         let small = Weight {
             prompt_tokens: 10,
@@ -362,9 +404,9 @@ mod tests {
             panic!("not routed")
         };
         assert_eq!(ticket.weight.output_tokens, 200);
-        assert_eq!(b.nodes()[0].growth_tokens, 330);
+        assert_eq!(b.nodes()[0].growth_tokens, 200);
         b.progress(&ticket, 0, 150);
-        assert_eq!(b.nodes()[0].growth_tokens, 180);
+        assert_eq!(b.nodes()[0].growth_tokens, 50);
         b.release(&ticket, 150);
         assert_eq!(
             (b.nodes()[0].growth_tokens, b.nodes()[0].inflight_tokens),

@@ -25,9 +25,13 @@
 //! use plus what is still to come: the prompts sent since the report, the output the requests in
 //! flight may still generate (running sequences grow one KV slot a token; ignoring that growth
 //! is how a node that looks 85% full overflows a minute later), and this request's own prompt
-//! and output. Output is reserved at a high estimate (the learned mean plus 1.3 standard
-//! deviations, about the 90th percentile, never above the request's cap), while the time
-//! estimate uses the mean: safety wants the tail, speed the average.
+//! and output. Output is booked at the learned mean, and the uncertainty is reserved once per
+//! node for everything in flight there: z standard deviations of one output times the square
+//! root of the number in flight (the standard deviation of a sum of independent lengths), not
+//! z deviations per request. Reserving each request at its own 90th percentile assumes they
+//! all run long at once; with 60 sequences on a node that books several times the growth that
+//! happens, keeps the cache a third empty and, with holding, makes requests wait for room that
+//! is there. Before enough outputs are learned, each request books its cap instead.
 //! When every fresh node would overflow, the decision says so (`AllOverCeiling`, least overflow
 //! first): the caller either holds the request until a node has room (`admission`, when
 //! `max_hold_ms` is set) or sends it to the one that overflows least.
@@ -97,11 +101,22 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
     }
 }
 
+/// The KV growth to reserve: this request's expected output, and the margin for the
+/// uncertainty of the output of everything in flight on a node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Growth {
+    /// Output tokens this request is expected to add to the cache.
+    pub own: u64,
+    /// Margin per square root of the number of requests in flight on the node (z times the
+    /// standard deviation of one output length); 0 when nothing is learned yet.
+    pub margin_per_sqrt: f64,
+}
+
 /// Ranks the fresh nodes for a request of `weight`.
 pub fn decide(
     nodes: &[NodeState],
     weight: Weight,
-    reserved_output: u64,
+    growth: Growth,
     mean_request_tokens: f64,
     now_ms: u64,
     p: &Params,
@@ -155,11 +170,13 @@ pub fn decide(
         let seconds = (backlog + w) / spare;
         // KV still to come: prompts sent since the report, the output reserved for everything
         // in flight, and this request's own prompt and reserved output.
+        let margin = growth.margin_per_sqrt * ((n.inflight_requests + 1) as f64).sqrt();
         let kv_extra = n
             .unreflected_prompt_tokens
             .saturating_add(n.growth_tokens)
             .saturating_add(weight.prompt_tokens)
-            .saturating_add(reserved_output);
+            .saturating_add(growth.own)
+            .saturating_add(margin.ceil() as u64);
         let kv = kv_fraction(n, r, kv_extra, p);
         let ranked = Ranked {
             node: i,
@@ -231,11 +248,19 @@ mod tests {
         }
     }
 
+    const NO_MARGIN: Growth = Growth {
+        own: 1,
+        margin_per_sqrt: 0.0,
+    };
+
     fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
         decide(
             nodes,
             weight,
-            weight.output_tokens,
+            Growth {
+                own: weight.output_tokens,
+                margin_per_sqrt: 0.0,
+            },
             100.0,
             now,
             &P,
@@ -405,6 +430,43 @@ mod tests {
         assert!(matches!(run(&[n], w(400, 0), 2000), Decision::Route(_)));
     }
 
+    /// The uncertainty of in-flight output is pooled per node: sixteen requests booked at
+    /// their mean of 100 leave room for one more with a margin of 2 sd x sqrt(17), where
+    /// booking each at mean + 2 sd (17 x 300 tokens: 1.01 of the cache) would call it full.
+    #[test]
+    fn growth_margin_is_pooled_over_the_requests_in_flight() {
+        let mut n = node(Some(Report {
+            kv_cache_usage: Some(0.5),
+            ..rep(0.0, Some(1000.0))
+        }));
+        n.kv_cache_tokens = Some(10_000);
+        for _ in 0..16 {
+            n.dispatch(0, w(0, 100));
+        }
+        let decide_with = |margin_per_sqrt: f64| {
+            decide(
+                std::slice::from_ref(&n),
+                w(100, 100),
+                Growth {
+                    own: 100,
+                    margin_per_sqrt,
+                },
+                100.0,
+                2000,
+                &P,
+                &mut SplitMix64::new(1),
+            )
+        };
+        // sd 100: 0.5 + (1600 + 100 + 100 + 200 * sqrt(17)) / 10000 = 0.76
+        let Decision::Route(r) = decide_with(200.0) else {
+            panic!("the node has room")
+        };
+        let kv = r[0].kv_fraction.unwrap();
+        assert!((kv - 0.7625).abs() < 1e-3, "{kv}");
+        // sd 300: 0.5 + (1800 + 600 * sqrt(17)) / 10000 = 0.93, over the ceiling.
+        assert!(matches!(decide_with(600.0), Decision::AllOverCeiling(_)));
+    }
+
     #[test]
     fn all_over_ceiling_orders_by_least_overflow() {
         let full = |used: f64| {
@@ -466,7 +528,10 @@ mod tests {
             let d = decide(
                 &nodes,
                 w(500, 500),
-                500,
+                Growth {
+                    own: 500,
+                    margin_per_sqrt: 0.0,
+                },
                 100.0,
                 2000,
                 &naive,
@@ -483,12 +548,28 @@ mod tests {
         let mut rng = SplitMix64::new(42);
         let mut seen = [0usize; 4];
         for _ in 0..200 {
-            let d = decide(&nodes, w(1, 1), 1, 1.0, 2000, &P, &mut rng);
+            let d = decide(&nodes, w(1, 1), NO_MARGIN, 1.0, 2000, &P, &mut rng);
             seen[order(&d)[0]] += 1;
         }
         assert!(seen.iter().all(|&s| s > 20), "ties spread: {seen:?}");
-        let a = decide(&nodes, w(1, 1), 1, 1.0, 2000, &P, &mut SplitMix64::new(9));
-        let b = decide(&nodes, w(1, 1), 1, 1.0, 2000, &P, &mut SplitMix64::new(9));
+        let a = decide(
+            &nodes,
+            w(1, 1),
+            NO_MARGIN,
+            1.0,
+            2000,
+            &P,
+            &mut SplitMix64::new(9),
+        );
+        let b = decide(
+            &nodes,
+            w(1, 1),
+            NO_MARGIN,
+            1.0,
+            2000,
+            &P,
+            &mut SplitMix64::new(9),
+        );
         assert_eq!(a, b);
     }
 }

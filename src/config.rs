@@ -77,6 +77,16 @@ pub struct Config {
     pub max_hold_ms: u64,
     /// Most requests held at once per Envoy worker; more are routed at once.
     pub max_held_requests: usize,
+    /// Predicted KV use (at or above `vram_ceiling`) that even the least-full node must pass
+    /// for a request to be held; below it, but over the ceiling, the request goes to that node.
+    /// Default 1.0 (or `vram_ceiling` if that is higher): hold only what would outgrow the
+    /// whole cache.
+    pub hold_kv_ceiling: f64,
+    /// Failed health polls in a row that take a node out of the choice (before its last report
+    /// goes stale).
+    pub unhealthy_after_failures: u32,
+    /// Good health polls in a row that bring an ejected node back.
+    pub healthy_after_successes: u32,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -96,6 +106,9 @@ const CONFIG_FIELDS: &[&str] = &[
     "policy",
     "max_hold_ms",
     "max_held_requests",
+    "hold_kv_ceiling",
+    "unhealthy_after_failures",
+    "healthy_after_successes",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -366,9 +379,29 @@ impl Config {
             ));
         }
         let max_held_requests = f.uint("max_held_requests")?.unwrap_or(1024);
+        let hold_kv_ceiling = f
+            .number("hold_kv_ceiling")?
+            .unwrap_or(vram_ceiling.max(1.0));
+        if !(hold_kv_ceiling >= vram_ceiling && hold_kv_ceiling <= 2.0) {
+            return Err(err(
+                "hold_kv_ceiling",
+                format!("must be between vram_ceiling ({vram_ceiling}) and 2"),
+            ));
+        }
+        let threshold = |name: &str| -> Result<u32, ConfigError> {
+            match f.uint(name)?.unwrap_or(2) {
+                n @ 1..=100 => Ok(n as u32),
+                _ => Err(err(name, "must be between 1 and 100 polls")),
+            }
+        };
+        let unhealthy_after_failures = threshold("unhealthy_after_failures")?;
+        let healthy_after_successes = threshold("healthy_after_successes")?;
         Ok(Config {
             policy,
             max_hold_ms,
+            hold_kv_ceiling,
+            unhealthy_after_failures,
+            healthy_after_successes,
             max_held_requests: usize::try_from(max_held_requests).unwrap_or(usize::MAX),
             nodes,
             health_cluster,
@@ -413,6 +446,9 @@ mod tests {
         assert_eq!(c.policy, Rule::TokenThroughput);
         assert_eq!(c.max_hold_ms, 0);
         assert_eq!(c.max_held_requests, 1024);
+        assert_eq!(c.hold_kv_ceiling, 1.0);
+        assert_eq!(c.unhealthy_after_failures, 2);
+        assert_eq!(c.healthy_after_successes, 2);
         assert_eq!(c.nodes[0].health_path, "/health");
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
     }
@@ -484,6 +520,10 @@ mod tests {
             (with(r#""max_hold_ms":600001"#), "max_hold_ms"),
             (with(r#""max_hold_ms":-5"#), "max_hold_ms"),
             (with(r#""max_held_requests":"many""#), "max_held_requests"),
+            (with(r#""unhealthy_after_failures":0"#), "unhealthy_after_failures"),
+            (with(r#""hold_kv_ceiling":0.5"#), "hold_kv_ceiling"),
+            (with(r#""hold_kv_ceiling":3"#), "hold_kv_ceiling"),
+            (with(r#""healthy_after_successes":101"#), "healthy_after_successes"),
         ];
         for (json, field) in cases {
             let e = Config::parse(json.as_bytes()).expect_err(&json);

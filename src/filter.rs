@@ -14,7 +14,7 @@
 use crate::admission::HoldQueue;
 use crate::balancer::{Balancer, HealthError, Outcome};
 use crate::config::Config;
-use crate::node::Ticket;
+use crate::node::{Ticket, Transition};
 use crate::rng::SplitMix64;
 use crate::telemetry::Report;
 use crate::usage;
@@ -52,6 +52,17 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Why a health callout brought no body to parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallFailure {
+    /// Refused, reset or timed out: no response at all.
+    NoAnswer,
+    /// A response other than 200.
+    BadStatus,
+    /// A 200 whose body is over the read limit.
+    TooLarge,
+}
+
 /// Envoy counters (they appear under `wasmcustom.` in Envoy's stats).
 #[derive(Default)]
 struct Metrics {
@@ -70,6 +81,11 @@ struct Metrics {
     health_ok: u32,
     health_failed: u32,
     health_unparsable: u32,
+    health_no_answer: u32,
+    health_bad_status: u32,
+    health_too_large: u32,
+    nodes_ejected: u32,
+    nodes_readmitted: u32,
     node_picks: Vec<u32>,
     node_health_failures: Vec<u32>,
 }
@@ -112,6 +128,11 @@ impl Metrics {
             health_ok: counter(&format!("{p}.health.ok")),
             health_failed: counter(&format!("{p}.health.failed")),
             health_unparsable: counter(&format!("{p}.health.unparsable")),
+            health_no_answer: counter(&format!("{p}.health.no_answer")),
+            health_bad_status: counter(&format!("{p}.health.bad_status")),
+            health_too_large: counter(&format!("{p}.health.too_large")),
+            nodes_ejected: counter(&format!("{p}.nodes_ejected")),
+            nodes_readmitted: counter(&format!("{p}.nodes_readmitted")),
             node_picks: cfg
                 .nodes
                 .iter()
@@ -276,17 +297,20 @@ impl Context for Root {
         let Some(node) = self.pending.remove(&token) else {
             return;
         };
-        // A timed-out or reset callout has no :status.
-        let ok = matches!(
-            hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status"),
-            Ok(Some(s)) if s == "200"
-        );
-        let body = if ok && body_size <= MAX_HEALTH_BODY {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .map(|b| b.unwrap_or_default())
-        } else {
-            None
+        // A timed-out, refused or reset callout has no :status.
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let (body, failure) = match status.as_deref() {
+            None => (None, Some(CallFailure::NoAnswer)),
+            Some("200") if body_size > MAX_HEALTH_BODY => (None, Some(CallFailure::TooLarge)),
+            Some("200") => (
+                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .map(|b| b.unwrap_or_default()),
+                None,
+            ),
+            Some(_) => (None, Some(CallFailure::BadStatus)),
         };
         {
             let Ok(mut guard) = self.state.try_borrow_mut() else {
@@ -294,7 +318,7 @@ impl Context for Root {
             };
             let Some(s) = guard.as_mut() else { return };
             let result = s.balancer.on_health(node, body.as_deref(), now_ms());
-            self.count_health(s, node, result);
+            self.count_health(s, node, result, failure, status.as_deref());
         }
         // A fresh report may show room for held requests.
         admit_held(&self.state, self.context_id);
@@ -349,7 +373,14 @@ impl Root {
         }
     }
 
-    fn count_health(&self, s: &State, node: usize, result: Result<Report, HealthError>) {
+    fn count_health(
+        &self,
+        s: &mut State,
+        node: usize,
+        result: Result<Report, HealthError>,
+        failure: Option<CallFailure>,
+        status: Option<&str>,
+    ) {
         let address = s
             .config
             .nodes
@@ -373,10 +404,43 @@ impl Root {
                     }
                     HealthError::CallFailed | HealthError::UnknownNode => {
                         bump(s.metrics.health_failed);
-                        debug!("health call to {address} failed");
+                        match failure {
+                            Some(CallFailure::NoAnswer) | None => {
+                                bump(s.metrics.health_no_answer);
+                                debug!("health call to {address}: no answer (refused, reset or timed out)");
+                            }
+                            Some(CallFailure::BadStatus) => {
+                                bump(s.metrics.health_bad_status);
+                                debug!(
+                                    "health call to {address}: status {}",
+                                    status.unwrap_or("?")
+                                );
+                            }
+                            Some(CallFailure::TooLarge) => {
+                                bump(s.metrics.health_too_large);
+                                debug!("health answer from {address} over {MAX_HEALTH_BODY} bytes, not read");
+                            }
+                        }
                     }
                 }
             }
+        }
+        match s.balancer.take_transition(node) {
+            Some(Transition::Ejected) => {
+                bump(s.metrics.nodes_ejected);
+                warn!(
+                    "node {address} taken out of the choice after {} failed health polls in a row",
+                    s.config.unhealthy_after_failures
+                );
+            }
+            Some(Transition::Readmitted) => {
+                bump(s.metrics.nodes_readmitted);
+                info!(
+                    "node {address} back in the choice after {} good health polls in a row",
+                    s.config.healthy_after_successes
+                );
+            }
+            None => {}
         }
     }
 }

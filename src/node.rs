@@ -15,6 +15,11 @@
 //! that only compares the present use with a ceiling fills a node until its running sequences
 //! outgrow the cache and the engine preempts (the VRAM overflow). Counting the growth still to
 //! come is what makes the ceiling predictive.
+//!
+//! Health has hysteresis, as Envoy's own active health checking does (unhealthy_threshold,
+//! healthy_threshold): a node is taken out of the choice after a number of failed polls in a
+//! row, well before its last report goes stale, and comes back only after a number of good
+//! polls in a row, so a flapping node does not swing traffic back and forth on every answer.
 
 use crate::telemetry::Report;
 use crate::weight::Weight;
@@ -54,6 +59,21 @@ pub struct NodeState {
     pub growth_tokens: u64,
     /// Health polls failed in a row (reset by a good one).
     pub failures_in_row: u32,
+    /// Good polls in a row (reset by a failed one).
+    pub successes_in_row: u32,
+    /// Taken out of the choice by failed polls, until enough good ones bring it back.
+    pub ejected: bool,
+    unhealthy_after: u32,
+    healthy_after: u32,
+    /// The last change of health not yet taken by the glue (for its stats and log).
+    transition: Option<Transition>,
+}
+
+/// A change of a node's health, for the stats and the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    Ejected,
+    Readmitted,
 }
 
 impl NodeState {
@@ -75,26 +95,63 @@ impl NodeState {
             unreflected_prompt_tokens: 0,
             growth_tokens: 0,
             failures_in_row: 0,
+            successes_in_row: 0,
+            ejected: false,
+            unhealthy_after: 2,
+            healthy_after: 2,
+            transition: None,
         }
     }
 
-    /// A good report replaces the previous one; work dispatched so far is now in it.
-    pub fn accept_report(&mut self, report: Report, now_ms: u64) {
+    /// Sets the hysteresis: ejected after `unhealthy_after` failed polls in a row, readmitted
+    /// after `healthy_after` good ones (each at least 1).
+    pub fn with_hysteresis(mut self, unhealthy_after: u32, healthy_after: u32) -> Self {
+        self.unhealthy_after = unhealthy_after.max(1);
+        self.healthy_after = healthy_after.max(1);
+        self
+    }
+
+    /// A good report replaces the previous one; work dispatched so far is now in it. An
+    /// ejected node keeps its report fresh but stays out until enough good polls in a row.
+    pub fn accept_report(&mut self, report: Report, now_ms: u64) -> Option<Transition> {
         self.report = Some((report, now_ms));
         self.epoch += 1;
         self.unreflected_tokens = 0;
         self.unreflected_requests = 0;
         self.unreflected_prompt_tokens = 0;
         self.failures_in_row = 0;
+        self.successes_in_row = self.successes_in_row.saturating_add(1);
+        if self.ejected && self.successes_in_row >= self.healthy_after {
+            self.ejected = false;
+            self.transition = Some(Transition::Readmitted);
+            return self.transition;
+        }
+        None
     }
 
-    /// A failed or unparsable poll: the last good report stays until it goes stale.
-    pub fn note_failure(&mut self) {
+    /// A failed or unparsable poll: the last good report stays, but enough failures in a row
+    /// take the node out of the choice before that report goes stale.
+    pub fn note_failure(&mut self) -> Option<Transition> {
         self.failures_in_row = self.failures_in_row.saturating_add(1);
+        self.successes_in_row = 0;
+        if !self.ejected && self.failures_in_row >= self.unhealthy_after {
+            self.ejected = true;
+            self.transition = Some(Transition::Ejected);
+            return self.transition;
+        }
+        None
     }
 
-    /// The last report, if it is younger than `stale_after_ms`.
+    /// The last change of health since this was last asked.
+    pub fn take_transition(&mut self) -> Option<Transition> {
+        self.transition.take()
+    }
+
+    /// The last report, if it is younger than `stale_after_ms` and the node is not ejected.
     pub fn fresh_report(&self, now_ms: u64, stale_after_ms: u64) -> Option<&Report> {
+        if self.ejected {
+            return None;
+        }
         match &self.report {
             Some((r, at)) if now_ms.saturating_sub(*at) <= stale_after_ms => Some(r),
             _ => None,
@@ -178,6 +235,44 @@ mod tests {
         }
     }
 
+    /// (polls, expected ejected after each) for a node ejected after 2 failures and readmitted
+    /// after 3 successes.
+    #[test]
+    fn hysteresis_table() {
+        let cases: &[(&str, &[bool])] = &[
+            // one failure is not enough; two in a row are
+            ("ok x ok x x", &[false, false, false, false, true]),
+            // back only after three good polls in a row; a failure restarts the count
+            (
+                "x x ok ok x ok ok ok",
+                &[false, true, true, true, true, true, true, false],
+            ),
+            // a flapping node stays out once it is out
+            (
+                "x x ok x ok x ok",
+                &[false, true, true, true, true, true, true],
+            ),
+        ];
+        for (polls, expected) in cases {
+            let mut n = NodeState::new("a", None, None).with_hysteresis(2, 3);
+            n.accept_report(report(1.0), 0);
+            let mut t = 0;
+            for (poll, want) in polls.split(' ').zip(expected.iter()) {
+                t += 100;
+                let transition = if poll == "ok" {
+                    n.accept_report(report(1.0), t)
+                } else {
+                    n.note_failure()
+                };
+                assert_eq!(n.ejected, *want, "{polls}: after {t} ms");
+                assert_eq!(n.fresh_report(t, 1_000).is_none(), *want, "{polls}");
+                if let Some(tr) = transition {
+                    assert_eq!(tr == Transition::Ejected, *want, "{polls}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn freshness_follows_the_staleness_limit() {
         let mut n = NodeState::new("127.0.0.1:1", None, None);
@@ -186,9 +281,9 @@ mod tests {
         for (now, fresh) in [(100, true), (1100, true), (1101, false), (50, true)] {
             assert_eq!(n.fresh_report(now, 1000).is_some(), fresh, "now={now}");
         }
+        // One failed poll leaves the last report in use (below the ejection threshold).
         n.note_failure();
-        n.note_failure();
-        assert_eq!(n.failures_in_row, 2);
+        assert_eq!(n.failures_in_row, 1);
         assert_eq!(
             n.fresh_report(200, 1000).map(|r| r.load_tokens_per_sec),
             Some(5.0)

@@ -47,8 +47,9 @@ def free_port() -> int:
             return port
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Polls `predicate` until it returns a truthy value, or fails the test at the deadline."""
+def wait_until(predicate, timeout: float, what, interval: float = 0.02):
+    """Polls `predicate` until it returns a truthy value, or fails the test at the deadline;
+    `what` names the wait (a string, or a function giving one, called only on failure)."""
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
@@ -59,6 +60,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
         except (OSError, http.client.HTTPException, ValueError) as e:
             last_error = e
         time.sleep(interval)
+    if callable(what):
+        what = what()
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 
@@ -199,7 +202,9 @@ def without_filter(cfg: dict, lb_policy: str) -> dict:
 class Envoy:
     def __init__(self, config: dict, concurrency: int = 1, expect_ready: bool = True):
         self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
-        self.port = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        # A configuration whose listener comes from LDS has none here; its test sets the port.
+        listeners = config.get("static_resources", {}).get("listeners") or []
+        self.port = listeners[0]["address"]["socket_address"]["port_value"] if listeners else None
         self.dir = tempfile.TemporaryDirectory(prefix="tb-envoy-")
         self.config_path = Path(self.dir.name) / "envoy.yaml"
         self.config_path.write_text(yaml.safe_dump(config))

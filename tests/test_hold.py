@@ -30,7 +30,7 @@ def cluster():
 def start_envoy(cluster, max_hold_ms: int) -> Envoy:
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
                        plugin={"tick_ms": TICK_MS, "stale_after_ms": 60_000,
-                               "max_hold_ms": max_hold_ms})
+                               "max_hold_ms": max_hold_ms, "hold_kv_ceiling": 0.9})
     return Envoy(cfg)
 
 

@@ -10,6 +10,7 @@ pub mod balancer;
 pub mod choice;
 pub mod config;
 pub mod node;
+pub mod prometheus;
 pub mod rng;
 pub mod telemetry;
 pub mod usage;

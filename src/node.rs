@@ -16,7 +16,9 @@
 //! outgrow the cache and the engine preempts (the VRAM overflow). Counting the growth still to
 //! come is what makes the ceiling predictive.
 
+use crate::engine::HealthFormat;
 use crate::telemetry::Report;
+use crate::throughput::Tracker;
 use crate::weight::Weight;
 
 /// Proof of one dispatch, handed back at release so the books balance exactly.
@@ -40,6 +42,10 @@ pub struct NodeState {
     pub capacity_override: Option<f64>,
     /// Configured KV-cache size in tokens.
     pub kv_cache_tokens: Option<u64>,
+    /// What the node's health endpoint serves.
+    pub format: HealthFormat,
+    /// Counter memory between scrapes, for engines that publish counters instead of a load.
+    pub tracker: Tracker,
     report: Option<(Report, u64)>,
     epoch: u64,
     pub inflight_requests: u64,
@@ -66,6 +72,8 @@ impl NodeState {
             address: address.to_string(),
             capacity_override,
             kv_cache_tokens,
+            format: HealthFormat::Auto,
+            tracker: Tracker::default(),
             report: None,
             epoch: 0,
             inflight_requests: 0,

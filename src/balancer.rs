@@ -7,9 +7,10 @@
 
 use crate::choice::{self, Decision, Growth, Params};
 use crate::config::Config;
+use crate::engine::{self, FormatError, Health};
 use crate::node::{NodeState, Ticket, Transition};
 use crate::rng::Rng;
-use crate::telemetry::{self, Report, ReportError};
+use crate::telemetry::Report;
 use crate::weight::Weight;
 
 /// Weight of the newest request in the running mean of request size (used to turn a reported
@@ -65,8 +66,14 @@ impl Balancer {
                 .nodes
                 .iter()
                 .map(|n| {
-                    NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
-                        .with_hysteresis(cfg.unhealthy_after_failures, cfg.healthy_after_successes)
+                    let mut state =
+                        NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
+                            .with_hysteresis(
+                                cfg.unhealthy_after_failures,
+                                cfg.healthy_after_successes,
+                            );
+                    state.format = n.format;
+                    state
                 })
                 .collect(),
             params: Params {
@@ -89,8 +96,10 @@ impl Balancer {
     }
 
     /// A health answer for node `node`: `Some(body)` for an HTTP 200, `None` for a failed or
-    /// timed-out call or another status. A good report replaces the old one; anything else
-    /// leaves the last good report in place.
+    /// timed-out call or another status. The body is read in the node's format: the seed JSON
+    /// is a report as it stands; an engine's metrics go through the node's tracker, which turns
+    /// their counters into a rate. A good report replaces the old one; anything else leaves the
+    /// last good report in place (and the tracker's baseline too).
     pub fn on_health(
         &mut self,
         node: usize,
@@ -104,16 +113,21 @@ impl Balancer {
             let _ = state.note_failure();
             return Err(HealthError::CallFailed);
         };
-        match telemetry::parse_health(body) {
-            Ok(report) => {
-                let _ = state.accept_report(report, now_ms);
-                Ok(report)
-            }
+        let report = match engine::read(state.format, body) {
+            Ok(Health::Seed(report)) => report,
+            Ok(Health::Engine(scrape)) => state.tracker.observe(
+                &scrape,
+                now_ms,
+                state.capacity_override,
+                state.kv_cache_tokens,
+            ),
             Err(e) => {
                 let _ = state.note_failure();
-                Err(HealthError::Unparsable(e))
+                return Err(HealthError::Unparsable(e));
             }
-        }
+        };
+        let _ = state.accept_report(report, now_ms);
+        Ok(report)
     }
 
     /// Whether node `node` was ejected or readmitted since this was last asked.
@@ -239,7 +253,8 @@ impl Balancer {
 pub enum HealthError {
     UnknownNode,
     CallFailed,
-    Unparsable(ReportError),
+    /// The answer could not be read in the node's format; the error says why.
+    Unparsable(FormatError),
 }
 
 #[cfg(test)]
@@ -303,7 +318,9 @@ mod tests {
         assert_eq!(b.on_health(0, None, 100), Err(HealthError::CallFailed));
         assert_eq!(
             b.on_health(0, Some(b"<html>"), 200),
-            Err(HealthError::Unparsable(ReportError::NotJson))
+            Err(HealthError::Unparsable(FormatError::NotMetrics {
+                skipped_lines: 1
+            }))
         );
         assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
         assert_eq!(b.nodes()[0].failures_in_row, 2);
@@ -412,6 +429,157 @@ mod tests {
             (b.nodes()[0].growth_tokens, b.nodes()[0].inflight_tokens),
             (0, 0)
         );
+    }
+
+    const VLLM_V1: &str = include_str!("../tests/data/metrics/vllm_v1.prom");
+
+    fn engine_cfg(nodes: &[&str]) -> Config {
+        let nodes: Vec<String> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, extra)| format!(r#"{{"address":"127.0.0.1:{}"{extra}}}"#, 8001 + i))
+            .collect();
+        Config::parse(
+            format!(r#"{{"nodes":[{}],"health_cluster":"h"}}"#, nodes.join(",")).as_bytes(),
+        )
+        .unwrap()
+    }
+
+    /// The vLLM fixture with its token counters moved on by `prompt` and `generation`.
+    fn vllm_later(prompt: u64, generation: u64) -> String {
+        let labels = r#"{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"}"#;
+        VLLM_V1
+            .replace(
+                &format!("vllm:prompt_tokens_total{labels} 1234567.0"),
+                &format!("vllm:prompt_tokens_total{labels} {}", 1234567 + prompt),
+            )
+            .replace(
+                &format!("vllm:generation_tokens_total{labels} 456789.0"),
+                &format!(
+                    "vllm:generation_tokens_total{labels} {}",
+                    456789 + generation
+                ),
+            )
+    }
+
+    #[test]
+    fn engine_metrics_become_reports_with_a_rate() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","format":"vllm""#]));
+        let first = b.on_health(0, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        assert_eq!(
+            first,
+            Report {
+                load_tokens_per_sec: 0.0,
+                capacity_tokens_per_sec: None,
+                vram_used_bytes: None,
+                vram_total_bytes: None,
+                kv_cache_usage: Some(0.4375),
+                kv_cache_tokens: Some(131072.0),
+                queue_depth: Some(3.0),
+                running_requests: Some(14.0),
+            },
+            "the first poll: gauges, no rate yet"
+        );
+        let second = b
+            .on_health(0, Some(vllm_later(3000, 1000).as_bytes()), 2000)
+            .unwrap();
+        assert_eq!(second.load_tokens_per_sec, 2000.0);
+        assert_eq!(second.capacity_tokens_per_sec, Some(2000.0));
+        assert_eq!(b.nodes()[0].reported_at(), Some(2000));
+        // A failed poll leaves the report and the baseline alone.
+        assert!(b.on_health(0, Some(b"<html>"), 2500).is_err());
+        let third = b
+            .on_health(0, Some(vllm_later(4000, 2000).as_bytes()), 3000)
+            .unwrap();
+        assert_eq!(third.load_tokens_per_sec, 2000.0);
+        // The engine restarted: counters from zero, no rate for that interval.
+        let restarted = VLLM_V1
+            .replace("} 1234567.0", "} 10.0")
+            .replace("} 456789.0", "} 5.0");
+        let r = b.on_health(0, Some(restarted.as_bytes()), 4000).unwrap();
+        assert_eq!(r.load_tokens_per_sec, 0.0);
+        assert_eq!(r.queue_depth, Some(3.0));
+    }
+
+    #[test]
+    fn each_node_is_read_in_its_own_format() {
+        let mut b = Balancer::new(&engine_cfg(&[
+            "",
+            r#","format":"seed""#,
+            r#","format":"vllm""#,
+            r#","format":"sglang","capacity_tokens_per_sec":900"#,
+        ]));
+        let seed = br#"{"tokens_per_sec_load": 7}"#;
+        assert_eq!(
+            b.on_health(0, Some(seed), 0).unwrap().load_tokens_per_sec,
+            7.0
+        );
+        assert_eq!(
+            b.on_health(0, Some(VLLM_V1.as_bytes()), 0)
+                .unwrap()
+                .queue_depth,
+            Some(3.0)
+        );
+        assert_eq!(
+            b.on_health(1, Some(VLLM_V1.as_bytes()), 0),
+            Err(HealthError::Unparsable(FormatError::Seed(
+                crate::telemetry::ReportError::NotJson
+            )))
+        );
+        assert_eq!(
+            b.on_health(2, Some(seed), 0),
+            Err(HealthError::Unparsable(FormatError::JsonNotMetrics(
+                engine::Engine::Vllm
+            )))
+        );
+        assert!(matches!(
+            b.on_health(3, Some(VLLM_V1.as_bytes()), 0),
+            Err(HealthError::Unparsable(FormatError::NothingUsable { .. }))
+        ));
+        let sglang = include_bytes!("../tests/data/metrics/sglang.prom");
+        let r = b.on_health(3, Some(sglang), 0).unwrap();
+        assert_eq!(
+            r.capacity_tokens_per_sec,
+            Some(900.0),
+            "configured capacity"
+        );
+        assert_eq!(b.nodes()[1].failures_in_row, 1);
+        assert_eq!(b.nodes()[3].failures_in_row, 0);
+    }
+
+    #[test]
+    fn engine_reports_steer_requests() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","format":"vllm""#, r#","format":"vllm""#]));
+        // Node 0 has a long queue; node 1 the same engine, idle. First polls only: no rates
+        // yet, but the queue alone already sends the request to node 1.
+        let busy = VLLM_V1.replace(
+            r#"vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0"#,
+            r#"vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 60.0"#,
+        );
+        let idle = VLLM_V1.replace(
+            r#"vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0"#,
+            r#"vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0"#,
+        );
+        b.on_health(0, Some(busy.as_bytes()), 0).unwrap();
+        b.on_health(1, Some(idle.as_bytes()), 0).unwrap();
+        match b.route(W, 10, &mut SplitMix64::new(1), false) {
+            Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 1),
+            o => panic!("{o:?}"),
+        }
+        // A cache that the request would overflow excludes the node, sized by the geometry.
+        let full = idle.replace(
+            r#"vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.4375"#,
+            r#"vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.8999"#,
+        );
+        b.on_health(1, Some(full.as_bytes()), 1000).unwrap();
+        let big = Weight {
+            prompt_tokens: 2000,
+            output_tokens: 100,
+        };
+        match b.route(big, 1010, &mut SplitMix64::new(1), false) {
+            Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 0),
+            o => panic!("{o:?}"),
+        }
     }
 
     #[test]

@@ -94,10 +94,12 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
         return Some((used + extra * p.kv_bytes_per_token as f64) / total);
     }
     let usage = r.kv_cache_usage?;
-    match node.kv_cache_tokens {
-        Some(k) => Some(usage + extra / k as f64),
+    // The size the engine publishes (its cache geometry) is exact; the configured one is the
+    // operator's fallback for engines that publish none.
+    match r.kv_cache_tokens.or(node.kv_cache_tokens.map(|k| k as f64)) {
+        Some(k) if k > 0.0 => Some(usage + extra / k),
         // Without the cache size the request cannot be sized: only a full cache is known.
-        None => Some(usage),
+        _ => Some(usage),
     }
 }
 
@@ -498,6 +500,26 @@ mod tests {
         ));
         assert!(matches!(
             run(&[frac(0.5, Some(1000))], w(500, 0), 2000),
+            Decision::AllOverCeiling(_)
+        ));
+        // A size the node reports itself is used, ahead of the configured one.
+        let reported = |usage: f64, k: Option<u64>| {
+            let mut n = frac(usage, k);
+            n.accept_report(
+                Report {
+                    kv_cache_tokens: Some(1000.0),
+                    ..*n.fresh_report(1000, 3000).unwrap()
+                },
+                1000,
+            );
+            n
+        };
+        assert!(matches!(
+            run(&[reported(0.5, None)], w(300, 0), 2000),
+            Decision::Route(_)
+        ));
+        assert!(matches!(
+            run(&[reported(0.5, Some(1_000_000))], w(500, 0), 2000),
             Decision::AllOverCeiling(_)
         ));
         // Fraction alone: only an already-full cache excludes.

@@ -7,6 +7,7 @@
 //! and the glue refuses to start the plugin (one log line) rather than run half-configured.
 
 use crate::choice::Rule;
+use crate::engine::HealthFormat;
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -24,8 +25,12 @@ pub struct NodeConfig {
     /// reports as `tokens_per_sec_capacity`; needed when the node reports no capacity.
     pub capacity_tokens_per_sec: Option<f64>,
     /// KV-cache size of the node, in tokens. Lets the VRAM check work for nodes that report only
-    /// `kv_cache_usage` (a fraction) and no byte counts.
+    /// `kv_cache_usage` (a fraction) and no byte counts, or whose engine publishes no cache
+    /// geometry (TGI, llama.cpp).
     pub kv_cache_tokens: Option<u64>,
+    /// What the health endpoint serves: `auto` (default) tells the seed JSON from an engine's
+    /// Prometheus text by the answer; the others fix it.
+    pub format: HealthFormat,
 }
 
 impl NodeConfig {
@@ -116,6 +121,7 @@ const NODE_FIELDS: &[&str] = &[
     "health_address",
     "capacity_tokens_per_sec",
     "kv_cache_tokens",
+    "format",
 ];
 
 /// A configuration the plugin refuses to run with: the field and the reason.
@@ -285,12 +291,23 @@ fn parse_node(value: &Value, i: usize, seen: &[NodeConfig]) -> Result<NodeConfig
     if kv_cache_tokens == Some(0) {
         return Err(err(f.name("kv_cache_tokens"), "must be positive"));
     }
+    let format = match f.string("format")? {
+        None => HealthFormat::Auto,
+        Some(name) => HealthFormat::from_name(&name).ok_or_else(|| {
+            let names: Vec<&str> = HealthFormat::ALL.iter().map(|h| h.name()).collect();
+            err(
+                f.name("format"),
+                format!("{name:?} is not a health format ({})", names.join(", ")),
+            )
+        })?,
+    };
     Ok(NodeConfig {
         address,
         health_path,
         health_address,
         capacity_tokens_per_sec,
         kv_cache_tokens,
+        format,
     })
 }
 
@@ -451,13 +468,14 @@ mod tests {
         assert_eq!(c.healthy_after_successes, 2);
         assert_eq!(c.nodes[0].health_path, "/health");
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
+        assert_eq!(c.nodes[0].format, HealthFormat::Auto);
     }
 
     #[test]
     fn full_config_parses() {
         let c = Config::parse(
             br#"{"nodes":[{"address":"10.0.0.1:8000","health_path":"/h","health_address":"10.0.0.1:9000",
-                 "capacity_tokens_per_sec":5000,"kv_cache_tokens":100000},
+                 "capacity_tokens_per_sec":5000,"kv_cache_tokens":100000,"format":"vllm"},
                 {"address":"[::1]:8000"}],
                "health_cluster":"h","health_target_header":"x-t","tick_ms":200,"health_timeout_ms":100,
                "stale_after_ms":1000,"routing_header":"x-r","max_body_bytes":4096,"vram_ceiling":0.8,
@@ -469,6 +487,8 @@ mod tests {
         assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
         assert_eq!(c.nodes[0].capacity_tokens_per_sec, Some(5000.0));
         assert_eq!(c.nodes[1].address, "[::1]:8000");
+        assert_eq!(c.nodes[0].format, HealthFormat::Vllm);
+        assert_eq!(c.nodes[1].format, HealthFormat::Auto);
         assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
         assert_eq!(c.policy, Rule::LeastReportedLoad);
         assert_eq!(c.max_hold_ms, 5000);
@@ -503,6 +523,9 @@ mod tests {
             (r#"{"nodes":[{"address":"127.0.0.1:1","health_address":"x"}],"health_cluster":"h"}"#.into(), "nodes[0].health_address"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","capacity_tokens_per_sec":0}],"health_cluster":"h"}"#.into(), "nodes[0].capacity_tokens_per_sec"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","kv_cache_tokens":0}],"health_cluster":"h"}"#.into(), "nodes[0].kv_cache_tokens"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","format":"prometheus"}],"health_cluster":"h"}"#.into(), "nodes[0].format"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","format":"VLLM"}],"health_cluster":"h"}"#.into(), "nodes[0].format"),
+            (format!(r#"{{"nodes":[{node},{{"address":"127.0.0.1:2","format":7}}],"health_cluster":"h"}}"#), "nodes[1].format"),
             (r#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":""}"#.into(), "health_cluster"),
             (with(r#""routing_header":"X Bad""#), "routing_header"),
             (with(r#""health_target_header":"""#), "health_target_header"),

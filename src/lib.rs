@@ -2,17 +2,20 @@
 //! throughput and KV-cache headroom instead of by connection count.
 //!
 //! Everything that decides is plain Rust with no proxy-wasm dependency (`config`, `weight`,
-//! `telemetry`, `node`, `choice`, `balancer`, `rng`): it takes time and randomness as
-//! arguments and is tested natively and compiled to wasm32-wasip1. The `filter` module is the
+//! `telemetry`, `prometheus`, `engine`, `throughput`, `node`, `choice`, `balancer`, `rng`): it
+//! takes time and randomness as arguments and is tested natively and compiled to wasm32-wasip1. The `filter` module is the
 //! thin glue that moves bytes between Envoy and that core; it holds no decision logic.
 
 pub mod admission;
 pub mod balancer;
 pub mod choice;
 pub mod config;
+pub mod engine;
 pub mod node;
+pub mod prometheus;
 pub mod rng;
 pub mod telemetry;
+pub mod throughput;
 pub mod usage;
 pub mod weight;
 

@@ -21,7 +21,9 @@
 //! row, well before its last report goes stale, and comes back only after a number of good
 //! polls in a row, so a flapping node does not swing traffic back and forth on every answer.
 
+use crate::engine::HealthFormat;
 use crate::telemetry::Report;
+use crate::throughput::Tracker;
 use crate::weight::Weight;
 
 /// Proof of one dispatch, handed back at release so the books balance exactly.
@@ -45,6 +47,10 @@ pub struct NodeState {
     pub capacity_override: Option<f64>,
     /// Configured KV-cache size in tokens.
     pub kv_cache_tokens: Option<u64>,
+    /// What the node's health endpoint serves.
+    pub format: HealthFormat,
+    /// Counter memory between scrapes, for engines that publish counters instead of a load.
+    pub tracker: Tracker,
     report: Option<(Report, u64)>,
     epoch: u64,
     pub inflight_requests: u64,
@@ -86,6 +92,8 @@ impl NodeState {
             address: address.to_string(),
             capacity_override,
             kv_cache_tokens,
+            format: HealthFormat::Auto,
+            tracker: Tracker::default(),
             report: None,
             epoch: 0,
             inflight_requests: 0,

@@ -22,6 +22,10 @@ pub struct Report {
     pub vram_total_bytes: Option<f64>,
     /// KV-cache use as a fraction 0..1, when the node reports a fraction instead of bytes.
     pub kv_cache_usage: Option<f64>,
+    /// KV-cache size in tokens, when the node publishes its cache geometry (engines' metrics;
+    /// the seed format has no such field). Sizes a request against `kv_cache_usage`, ahead of
+    /// a configured `kv_cache_tokens`.
+    pub kv_cache_tokens: Option<f64>,
     /// Requests waiting for admission.
     pub queue_depth: Option<f64>,
     /// Requests being served.
@@ -84,6 +88,7 @@ pub fn parse_health(body: &[u8]) -> Result<Report, ReportError> {
         vram_used_bytes: vram_used,
         vram_total_bytes: vram_total,
         kv_cache_usage: optional(obj, "kv_cache_usage").filter(|u| *u <= 1.0),
+        kv_cache_tokens: None,
         queue_depth: optional(obj, "queue_depth"),
         running_requests: optional(obj, "running_requests"),
     })

@@ -3,5 +3,6 @@
 //! The HTTP server is `main.rs`.
 
 pub mod engine;
+pub mod metrics;
 pub mod prefix;
 pub mod tokenize;

@@ -187,11 +187,13 @@ impl Recorder {
 
     fn bounds(flavour: Flavour, o: Observed, max_len: u64) -> Vec<f64> {
         if flavour == Flavour::Tgi {
-            // TGI: durations on a x1.5 scale from 0.15 ms; lengths in 20 linear steps.
+            // TGI: durations on a x1.5 scale from 0.15 ms; lengths in 100 linear steps.
             return match o {
                 Observed::PromptTokens | Observed::GenerationTokens => {
-                    let max = max_len.max(20) as f64;
-                    (1..=20).map(|i| (max / 20.0 * i as f64).round()).collect()
+                    let max = max_len.max(100) as f64;
+                    (1..=100)
+                        .map(|i| (max / 100.0 * i as f64).round())
+                        .collect()
                 }
                 _ => (1..=35).map(|k| 0.0001 * 1.5f64.powi(k)).collect(),
             };

@@ -1,7 +1,8 @@
 //! The HTTP API of one node: OpenAI-compatible completions (streaming or not), the seed
-//! /health, vLLM-style /metrics, /v1/models, and the test controls under /admin.
+//! /health, /metrics in the node's engine flavour, /v1/models, and the test controls under
+//! /admin.
 
-use crate::node::{lock, Delivery, Node, Overrides};
+use crate::node::{lock, Delivery, Node, Overrides, Submission};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::{Body, Frame, Incoming};
@@ -26,6 +27,12 @@ const OUTPUT_TOKENS_HEADER: &str = "x-mock-output-tokens";
 /// ORCA load report header, read by Envoy's client_side_weighted_round_robin.
 const ORCA_HEADER: &str = "endpoint-load-metrics";
 
+/// Benchmark-only header: prompt tokens the prefix cache saved. A whole response knows it
+/// exactly; a stream's headers leave before the request is scheduled, so there it is what
+/// the cache held when the request arrived (the final usage chunk has the exact figure, as
+/// `usage.prompt_tokens_details.cached_tokens`).
+const PREFIX_HIT_HEADER: &str = "x-mock-prefix-hit-tokens";
+
 pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
 
 pub async fn handle(
@@ -42,18 +49,9 @@ pub async fn handle(
             "text/plain; version=0.0.4; charset=utf-8",
             node.metrics(),
         ),
-        (Method::GET, "/v1/models") => json_response(
-            StatusCode::OK,
-            &json!({"object": "list", "data": [{"id": "mock-model", "object": "model",
-                    "created": 0, "owned_by": "mock-gpu-node"}]}),
-        ),
+        (Method::GET, "/v1/models") => json_response(StatusCode::OK, &node.model_list()),
         (Method::POST, "/admin/health") => admin_health(&node, req).await,
-        (Method::GET, "/admin/stats") => json_response(
-            StatusCode::OK,
-            &json!({"name": node.name,
-                    "requests_total": node.requests_total.load(Ordering::Relaxed),
-                    "health_requests_total": node.health_requests_total.load(Ordering::Relaxed)}),
-        ),
+        (Method::GET, "/admin/stats") => json_response(StatusCode::OK, &admin_stats(&node)),
         (method, _) => error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -85,10 +83,29 @@ fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
 
 /// OpenAI's error shape.
 fn error(status: StatusCode, kind: &str, message: &str) -> Response<BoxBody> {
+    error_with_code(status, kind, message, Value::Null)
+}
+
+fn error_with_code(
+    status: StatusCode,
+    kind: &str,
+    message: &str,
+    code: Value,
+) -> Response<BoxBody> {
     json_response(
         status,
-        &json!({"error": {"message": message, "type": kind, "param": null, "code": null}}),
+        &json!({"error": {"message": message, "type": kind, "param": null, "code": code}}),
     )
+}
+
+fn admin_stats(node: &Node) -> Value {
+    let mut v = json!({"name": node.name,
+        "requests_total": node.requests_total.load(Ordering::Relaxed),
+        "health_requests_total": node.health_requests_total.load(Ordering::Relaxed)});
+    if let (Some(o), Value::Object(p)) = (v.as_object_mut(), node.prefix_stats()) {
+        o.extend(p);
+    }
+    v
 }
 
 /// Reads a body of bounded size; the error is the response to send.
@@ -149,10 +166,20 @@ struct Completion {
     created: u64,
     model: String,
     finish_reason: &'static str,
-    usage: Value,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    /// Prompt tokens found in the prefix cache (known once the request is scheduled).
+    cached_tokens: u64,
 }
 
 impl Completion {
+    fn usage(&self) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens,
+               "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
+    }
+
     fn object(&self, v: Value) -> Value {
         let mut o = json!({"id": self.id, "created": self.created, "model": self.model});
         if let (Some(o), Value::Object(v)) = (o.as_object_mut(), v) {
@@ -174,7 +201,7 @@ impl Completion {
                        "logprobs": null}),
             ),
         };
-        self.object(json!({"object": object, "choices": [choice], "usage": self.usage}))
+        self.object(json!({"object": object, "choices": [choice], "usage": self.usage()}))
     }
 
     fn chunk_object(&self) -> &'static str {
@@ -209,7 +236,7 @@ impl Completion {
             sse(&self.object(json!({"object": self.chunk_object(), "choices": [last]}))),
             sse(
                 &self.object(json!({"object": self.chunk_object(), "choices": [],
-                                    "usage": self.usage})),
+                                    "usage": self.usage()})),
             ),
             Bytes::from_static(b"data: [DONE]\n\n"),
         ]
@@ -231,14 +258,27 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         Ok(v) => v,
         Err(r) => return r,
     };
-    let prompt_tokens = match kind {
-        Kind::Chat => tokenize::chat_prompt_tokens(&body),
-        Kind::Text => tokenize::completion_prompt_tokens(&body),
+    // As vLLM does, the model is checked before anything else in the body.
+    let served = match node.resolve_model(body.get("model").and_then(Value::as_str)) {
+        Ok(m) => m,
+        Err(msg) => {
+            return error_with_code(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                &msg,
+                json!("model_not_found"),
+            )
+        }
     };
-    let prompt_tokens = match prompt_tokens {
-        Ok(n) => n,
+    let prompt_ids = match kind {
+        Kind::Chat => tokenize::chat_prompt_ids(&body),
+        Kind::Text => tokenize::completion_prompt_ids(&body),
+    };
+    let prompt_ids = match prompt_ids {
+        Ok(ids) => ids,
         Err(msg) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &msg),
     };
+    let prompt_tokens = prompt_ids.len() as u64;
     let max_tokens = body
         .get("max_completion_tokens")
         .or_else(|| body.get("max_tokens"))
@@ -247,14 +287,15 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         .unwrap_or(DEFAULT_MAX_TOKENS);
     let output = true_output.map_or(max_tokens, |t| t.clamp(1, max_tokens));
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("mock-model")
-        .to_string();
-
-    let (ticket, mut rx) = node.submit(prompt_tokens, output);
-    let c = Completion {
+    let ends_at_length = output >= max_tokens;
+    let (ticket, mut rx, cached_at_arrival) = node.submit(Submission {
+        prompt_ids: &prompt_ids,
+        output_tokens: output,
+        model: &served,
+        ends_at_length,
+    });
+    drop(prompt_ids);
+    let mut c = Completion {
         kind,
         id: format!(
             "{}-{}-{}",
@@ -267,27 +308,30 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
             ticket.id()
         ),
         created: unix_now(),
-        model,
-        finish_reason: if output >= max_tokens {
-            "length"
-        } else {
-            "stop"
-        },
-        usage: json!({"prompt_tokens": prompt_tokens, "completion_tokens": output,
-                      "total_tokens": prompt_tokens + output}),
+        model: served.name,
+        finish_reason: if ends_at_length { "length" } else { "stop" },
+        prompt_tokens,
+        completion_tokens: output,
+        cached_tokens: cached_at_arrival,
     };
 
     if !stream {
         // If the client goes away, hyper drops this future and the ticket with it.
         let mut text = String::new();
-        while let Some(Delivery::Token(i)) = rx.recv().await {
-            text.push_str(&token_text(i));
+        loop {
+            match rx.recv().await {
+                Some(Delivery::Admitted { cached_tokens }) => c.cached_tokens = cached_tokens,
+                Some(Delivery::Token(i)) => text.push_str(&token_text(i)),
+                Some(Delivery::Finished) | None => break,
+            }
         }
         drop(ticket);
         let mut r = json_response(StatusCode::OK, &c.whole(text));
+        let h = r.headers_mut();
         if let Ok(v) = HeaderValue::from_str(&node.orca()) {
-            r.headers_mut().insert(ORCA_HEADER, v);
+            h.insert(ORCA_HEADER, v);
         }
+        h.insert(PREFIX_HIT_HEADER, HeaderValue::from(c.cached_tokens));
         return r;
     }
 
@@ -301,6 +345,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
                 _ = tx.closed() => return,
             };
             match delivery {
+                Some(Delivery::Admitted { cached_tokens }) => c.cached_tokens = cached_tokens,
                 Some(Delivery::Token(i)) => {
                     if tx.send(c.token_event(i)).await.is_err() {
                         return;
@@ -323,6 +368,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
     if let Ok(v) = HeaderValue::from_str(&node.orca()) {
         h.insert(ORCA_HEADER, v);
     }
+    h.insert(PREFIX_HIT_HEADER, HeaderValue::from(cached_at_arrival));
     r
 }
 

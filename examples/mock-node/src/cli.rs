@@ -3,6 +3,7 @@
 
 use hyper::header::HeaderValue;
 use mock_gpu_node::engine::EngineConfig;
+use mock_gpu_node::metrics::Flavour;
 
 pub const USAGE: &str = "\
 usage: mock-gpu-node --node PORT[,key=value...] [--node ...] [--time-scale X] [--bind ADDR]
@@ -21,6 +22,14 @@ Serves one mock GPU inference node per --node, all in this process.
                           prefill_chunk=N      token budget of one iteration
                           capacity=F           override the reported tokens_per_sec_capacity
                                                (tokens per wall second)
+                          prefix_block=N       tokens per prefix-cache (and KV) block (default 16)
+                          prefix_cache_blocks=N  prefix-cache size in blocks (default: as many
+                                               as the KV cache holds; 0 turns caching off)
+                          metrics=FLAVOUR      GET /metrics format: vllm (default), vllm-v0,
+                                               sglang, tgi, trtllm, llamacpp
+                          models=A|B|...       served model names (404 model_not_found for
+                                               others); default: any name, listed as mock-model
+                          loras=X|Y|...        LoRA adapters served as models too
   --time-scale X        run the model X times faster than real time (default 1); reported
                         rates are per wall-clock second
   --bind ADDR           address to listen on (default 127.0.0.1)
@@ -35,6 +44,10 @@ pub struct NodeSpec {
     pub gpu: String,
     pub config: EngineConfig,
     pub capacity: Option<f64>,
+    pub metrics: Flavour,
+    /// Served model names; empty: any name is served.
+    pub models: Vec<String>,
+    pub loras: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -110,6 +123,8 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         .ok_or_else(|| err(format!("unknown gpu {gpu:?} (h100, a100, l4)")))?;
     let mut name = format!("node-{port}");
     let mut capacity = None;
+    let mut metrics = Flavour::Vllm;
+    let (mut models, mut loras) = (vec![], vec![]);
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -121,6 +136,18 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             .ok()
             .filter(|x| *x > 0)
             .ok_or_else(|| err(format!("{k}={v:?}: expected a positive integer")))
+    };
+    let count = |k: &str, v: &str| {
+        v.parse::<u64>()
+            .map_err(|_| err(format!("{k}={v:?}: expected a whole number")))
+    };
+    // An empty name (`a||b`, a trailing `|`) is a typo, not a model.
+    let names = |k: &str, v: &str| -> Result<Vec<String>, String> {
+        let list: Vec<String> = v.split('|').map(String::from).collect();
+        if list.iter().any(|n| n.trim().is_empty()) {
+            return Err(err(format!("{k}={v:?}: empty name")));
+        }
+        Ok(list)
     };
     for (k, v) in pairs {
         match k {
@@ -134,6 +161,16 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "max_running" => config.max_running = usize::try_from(int(k, v)?).unwrap_or(usize::MAX),
             "prefill_chunk" => config.prefill_chunk_tokens = int(k, v)?,
             "capacity" => capacity = Some(float(k, v)?),
+            "prefix_block" => config.prefix_block_tokens = int(k, v)?,
+            "prefix_cache_blocks" => config.prefix_cache_blocks = Some(count(k, v)?),
+            "metrics" => {
+                metrics = Flavour::parse(v).ok_or_else(|| {
+                    let all: Vec<&str> = Flavour::ALL.iter().map(|f| f.name()).collect();
+                    err(format!("unknown metrics={v:?} ({})", all.join(", ")))
+                })?
+            }
+            "models" => models = names(k, v)?,
+            "loras" => loras = names(k, v)?,
             _ => return Err(err(format!("unknown key {k:?}"))),
         }
     }
@@ -148,12 +185,23 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "floor_ms, per_token_ms and overhead_ms cannot all be 0".into(),
         ));
     }
+    let mut all: Vec<&String> = models.iter().chain(&loras).collect();
+    all.sort();
+    if let Some(w) = all.windows(2).find(|w| w.first() == w.get(1)) {
+        return Err(err(format!(
+            "{:?} is named twice in models/loras",
+            w.first().map_or("", |s| s.as_str())
+        )));
+    }
     Ok(NodeSpec {
         port,
         name,
         gpu: gpu.to_string(),
         config,
         capacity,
+        metrics,
+        models,
+        loras,
     })
 }
 
@@ -207,6 +255,28 @@ mod tests {
     }
 
     #[test]
+    fn prefix_metrics_and_model_keys() {
+        let a = run(
+            "--node 1 --node 2,prefix_block=32,prefix_cache_blocks=0,metrics=tgi,\
+                     models=llama|qwen,loras=sql|chat --node 3,kv_tokens=1000,metrics=vllm-v0",
+        );
+        let [plain, custom, small] = &a.nodes[..] else {
+            panic!("{a:?}")
+        };
+        assert_eq!(plain.metrics, Flavour::Vllm);
+        assert!(plain.models.is_empty() && plain.loras.is_empty());
+        assert_eq!(plain.config.prefix_capacity_blocks(), 130_000 / 16);
+        assert_eq!(custom.config.prefix_block_tokens, 32);
+        assert_eq!(custom.config.prefix_capacity_blocks(), 0);
+        assert_eq!(custom.metrics, Flavour::Tgi);
+        assert_eq!(custom.models, ["llama", "qwen"]);
+        assert_eq!(custom.loras, ["sql", "chat"]);
+        // The default cache size follows the KV size whatever the order of the keys.
+        assert_eq!(small.config.prefix_capacity_blocks(), 1000 / 16);
+        assert_eq!(small.metrics, Flavour::VllmV0);
+    }
+
+    #[test]
     fn help() {
         assert_eq!(parse(argv("--node 1 --help")), Ok(Command::Help));
         assert_eq!(parse(argv("-h")), Ok(Command::Help));
@@ -231,6 +301,11 @@ mod tests {
                 "cannot all be 0",
             ),
             ("--node 1 --node 1,name=b", "two nodes"),
+            ("--node 1,metrics=prometheus", "unknown metrics"),
+            ("--node 1,prefix_block=0", "positive integer"),
+            ("--node 1,prefix_cache_blocks=-1", "whole number"),
+            ("--node 1,models=a||b", "empty name"),
+            ("--node 1,models=a|b,loras=b", "named twice"),
             ("--node 1 --time-scale 0", "positive number"),
             ("--node 1 --time-scale fast", "positive number"),
             ("--node 1 --verbose", "unknown argument"),

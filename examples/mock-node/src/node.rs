@@ -1,23 +1,70 @@
 //! One served node: its engine, the task that drives the engine in (scaled) real time, the
-//! channels that carry each request's tokens to its HTTP response, and what /health and
-//! /metrics report.
+//! channels that carry each request's tokens to its HTTP response, the models it serves, and
+//! what /health and /metrics report (the per-request timings behind the metrics' histograms
+//! are taken here, where the engine's events meet the wall clock).
 
 use crate::cli::NodeSpec;
-use mock_gpu_node::engine::{Engine, Event, LOAD_WINDOW_MS};
+use mock_gpu_node::engine::{Admission, Engine, Event, Iteration, Request, LOAD_WINDOW_MS};
+use mock_gpu_node::metrics::{self, Flavour, Loras, Observed, Recorder, Snapshot};
+use mock_gpu_node::prefix;
 use serde_json::{json, Map, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, Notify};
 
 /// Llama-2-7B fp16: 2 (K, V) x 32 layers x 4096 x 2 bytes.
 pub const KV_BYTES_PER_TOKEN: u64 = 512 * 1024;
 
+/// The model name listed, reported and used by default when `models=` is not given.
+pub const DEFAULT_MODEL: &str = "mock-model";
+
 /// What a request's response receives from the engine driver.
 pub enum Delivery {
+    /// It joined the batch (the first time); this much of its prompt was in the prefix cache.
+    Admitted {
+        cached_tokens: u64,
+    },
     Token(u64),
     Finished,
+}
+
+/// What a request asks for, once its body is read.
+pub struct Submission<'a> {
+    pub prompt_ids: &'a [u64],
+    pub output_tokens: u64,
+    /// The served model or adapter (see `Node::resolve_model`).
+    pub model: &'a Served,
+    /// Whether it ends at max_tokens (finish reason "length") rather than "stop".
+    pub ends_at_length: bool,
+}
+
+/// A model name a request resolved to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Served {
+    pub name: String,
+    pub lora: bool,
+}
+
+/// A request in flight, for the histograms and vLLM's LoRA report. Times are model ms.
+struct Track {
+    model: Served,
+    prompt_tokens: u64,
+    ends_at_length: bool,
+    arrival_ms: f64,
+    first_token_ms: Option<f64>,
+    last_token_ms: f64,
+    tokens: u64,
+}
+
+/// Per-request observations and how requests ended.
+struct Stats {
+    tracks: HashMap<u64, Track>,
+    recorder: Recorder,
+    finished_stop: u64,
+    finished_length: u64,
+    aborted: u64,
 }
 
 /// Test controls set through POST /admin/health.
@@ -31,6 +78,11 @@ pub struct Overrides {
 
 pub struct Node {
     pub name: String,
+    /// Served model names (empty: any) and adapters.
+    pub models: Vec<String>,
+    pub loras: Vec<String>,
+    flavour: Flavour,
+    stats: Mutex<Stats>,
     engine: Mutex<Engine>,
     wake: Notify,
     streams: Mutex<HashMap<u64, mpsc::UnboundedSender<Delivery>>>,
@@ -67,6 +119,11 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         lock(&self.node.streams).remove(&self.id);
         lock(&self.node.engine).cancel(self.id);
+        // Still tracked: it never finished, the client went away.
+        let mut stats = lock(&self.node.stats);
+        if stats.tracks.remove(&self.id).is_some() {
+            stats.aborted += 1;
+        }
     }
 }
 
@@ -74,6 +131,17 @@ impl Node {
     pub fn new(spec: &NodeSpec, time_scale: f64) -> Arc<Node> {
         Arc::new(Node {
             name: spec.name.clone(),
+            models: spec.models.clone(),
+            loras: spec.loras.clone(),
+            flavour: spec.metrics,
+            stats: Mutex::new(Stats {
+                tracks: HashMap::new(),
+                // Token-count buckets up to the longest sequence the KV cache holds.
+                recorder: Recorder::new(spec.metrics, spec.config.kv_capacity_tokens),
+                finished_stop: 0,
+                finished_length: 0,
+                aborted: 0,
+            }),
             engine: Mutex::new(Engine::new(spec.config.clone())),
             wake: Notify::new(),
             streams: Mutex::new(HashMap::new()),
@@ -93,6 +161,51 @@ impl Node {
         self.start.elapsed().as_secs_f64() * 1000.0 * self.time_scale
     }
 
+    /// Model ms to wall seconds.
+    fn wall_secs(&self, model_ms: f64) -> f64 {
+        model_ms / 1000.0 / self.time_scale
+    }
+
+    /// The model a request names: `None` (no `model` field) is the first served one; an
+    /// adapter is served by name; any other name is served when no `models=` list was given.
+    pub fn resolve_model(&self, requested: Option<&str>) -> Result<Served, String> {
+        let served = |name: &str, lora| Served {
+            name: name.to_string(),
+            lora,
+        };
+        match requested {
+            None => Ok(served(self.first_model(), false)),
+            Some(m) if self.loras.iter().any(|l| l == m) => Ok(served(m, true)),
+            Some(m) if self.models.is_empty() || self.models.iter().any(|x| x == m) => {
+                Ok(served(m, false))
+            }
+            Some(m) => Err(format!("The model `{m}` does not exist.")),
+        }
+    }
+
+    pub fn first_model(&self) -> &str {
+        self.models.first().map_or(DEFAULT_MODEL, String::as_str)
+    }
+
+    /// The /v1/models list: the base models, then the adapters (with their base as parent,
+    /// as vLLM lists them).
+    pub fn model_list(&self) -> Value {
+        let base: Vec<&str> = if self.models.is_empty() {
+            vec![DEFAULT_MODEL]
+        } else {
+            self.models.iter().map(String::as_str).collect()
+        };
+        let mut data: Vec<Value> = base
+            .iter()
+            .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "mock"}))
+            .collect();
+        data.extend(self.loras.iter().map(|l| {
+            json!({"id": l, "object": "model", "created": 0, "owned_by": "mock",
+                   "parent": self.first_model()})
+        }));
+        json!({"object": "list", "data": data})
+    }
+
     /// Drives the engine: one iteration, wait until its (scaled) end, deliver its events.
     ///
     /// The model clock advances by iteration durations and each wait is until an absolute
@@ -107,6 +220,7 @@ impl Node {
         loop {
             let now = clock_ms.max(self.wall_model_ms() - max_lag_ms);
             let step = lock(&self.engine).step(now);
+            let start_ms = now;
             let Some(it) = step else {
                 self.wake.notified().await;
                 clock_ms = clock_ms.max(self.wall_model_ms());
@@ -130,12 +244,17 @@ impl Node {
             } else {
                 tokio::task::yield_now().await;
             }
-            self.deliver(&it.events);
+            self.deliver(start_ms, &it);
         }
     }
 
-    fn deliver(&self, events: &[Event]) {
+    /// Hands an iteration's events to the responses, after noting them in the statistics
+    /// (first, so that a response that ends on its Finished finds its request already
+    /// counted as finished, not aborted).
+    fn deliver(&self, start_ms: f64, it: &Iteration) {
+        let events = &it.events;
         let now = self.wall_model_ms();
+        self.observe(start_ms, now, it);
         let mut gone = vec![];
         {
             let mut finished = lock(&self.finished);
@@ -149,6 +268,13 @@ impl Node {
         }
         {
             let streams = lock(&self.streams);
+            for a in it.admitted.iter().filter(|a| a.first) {
+                if let Some(tx) = streams.get(&a.id) {
+                    let _ = tx.send(Delivery::Admitted {
+                        cached_tokens: a.cached_tokens,
+                    });
+                }
+            }
             for ev in events {
                 let (id, d) = match *ev {
                     Event::Token { id, index } => (id, Delivery::Token(index)),
@@ -171,22 +297,118 @@ impl Node {
         }
     }
 
-    /// Queues a request; its tokens arrive on the receiver as the engine produces them.
+    /// Queue times, time to first token, inter-token times, and the whole request's figures
+    /// when it finishes. `start_ms` is when the iteration began (when its admissions
+    /// happened), `now_ms` when its events reach the responses.
+    fn observe(&self, start_ms: f64, now_ms: f64, it: &Iteration) {
+        let mut guard = lock(&self.stats);
+        let stats = &mut *guard;
+        for Admission { id, first, .. } in &it.admitted {
+            if let (true, Some(t)) = (*first, stats.tracks.get(id)) {
+                let queued = self.wall_secs((start_ms - t.arrival_ms).max(0.0));
+                stats.recorder.observe(Observed::Queue, queued);
+            }
+        }
+        for ev in &it.events {
+            match *ev {
+                Event::Token { id, .. } => {
+                    let Some(t) = stats.tracks.get_mut(&id) else {
+                        continue;
+                    };
+                    let (o, since) = match t.first_token_ms {
+                        None => {
+                            t.first_token_ms = Some(now_ms);
+                            (Observed::Ttft, t.arrival_ms)
+                        }
+                        Some(_) => (Observed::InterToken, t.last_token_ms),
+                    };
+                    stats
+                        .recorder
+                        .observe(o, self.wall_secs((now_ms - since).max(0.0)));
+                    t.last_token_ms = now_ms;
+                    t.tokens += 1;
+                }
+                Event::Finished { id } => {
+                    let Some(t) = stats.tracks.remove(&id) else {
+                        continue;
+                    };
+                    let r = &mut stats.recorder;
+                    r.observe(
+                        Observed::E2e,
+                        self.wall_secs((now_ms - t.arrival_ms).max(0.0)),
+                    );
+                    r.observe(Observed::PromptTokens, t.prompt_tokens as f64);
+                    r.observe(Observed::GenerationTokens, t.tokens as f64);
+                    if let (Some(first), true) = (t.first_token_ms, t.tokens > 1) {
+                        let per_token = (now_ms - first).max(0.0) / (t.tokens - 1) as f64;
+                        r.observe(Observed::TimePerOutputToken, self.wall_secs(per_token));
+                    }
+                    if t.ends_at_length {
+                        stats.finished_length += 1;
+                    } else {
+                        stats.finished_stop += 1;
+                    }
+                }
+                Event::Preempted { .. } => {}
+            }
+        }
+    }
+
+    /// Queues a request; its admission and tokens arrive on the receiver as the engine
+    /// produces them. Also returns the prompt tokens the prefix cache holds for it right now.
     pub fn submit(
         self: &Arc<Self>,
-        prompt_tokens: u64,
-        output_tokens: u64,
-    ) -> (Ticket, mpsc::UnboundedReceiver<Delivery>) {
+        s: Submission,
+    ) -> (Ticket, mpsc::UnboundedReceiver<Delivery>, u64) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
+        let prompt_tokens = s.prompt_ids.len() as u64;
         lock(&self.streams).insert(id, tx);
-        lock(&self.engine).submit(id, prompt_tokens, output_tokens);
+        lock(&self.stats).tracks.insert(
+            id,
+            Track {
+                model: s.model.clone(),
+                prompt_tokens,
+                ends_at_length: s.ends_at_length,
+                arrival_ms: self.wall_model_ms(),
+                first_token_ms: None,
+                last_token_ms: 0.0,
+                tokens: 0,
+            },
+        );
+        let peek = {
+            let mut e = lock(&self.engine);
+            // The model or adapter seeds the hash chain: they never share KV.
+            let hashes =
+                prefix::block_hashes(&s.model.name, s.prompt_ids, e.config.prefix_block_tokens);
+            let peek = e.peek_hit_tokens(&hashes, prompt_tokens);
+            e.submit_request(Request {
+                id,
+                prompt_tokens,
+                output_tokens: s.output_tokens,
+                block_hashes: hashes,
+            });
+            peek
+        };
         self.wake.notify_one();
         let ticket = Ticket {
             node: self.clone(),
             id,
         };
-        (ticket, rx)
+        (ticket, rx, peek)
+    }
+
+    /// Prefix-cache figures for /admin/stats (tokens, as vLLM counts them, and blocks).
+    pub fn prefix_stats(&self) -> Value {
+        let e = lock(&self.engine);
+        json!({
+            "prefix_cache_queries": e.prefix_queries_tokens_total,
+            "prefix_cache_hits": e.prefix_hits_tokens_total,
+            "prefix_cache_blocks": e.prefix_cached_blocks(),
+            "prefix_cache_evictable_blocks": e.prefix_evictable_blocks(),
+            "prefix_cache_capacity_blocks": e.prefix_capacity_blocks(),
+            "prefix_block_tokens": e.config.prefix_block_tokens,
+        })
     }
 
     /// The seed health report (rates per wall second), with the test overrides applied.
@@ -241,59 +463,69 @@ impl Node {
         )
     }
 
-    /// Prometheus text exposition with vLLM's metric names.
+    /// GET /metrics in the node's flavour (`metrics.rs`), from the engine's state now.
     pub fn metrics(&self) -> String {
-        let e = lock(&self.engine);
-        let labels = format!(
-            "{{model_name=\"mock-model\",node=\"{}\"}}",
-            escape_label(&self.name)
-        );
-        let rows: [(&str, &str, &str, String); 6] = [
-            (
-                "vllm:num_requests_running",
-                "gauge",
-                "Number of requests in model execution batches.",
-                e.running().to_string(),
-            ),
-            (
-                "vllm:num_requests_waiting",
-                "gauge",
-                "Number of requests waiting to be processed.",
-                e.waiting().to_string(),
-            ),
-            (
-                "vllm:kv_cache_usage_perc",
-                "gauge",
-                "KV-cache usage. 1 means 100 percent usage.",
-                e.kv_cache_usage().to_string(),
-            ),
-            (
-                "vllm:prompt_tokens_total",
-                "counter",
-                "Number of prefill tokens processed.",
-                e.prompt_tokens_total.to_string(),
-            ),
-            (
-                "vllm:generation_tokens_total",
-                "counter",
-                "Number of generation tokens processed.",
-                e.generation_tokens_total.to_string(),
-            ),
-            (
-                "mock:vram_overflow_events_total",
-                "counter",
-                "Sequences preempted because the KV cache overflowed.",
-                e.vram_overflow_events.to_string(),
-            ),
-        ];
+        let now = self.wall_model_ms();
+        let mut e = lock(&self.engine);
+        let c = &e.config;
+        let (kv_capacity_tokens, block_tokens) = (c.kv_capacity_tokens, c.prefix_block_tokens);
+        let max_running = c.max_running as u64;
+        let gen_throughput = e.generation_tokens_per_sec(now) * self.time_scale;
+        let running_ids: Vec<u64> = e.running_ids().collect();
+        let waiting_ids: Vec<u64> = e.waiting_ids().collect();
+        let mut snap = Snapshot {
+            model: self.first_model(),
+            running: running_ids.len() as u64,
+            waiting: waiting_ids.len() as u64,
+            max_running,
+            kv_used_tokens: e.kv_used_tokens(),
+            kv_capacity_tokens,
+            kv_usage: e.kv_cache_usage(),
+            block_tokens,
+            prefix_caching: e.prefix_capacity_blocks() > 0,
+            prompt_tokens_total: e.prompt_tokens_total,
+            generation_tokens_total: e.generation_tokens_total,
+            prefix_queries_tokens_total: e.prefix_queries_tokens_total,
+            prefix_hits_tokens_total: e.prefix_hits_tokens_total,
+            prefix_queries_blocks_total: e.prefix_queries_blocks_total,
+            prefix_hits_blocks_total: e.prefix_hits_blocks_total,
+            preemptions_total: e.vram_overflow_events,
+            requests_total: self.requests_total.load(Ordering::Relaxed),
+            running_max_tokens: e.running_max_tokens(),
+            gen_throughput,
+            prefill_seconds_total: self.wall_secs(e.prefill_ms_total),
+            decode_seconds_total: self.wall_secs(e.decode_ms_total),
+            iterations_total: e.iterations_total,
+            batch_slots_total: e.batch_slots_total,
+            unix_time: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            ..Snapshot::default()
+        };
         drop(e);
-        let mut out = String::new();
-        for (name, kind, help, value) in rows {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{labels} {value}\n"
-            ));
+        let stats = lock(&self.stats);
+        snap.finished_stop_total = stats.finished_stop;
+        snap.finished_length_total = stats.finished_length;
+        snap.aborted_total = stats.aborted;
+        if !self.loras.is_empty() {
+            // Each adapter once, in batch (or queue) order.
+            let adapters = |ids: &[u64]| {
+                let mut out: Vec<String> = vec![];
+                for t in ids.iter().filter_map(|id| stats.tracks.get(id)) {
+                    if t.model.lora && !out.contains(&t.model.name) {
+                        out.push(t.model.name.clone());
+                    }
+                }
+                out
+            };
+            snap.loras = Some(Loras {
+                max_lora: self.loras.len(),
+                running: adapters(&running_ids),
+                waiting: adapters(&waiting_ids),
+            });
         }
-        out
+        snap.histograms = Some(&stats.recorder);
+        metrics::render(self.flavour, &snap)
     }
 }
 
@@ -302,10 +534,4 @@ fn prune(finished: &mut VecDeque<f64>, now_ms: f64) {
     while matches!(finished.front(), Some(t) if *t <= now_ms - LOAD_WINDOW_MS) {
         finished.pop_front();
     }
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }

@@ -5,7 +5,12 @@
 //!
 //! Rule: ceil(1.3 x whitespace-separated words) + one per ASCII punctuation mark, and for chat
 //! bodies 4 more per message (role markers and separators of a chat template).
+//!
+//! The same rule also yields token *ids* (`*_ids`), one per counted token, for prefix caching:
+//! they are a function of the text up to that token only, so two prompts with the same leading
+//! text have the same leading ids, hence the same leading cache blocks (`prefix.rs`).
 
+use crate::prefix::{fnv1a, FNV_OFFSET};
 use serde_json::Value;
 
 /// Tokens a chat template adds per message.
@@ -47,6 +52,84 @@ pub fn completion_prompt_tokens(body: &Value) -> Result<u64, String> {
             .sum()),
         _ => Err("`prompt` must be a string or an array".into()),
     }
+}
+
+/// Tags that keep the id kinds apart (a word, a punctuation mark, a chat-template marker).
+const PUNCT_TAG: u64 = 0x7075_6e63_0000_0000;
+const TEMPLATE_TAG: u64 = 0x7465_6d70_0000_0000;
+
+/// Appends the ids of `text`'s tokens, exactly `count(text)` of them. Word `i` (0-based) is
+/// ceil(1.3 (i+1)) - ceil(1.3 i) tokens (1 or 2; the sum telescopes to `count`'s ceil(1.3 n)),
+/// followed by one token per punctuation mark in it.
+pub fn text_ids(text: &str, out: &mut Vec<u64>) {
+    for (i, word) in text.split_whitespace().enumerate() {
+        let i = i as u64;
+        let pieces = (13 * (i + 1)).div_ceil(10) - (13 * i).div_ceil(10);
+        let h = fnv1a(FNV_OFFSET, word.as_bytes());
+        out.extend((0..pieces).map(|p| h.wrapping_add(p)));
+        out.extend(
+            word.chars()
+                .filter(char::is_ascii_punctuation)
+                .map(|c| PUNCT_TAG | u64::from(c)),
+        );
+    }
+}
+
+/// Prompt token ids of a `/v1/chat/completions` body: per message, `PER_MESSAGE` template ids
+/// derived from its role, then its content's ids. As many as `chat_prompt_tokens` counts.
+pub fn chat_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
+    let Some(messages) = body.get("messages").and_then(Value::as_array) else {
+        return Err("`messages` must be an array".into());
+    };
+    let mut out = Vec::new();
+    for m in messages {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+        let r = fnv1a(FNV_OFFSET, role.as_bytes()) & 0xffff_ffff;
+        out.extend((0..PER_MESSAGE).map(|j| TEMPLATE_TAG | (r << 4) | j));
+        match m.get("content") {
+            Some(Value::String(s)) => text_ids(s, &mut out),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    match p {
+                        Value::String(s) => text_ids(s, &mut out),
+                        _ => {
+                            if let Some(t) = p.get("text").and_then(Value::as_str) {
+                                text_ids(t, &mut out);
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Prompt token ids of a `/v1/completions` body; token-id prompts are their own ids. As many as
+/// `completion_prompt_tokens` counts.
+pub fn completion_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
+    let mut out = Vec::new();
+    // A JSON integer that is not a u64 (negative, say) still stands for one token.
+    let id = |n: &serde_json::Number| n.as_u64().unwrap_or_else(|| n.as_i64().unwrap_or(0) as u64);
+    match body.get("prompt") {
+        Some(Value::String(s)) => text_ids(s, &mut out),
+        Some(Value::Array(items)) => {
+            for item in items {
+                match item {
+                    Value::String(s) => text_ids(s, &mut out),
+                    Value::Number(n) => out.push(id(n)),
+                    Value::Array(ids) => out.extend(ids.iter().map(|v| match v {
+                        Value::Number(n) => id(n),
+                        _ => 0,
+                    })),
+                    _ => {}
+                }
+            }
+        }
+        _ => return Err("`prompt` must be a string or an array".into()),
+    }
+    Ok(out)
 }
 
 fn content_tokens(content: &Value) -> u64 {
@@ -123,6 +206,54 @@ mod tests {
                 want,
                 "{body}"
             );
+            let ids = completion_prompt_ids(&body).map(|v| v.len() as u64);
+            assert_eq!(ids.map_err(|_| ()), want, "{body}");
         }
+    }
+
+    #[test]
+    fn ids_are_as_many_as_the_count() {
+        let long = "the model server request token, cluster! latency ".repeat(37);
+        for text in [
+            "",
+            "hello",
+            "Hello, world!",
+            "a b c d e f g h i j k l m n o p q r s t u",
+            "...",
+            "  spaced\n\tout  ",
+            long.as_str(),
+        ] {
+            let mut ids = vec![];
+            text_ids(text, &mut ids);
+            assert_eq!(ids.len() as u64, count(text), "{text:?}");
+        }
+        let body = json!({"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, "world", {"type": "image_url"}]},
+            {"role": "assistant", "content": null}]});
+        let ids = chat_prompt_ids(&body).unwrap();
+        assert_eq!(Ok(ids.len() as u64), chat_prompt_tokens(&body));
+        assert!(chat_prompt_ids(&json!({"messages": "hi"})).is_err());
+    }
+
+    #[test]
+    fn equal_leading_text_gives_equal_leading_ids() {
+        let ids = |t: &str| {
+            let mut v = vec![];
+            text_ids(t, &mut v);
+            v
+        };
+        let a = ids("one two three four five six seven eight nine ten eleven");
+        let b = ids("one two three four five six seven eight nine ten twelve, and more");
+        let shared = ids("one two three four five six seven eight nine ten").len();
+        assert_eq!(a[..shared], b[..shared]);
+        assert_ne!(a[shared], b[shared]);
+        // The role is part of a chat prompt's ids.
+        let user = chat_prompt_ids(&json!({"messages": [{"role": "user", "content": "x"}]}));
+        let sys = chat_prompt_ids(&json!({"messages": [{"role": "system", "content": "x"}]}));
+        assert_ne!(user.unwrap()[0], sys.unwrap()[0]);
+        // Token-id prompts are their own ids.
+        let ids = completion_prompt_ids(&json!({"prompt": [[5, 6], [7]]})).unwrap();
+        assert_eq!(ids, vec![5, 6, 7]);
     }
 }

@@ -433,6 +433,7 @@ fn health_metrics_and_test_controls() {
     let stats = c.call("GET", "/admin/stats", &[], "").json();
     assert_eq!(stats["health_requests_total"], 7, "{stats}");
 
+    // vLLM v1 by default, labelled as vLLM labels them.
     let m = c.call("GET", "/metrics", &[], "").text();
     for name in [
         "vllm:num_requests_running",
@@ -440,19 +441,314 @@ fn health_metrics_and_test_controls() {
         "vllm:kv_cache_usage_perc",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
         "mock:vram_overflow_events_total",
     ] {
         assert!(m.contains(&format!("# TYPE {name} ")), "{name}: {m}");
         assert!(
             m.contains(&format!(
-                "{name}{{model_name=\"mock-model\",node=\"gamma\"}} "
+                "{name}{{engine=\"0\",model_name=\"mock-model\"}} "
             )),
             "{name}: {m}"
         );
     }
     assert!(
-        m.contains("vllm:generation_tokens_total{model_name=\"mock-model\",node=\"gamma\"} 20\n")
+        m.contains("vllm:generation_tokens_total{engine=\"0\",model_name=\"mock-model\"} 20.0\n")
     );
+    assert!(m.contains("vllm:cache_config_info{block_size=\"16\","));
+    assert!(m.contains(
+        "vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"mock-model\"} 1.0\n"
+    ));
+}
+
+/// The value of the first sample line `series` (name and labels exactly) in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+fn completion_body(prompt: &str, max_tokens: u64) -> String {
+    serde_json::json!({"prompt": prompt, "max_tokens": max_tokens}).to_string()
+}
+
+#[test]
+fn prefix_cache_hits_show_in_headers_usage_stats_and_metrics() {
+    let mock = start(
+        &[
+            "name=cached,prefix_block=16",
+            "name=uncached,prefix_cache_blocks=0",
+        ],
+        &["--time-scale", "20"],
+    );
+    // 200 words, then either more of the same text or different words.
+    let head: String = (0..200).map(|i| format!("word{i} ")).collect();
+    let same = format!("{head}and the same ending");
+    let other = format!("{head}but a different tail of text");
+    let tokens = tokenize::count(&same);
+    let shared = tokenize::count(&head);
+    let mut c = Conn::open(mock.ports[0]);
+
+    let hit = |r: &Response| -> u64 {
+        r.header("x-mock-prefix-hit-tokens")
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let r = c.call("POST", "/v1/completions", &[], &completion_body(&same, 2));
+    assert_eq!((r.status, hit(&r)), (200, 0), "cold cache");
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    // The same prompt again: every whole block but the last is cached (one token must be
+    // computed), and usage says so too.
+    let r = c.call("POST", "/v1/completions", &[], &completion_body(&same, 2));
+    let full = (tokens - 1) / 16 * 16;
+    assert_eq!(hit(&r), full);
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        full
+    );
+    // A shared head: the blocks inside it.
+    let r = c.call("POST", "/v1/completions", &[], &completion_body(&other, 2));
+    assert_eq!(hit(&r), shared / 16 * 16);
+    // A different model (or adapter) has its own cache.
+    let body = serde_json::json!({"model": "other", "prompt": same, "max_tokens": 2});
+    let r = c.call("POST", "/v1/completions", &[], &body.to_string());
+    assert_eq!(hit(&r), 0);
+    // A stream reports, in its headers, what the cache held when it arrived, and the
+    // exact figure in its final usage.
+    let body = serde_json::json!({"prompt": same, "max_tokens": 2, "stream": true});
+    let r = c.call("POST", "/v1/completions", &[], &body.to_string());
+    assert_eq!(hit(&r), full);
+    let events = sse_events(&r.text());
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"],
+        full
+    );
+
+    let stats = c.call("GET", "/admin/stats", &[], "").json();
+    let hits = 2 * full + shared / 16 * 16;
+    assert_eq!(stats["prefix_cache_hits"], hits, "{stats}");
+    assert_eq!(
+        stats["prefix_cache_queries"],
+        4 * tokens + tokenize::count(&other),
+        "{stats}"
+    );
+    assert_eq!(stats["prefix_block_tokens"], 16);
+    assert!(
+        stats["prefix_cache_blocks"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    let m = c.call("GET", "/metrics", &[], "").text();
+    let labels = "{engine=\"0\",model_name=\"mock-model\"}";
+    assert_eq!(
+        sample(&m, &format!("vllm:prefix_cache_hits_total{labels}")),
+        Some(hits as f64)
+    );
+    // Only the uncached tokens were computed.
+    let computed = sample(&m, &format!("vllm:prompt_tokens_total{labels}")).unwrap();
+    assert_eq!(computed as u64, 4 * tokens + tokenize::count(&other) - hits);
+
+    // prefix_cache_blocks=0: no caching at all.
+    let mut u = Conn::open(mock.ports[1]);
+    for _ in 0..2 {
+        let r = u.call("POST", "/v1/completions", &[], &completion_body(&same, 2));
+        assert_eq!(hit(&r), 0);
+    }
+    let stats = u.call("GET", "/admin/stats", &[], "").json();
+    assert_eq!(
+        (
+            stats["prefix_cache_hits"].clone(),
+            stats["prefix_cache_queries"].clone()
+        ),
+        (0.into(), 0.into())
+    );
+    assert!(u
+        .call("GET", "/metrics", &[], "")
+        .text()
+        .contains("enable_prefix_caching=\"False\""));
+}
+
+#[test]
+fn served_models_and_lora_adapters() {
+    let mock = start(&["name=multi,models=llama|qwen,loras=sql|chat"], &[]);
+    let port = mock.ports[0];
+    let mut c = Conn::open(port);
+    let v = c.call("GET", "/v1/models", &[], "").json();
+    assert_eq!(v["object"], "list");
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["llama", "qwen", "sql", "chat"]);
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["owned_by"], "mock");
+    assert_eq!(v["data"][2]["parent"], "llama");
+
+    // Unknown model: OpenAI's 404, before anything else in the body is looked at.
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let r = c.call(
+            "POST",
+            path,
+            &[],
+            r#"{"model":"gpt-4","prompt":"hi","messages":[]}"#,
+        );
+        assert_eq!(r.status, 404, "{path}");
+        let e = r.json();
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+        assert_eq!(e["error"]["code"], "model_not_found");
+        assert!(e["error"]["message"].as_str().unwrap().contains("gpt-4"));
+    }
+    // No model: the first one. A served model or adapter: echoed.
+    let r = c.call("POST", "/v1/completions", &[], &completion_body("hi", 1));
+    assert_eq!(r.json()["model"], "llama");
+    let body = serde_json::json!({"model": "qwen", "prompt": "hi", "max_tokens": 1});
+    assert_eq!(
+        c.call("POST", "/v1/completions", &[], &body.to_string())
+            .json()["model"],
+        "qwen"
+    );
+
+    // vLLM lists the adapters of running requests: hold a long stream open on "sql".
+    let mut stream = Conn::open(port);
+    let body = r#"{"model":"sql","prompt":"hi","max_tokens":2000,"stream":true}"#;
+    stream.send("POST", "/v1/completions", &[], body);
+    let series = |m: &str| {
+        m.lines()
+            .find(|l| l.starts_with("vllm:lora_requests_info{"))
+            .map(String::from)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let running = loop {
+        let m = c.call("GET", "/metrics", &[], "").text();
+        let line = series(&m).expect("lora_requests_info");
+        if line.contains("running_lora_adapters=\"sql\"") || Instant::now() > deadline {
+            break line;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(running.starts_with("vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"\"} "), "{running}");
+    // The client leaves: the request is aborted and the adapter is no longer running.
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = c.call("GET", "/metrics", &[], "").text();
+        let aborted = sample(&m, "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"llama\"}");
+        if aborted == Some(1.0) && series(&m).unwrap().contains("running_lora_adapters=\"\"") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn metric_flavours_report_the_engine_state_in_their_names() {
+    // (flavour, its running-requests series, its prompt-token counter, its KV-use gauge)
+    let table = [
+        ("vllm", "vllm:num_requests_running{engine=\"0\",model_name=\"m\"}",
+         "vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"}",
+         "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"}"),
+        ("vllm-v0", "vllm:num_requests_running{model_name=\"m\"}",
+         "vllm:prompt_tokens_total{model_name=\"m\"}",
+         "vllm:gpu_cache_usage_perc{model_name=\"m\"}"),
+        ("sglang",
+         "sglang:num_running_reqs{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"}",
+         "sglang:prompt_tokens_total{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"}",
+         "sglang:token_usage{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"}"),
+        ("tgi", "tgi_batch_current_size", "tgi_request_input_length_sum", "tgi_batch_current_max_tokens"),
+        ("trtllm", "trtllm_num_requests_running{model_name=\"m\",engine_type=\"trtllm\"}",
+         "trtllm_prompt_tokens_total{model_name=\"m\",engine_type=\"trtllm\"}",
+         "trtllm_kv_cache_utilization{model_name=\"m\",engine_type=\"trtllm\"}"),
+        ("llamacpp", "llamacpp:requests_processing", "llamacpp:prompt_tokens_total",
+         "llamacpp:kv_cache_usage_ratio"),
+    ];
+    let specs: Vec<String> = table
+        .iter()
+        .map(|(f, ..)| format!("name={f},metrics={f},models=m"))
+        .collect();
+    let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
+    let mock = start(&specs, &["--time-scale", "20"]);
+    let prompt = "Once upon a time there was a mock GPU node.";
+    for ((flavour, running, prompt_counter, kv), port) in table.iter().zip(&mock.ports) {
+        let mut c = Conn::open(*port);
+        let scrape = |c: &mut Conn| {
+            let r = c.call("GET", "/metrics", &[], "");
+            assert_eq!(r.status, 200, "{flavour}");
+            assert!(r
+                .header("content-type")
+                .unwrap()
+                .starts_with("text/plain; version=0.0.4"));
+            r.text()
+        };
+        let before = scrape(&mut c);
+        assert_eq!(sample(&before, running), Some(0.0), "{flavour}: {before}");
+        assert_eq!(
+            sample(&before, prompt_counter),
+            Some(0.0),
+            "{flavour}: {before}"
+        );
+        assert_eq!(sample(&before, kv), Some(0.0), "{flavour}: {before}");
+        for line in before.lines().filter(|l| !l.starts_with('#')) {
+            assert!(
+                line.rsplit_once(' ')
+                    .is_some_and(|(_, v)| v == "+Inf" || v.parse::<f64>().is_ok()),
+                "{flavour}: {line:?}"
+            );
+        }
+        // A request in flight shows as running (and, but for TGI's max-tokens, as KV use).
+        let mut held = Conn::open(*port);
+        held.send(
+            "POST",
+            "/v1/completions",
+            &[],
+            r#"{"prompt":"hi","max_tokens":3000,"stream":true}"#,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sample(&scrape(&mut c), running) != Some(1.0) {
+            assert!(Instant::now() < deadline, "{flavour}: never running");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(sample(&scrape(&mut c), kv).unwrap() > 0.0, "{flavour}");
+        drop(held);
+        let r = c.call("POST", "/v1/completions", &[], &completion_body(prompt, 4));
+        assert_eq!(r.status, 200);
+        // Counters only grow; the finished request's prompt is in them.
+        let after = scrape(&mut c);
+        let (b, a) = (
+            sample(&before, prompt_counter).unwrap(),
+            sample(&after, prompt_counter).unwrap(),
+        );
+        assert!(
+            a >= b + tokenize::count(prompt) as f64,
+            "{flavour}: {b} -> {a}"
+        );
+        for line in before
+            .lines()
+            .filter(|l| l.starts_with("# TYPE ") && l.ends_with(" counter"))
+        {
+            let name = line.split(' ').nth(2).unwrap();
+            for sample_line in before
+                .lines()
+                .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            {
+                let (series, v) = sample_line.rsplit_once(' ').unwrap();
+                let v: f64 = v.parse().unwrap();
+                let now =
+                    sample(&after, series).unwrap_or_else(|| panic!("{flavour}: {series} gone"));
+                assert!(now >= v, "{flavour}: {series} went from {v} to {now}");
+            }
+        }
+        // /health keeps the seed format whatever the flavour.
+        let h = c.call("GET", "/health", &[], "").json();
+        assert_eq!(h["name"], *flavour);
+        assert!(h.get("kv_cache_usage").is_some() && h.get("tokens_per_sec_capacity").is_some());
+    }
 }
 
 #[test]
@@ -477,6 +773,7 @@ fn bad_command_lines_are_explained() {
         (vec![], "at least one --node"),
         (vec!["--node", "1,gpu=tpu"], "unknown gpu"),
         (vec!["--node", "1", "--time-scale", "-3"], "positive number"),
+        (vec!["--node", "1,metrics=openmetrics"], "unknown metrics"),
     ] {
         let out = Command::new(BIN).args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -485,5 +782,15 @@ fn bad_command_lines_are_explained() {
     }
     let out = Command::new(BIN).arg("--help").output().unwrap();
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("--time-scale"));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for key in [
+        "--time-scale",
+        "prefix_block=",
+        "prefix_cache_blocks=",
+        "metrics=",
+        "models=",
+        "loras=",
+    ] {
+        assert!(help.contains(key), "{key} missing from --help");
+    }
 }

@@ -111,6 +111,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
                "--out", str(raw)]
         if args.requests:
             cmd += ["--requests", str(args.requests)]
+        if args.max_prompt_tokens:
+            cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         sampler.stop.set()
         sampler.join()
@@ -247,12 +249,20 @@ def main():
     ap.add_argument("--rate", type=float, default=1.5, help="offered-load multiplier over the trace")
     ap.add_argument("--time-scale", type=float, default=4.0)
     ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--max-prompt-tokens", type=int, default=0,
+                    help="cut longer trace prompts to this many tokens (Mooncake's longest exceed every KV cache)")
+    ap.add_argument("--cluster", default="",
+                    help="comma-separated GPU presets of the nodes, fast first (default a100,a100,l4,l4)")
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--name", default="")
     ap.add_argument("--sweep", default="", help="comma-separated rates: report the SLO capacity per policy")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
     args = ap.parse_args()
+    if args.cluster:
+        global CLUSTER
+        presets = [g for g in args.cluster.split(",") if g]
+        CLUSTER = [(f"{g}-{i + 1}", f"gpu={g}") for i, g in enumerate(presets)]
     policies = [p for p in args.policies.split(",") if p]
     unknown = set(policies) - set(POLICIES) - set(VARIANTS)
     if unknown:

@@ -32,6 +32,9 @@ usage: loadgen --url http://HOST:PORT --trace azure:PATH|mooncake:PATH [options]
   --rate X           offered-load multiplier: arrivals X times denser (default 1)
   --time-scale X     the nodes' model runs X times faster than real time (default 1)
   --max-tokens N     max_tokens cap in every body (default 1024)
+  --max-prompt-tokens N  cut longer trace prompts to N tokens, keeping their leading
+                     prefix blocks (default: no cut); for traces whose longest prompts
+                     exceed every node's KV cache
   --timeout-s S      per-request timeout, wall seconds (default 300)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
@@ -46,6 +49,7 @@ struct Args {
     rate: f64,
     time_scale: f64,
     max_tokens: u64,
+    max_prompt_tokens: Option<u64>,
     timeout_s: f64,
     label: String,
     out: Option<String>,
@@ -64,6 +68,7 @@ fn parse_args() -> Result<Args, String> {
         rate: 1.0,
         time_scale: 1.0,
         max_tokens: 1024,
+        max_prompt_tokens: None,
         timeout_s: 300.0,
         label: "run".into(),
         out: None,
@@ -86,6 +91,9 @@ fn parse_args() -> Result<Args, String> {
             "--rate" => a.rate = pos(v()?, "--rate")?.max(1e-6),
             "--time-scale" => a.time_scale = pos(v()?, "--time-scale")?.max(1e-6),
             "--max-tokens" => a.max_tokens = pos(v()?, "--max-tokens")?.max(1.0) as u64,
+            "--max-prompt-tokens" => {
+                a.max_prompt_tokens = Some(pos(v()?, "--max-prompt-tokens")?.max(1.0) as u64)
+            }
             "--timeout-s" => a.timeout_s = pos(v()?, "--timeout-s")?,
             "--label" => a.label = v()?,
             "--out" => a.out = Some(v()?),
@@ -306,9 +314,12 @@ async fn main() {
         .iter()
         .enumerate()
         .map(|(i, r)| {
+            let prompt_tokens = args
+                .max_prompt_tokens
+                .map_or(r.prompt_tokens, |cap| r.prompt_tokens.min(cap));
             let text = prompt::build(
                 i as u64 + 1,
-                r.prompt_tokens,
+                prompt_tokens,
                 &r.blocks,
                 trace::MOONCAKE_BLOCK_TOKENS,
             );
@@ -319,7 +330,7 @@ async fn main() {
                 wall_ms,
                 Bytes::from(body.to_string()),
                 r.output_tokens.min(args.max_tokens),
-                r.prompt_tokens,
+                prompt_tokens,
             )
         })
         .collect();

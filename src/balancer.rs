@@ -9,6 +9,7 @@ use crate::choice::{self, Decision, Growth, Params};
 use crate::config::Config;
 use crate::engine::{self, FormatError, Health};
 use crate::node::{NodeState, Ticket, Transition};
+use crate::output::OutputModel;
 use crate::rng::Rng;
 use crate::telemetry::Report;
 use crate::weight::Weight;
@@ -17,9 +18,6 @@ use crate::weight::Weight;
 /// queue depth into tokens). An exponentially weighted mean forgets old traffic mixes in about
 /// 1/alpha requests.
 const MEAN_ALPHA: f64 = 0.05;
-/// Completed streams needed before the learned output length replaces the body's cap: a
-/// mean of a handful is noise.
-const MIN_OUTPUT_SAMPLES: u64 = 20;
 /// Standard deviations of the output of a node's in-flight requests, taken together, reserved
 /// as KV growth beyond their means (2: a 2% chance a node's total outgrows it if lengths were
 /// normal and independent; they are skewed right, so this is a floor, not a bound).
@@ -54,9 +52,8 @@ pub struct Balancer {
     hold_kv_ceiling: f64,
     mean_request_tokens: Option<f64>,
     /// Mean and variance of the output length of the streams seen to completion, and how many.
-    mean_output_tokens: f64,
-    var_output_tokens: f64,
-    output_samples: u64,
+    /// Output lengths learned from the streams seen to completion.
+    outputs: OutputModel,
 }
 
 impl Balancer {
@@ -85,9 +82,7 @@ impl Balancer {
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,
             mean_request_tokens: None,
-            mean_output_tokens: 0.0,
-            var_output_tokens: 0.0,
-            output_samples: 0,
+            outputs: OutputModel::default(),
         }
     }
 
@@ -138,46 +133,34 @@ impl Balancer {
     }
 
     /// What a request is expected to cost: its prompt, and as output the smaller of its cap and
-    /// the mean output length learned from completed streams (clients set caps far above what
-    /// models generate; the Azure trace's outputs average a fifth of a typical 1024 cap). Until
-    /// enough streams have completed, the cap stands: the safe side for the VRAM guard.
+    /// the mean output learned for its prompt's size class (see `output`; clients set caps far
+    /// above what models generate: the Azure trace's outputs average a fifth of a typical 1024
+    /// cap). Until enough streams have completed, the cap stands: the safe side for the VRAM
+    /// guard.
     pub fn expected(&self, weight: Weight) -> Weight {
-        if self.output_samples < MIN_OUTPUT_SAMPLES {
-            return weight;
-        }
-        Weight {
-            prompt_tokens: weight.prompt_tokens,
-            output_tokens: weight
-                .output_tokens
-                .min(self.mean_output_tokens.ceil() as u64),
+        match self.outputs.estimate(weight.prompt_tokens) {
+            Some(e) => Weight {
+                prompt_tokens: weight.prompt_tokens,
+                output_tokens: weight.output_tokens.min(e.mean.ceil() as u64),
+            },
+            None => weight,
         }
     }
 
-    /// KV growth to reserve for a request capped at `cap`: its expected output (the cap until
-    /// enough streams have completed), and the pooled margin of `RESERVE_SIGMAS` standard
-    /// deviations per square root of the requests in flight (see `choice`).
-    pub fn growth(&self, cap: u64) -> Growth {
-        if self.output_samples < MIN_OUTPUT_SAMPLES {
-            return Growth {
-                own: cap,
-                margin_per_sqrt: 0.0,
-            };
-        }
+    /// KV growth to reserve for a request of `weight` (with its cap): its expected output, and
+    /// the pooled margin of `RESERVE_SIGMAS` fleet-wide standard deviations per square root of
+    /// the requests in flight (see `choice`); the cap and no margin until outputs are learned.
+    pub fn growth(&self, weight: Weight) -> Growth {
         Growth {
-            own: cap.min(self.mean_output_tokens.ceil() as u64),
-            margin_per_sqrt: RESERVE_SIGMAS * self.var_output_tokens.max(0.0).sqrt(),
+            own: self.expected(weight).output_tokens,
+            margin_per_sqrt: self.outputs.fleet().map_or(0.0, |e| RESERVE_SIGMAS * e.sd),
         }
     }
 
-    /// A stream completed normally with `tokens` output tokens.
-    pub fn observe_output(&mut self, tokens: u64) {
-        self.output_samples = self.output_samples.saturating_add(1);
-        // Plain moments while few samples exist, then exponentially weighted so the estimate
-        // follows a changing traffic mix (West's incremental form).
-        let alpha = (1.0 / self.output_samples as f64).max(MEAN_ALPHA);
-        let diff = tokens as f64 - self.mean_output_tokens;
-        self.mean_output_tokens += alpha * diff;
-        self.var_output_tokens = (1.0 - alpha) * (self.var_output_tokens + alpha * diff * diff);
+    /// A stream whose prompt was estimated at `prompt_tokens` completed normally with
+    /// `tokens` output tokens.
+    pub fn observe_output(&mut self, prompt_tokens: u64, tokens: u64) {
+        self.outputs.observe(prompt_tokens, tokens);
     }
 
     /// Chooses the nodes for a request and books it as in flight on the first. `weight` is
@@ -191,7 +174,7 @@ impl Balancer {
         rng: &mut dyn Rng,
         may_hold: bool,
     ) -> Outcome {
-        let growth = self.growth(weight.output_tokens);
+        let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
         let (ranked, over_ceiling) =
@@ -392,21 +375,28 @@ mod tests {
             prompt_tokens: 10,
             output_tokens: 1024,
         };
-        for i in 0..MIN_OUTPUT_SAMPLES {
+        for i in 0..crate::output::MIN_SAMPLES {
             assert_eq!(
                 b.expected(capped),
                 capped,
                 "after {i} samples the cap stands"
             );
-            b.observe_output(if i % 2 == 0 { 100 } else { 300 });
+            b.observe_output(10, if i % 2 == 0 { 100 } else { 300 });
         }
         assert_eq!(b.expected(capped).output_tokens, 200);
         // Outputs of 100 and 300: each request books the mean, 200, and the node's pooled
         // margin is 2 sd = 200 per square root of its requests in flight.
-        let g = b.growth(1024);
+        let g = b.growth(capped);
         assert_eq!(g.own, 200);
         assert!((g.margin_per_sqrt - 200.0).abs() < 1e-6, "{g:?}");
-        assert_eq!(b.growth(150).own, 150);
+        assert_eq!(
+            b.growth(Weight {
+                prompt_tokens: 10,
+                output_tokens: 150
+            })
+            .own,
+            150
+        );
         // Never above the request's own cap.
         let small = Weight {
             prompt_tokens: 10,

@@ -58,7 +58,7 @@ fn now_ms() -> u64 {
 /// Why a health callout brought no body to parse.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CallFailure {
-    /// Refused, reset or timed out: no response at all.
+    /// No response at all (a reset).
     NoAnswer,
     /// A response other than 200.
     BadStatus,
@@ -81,6 +81,8 @@ struct Metrics {
     held: u32,
     held_routed_over_ceiling: u32,
     held_now: u32,
+    inflight_now: u32,
+    vm_memory_bytes: u32,
     health_ok: u32,
     health_failed: u32,
     health_unparsable: u32,
@@ -128,6 +130,13 @@ impl Metrics {
             held_routed_over_ceiling: counter(&format!("{p}.held_routed_over_ceiling")),
             held_now: hostcalls::define_metric(MetricType::Gauge, &format!("{p}.held_now"))
                 .unwrap_or(0),
+            inflight_now: hostcalls::define_metric(MetricType::Gauge, &format!("{p}.inflight_now"))
+                .unwrap_or(0),
+            vm_memory_bytes: hostcalls::define_metric(
+                MetricType::Gauge,
+                &format!("{p}.vm_memory_bytes"),
+            )
+            .unwrap_or(0),
             health_ok: counter(&format!("{p}.health.ok")),
             health_failed: counter(&format!("{p}.health.failed")),
             health_unparsable: counter(&format!("{p}.health.unparsable")),
@@ -200,6 +209,7 @@ fn place(s: &mut State, outcome: Outcome, cap: Weight, held_ms: Option<u64>) -> 
                 return Placed::default();
             }
             bump(s.metrics.routed);
+            shift(s.metrics.inflight_now, 1);
             bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
             if over_ceiling {
                 bump(s.metrics.routed_over_vram_ceiling);
@@ -287,6 +297,8 @@ struct Root {
     /// Outstanding health callouts: token -> node index.
     pending: HashMap<u32, usize>,
     first_tick_done: bool,
+    /// What this VM last added to the memory gauge.
+    memory_reported: u64,
 }
 
 impl Context for Root {
@@ -300,7 +312,8 @@ impl Context for Root {
         let Some(node) = self.pending.remove(&token) else {
             return;
         };
-        // A timed-out, refused or reset callout has no :status.
+        // A reset callout has no :status; Envoy answers refused (503) and timed-out (504)
+        // callouts itself, so those count as bad statuses.
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
             .ok()
             .flatten();
@@ -328,7 +341,35 @@ impl Context for Root {
     }
 }
 
+/// This VM's linear memory, bytes: what the VM costs Envoy, since a Wasm heap only grows.
+#[cfg(target_arch = "wasm32")]
+fn vm_memory_bytes() -> u64 {
+    core::arch::wasm32::memory_size(0) as u64 * 65_536
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn vm_memory_bytes() -> u64 {
+    0
+}
+
 impl Root {
+    /// Moves the `vm_memory_bytes` gauge by this VM's growth since its last report, so the
+    /// gauge is the total over every VM of the plugin (one per worker, one on the main thread).
+    fn report_memory(&mut self) {
+        let now = vm_memory_bytes();
+        if now != self.memory_reported {
+            if let Ok(guard) = self.state.try_borrow() {
+                if let Some(s) = guard.as_ref() {
+                    shift(
+                        s.metrics.vm_memory_bytes,
+                        now as i64 - self.memory_reported as i64,
+                    );
+                    self.memory_reported = now;
+                }
+            }
+        }
+    }
+
     /// Sends one health callout to every node that has none outstanding.
     fn poll(&mut self) {
         let Ok(guard) = self.state.try_borrow() else {
@@ -488,6 +529,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         self.poll();
+        self.report_memory();
         // Held requests past their limit leave on the tick, whatever else happens.
         admit_held(&self.state, self.context_id);
     }
@@ -633,9 +675,11 @@ impl Request {
             let progressed = self.received;
             self.with(|s| {
                 if sample {
-                    s.balancer.observe_output(output);
+                    s.balancer
+                        .observe_output(ticket.weight.prompt_tokens, output);
                 }
                 s.balancer.release(&ticket, progressed);
+                shift(s.metrics.inflight_now, -1);
             });
         }
     }

@@ -12,6 +12,7 @@ pub mod choice;
 pub mod config;
 pub mod engine;
 pub mod node;
+pub mod output;
 pub mod prometheus;
 pub mod rng;
 pub mod telemetry;

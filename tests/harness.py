@@ -176,6 +176,8 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
         if health_addresses and a in health_addresses:
             node["health_address"] = health_addresses[a]
         conf["nodes"].append(node)
+    # The tests read the filter's decisions from its debug header, off in the shipped file.
+    conf["debug_header"] = "x-token-balancer"
     conf.update(plugin or {})
     wasm["configuration"]["value"] = json.dumps(conf)
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
@@ -200,7 +202,7 @@ def without_filter(cfg: dict, lb_policy: str) -> dict:
 
 
 class Envoy:
-    def __init__(self, config: dict, concurrency: int = 1, expect_ready: bool = True):
+    def __init__(self, config: dict, concurrency: int = 1, expect_ready: bool = True, log_level: str = "info"):
         self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
         # A configuration whose listener comes from LDS has none here; its test sets the port.
         listeners = config.get("static_resources", {}).get("listeners") or []
@@ -212,7 +214,7 @@ class Envoy:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [str(ENVOY), "-c", str(self.config_path), "--concurrency", str(concurrency),
-             "--base-id", str(self.admin_port), "--disable-hot-restart", "-l", "info"],
+             "--base-id", str(self.admin_port), "--disable-hot-restart", "-l", log_level],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         if expect_ready:

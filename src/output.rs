@@ -1,0 +1,164 @@
+//! Output-length learning: how many tokens a request will generate, learned from the streams
+//! that completed, per class of prompt size.
+//!
+//! Clients send `max_tokens` as a cap, far above what models generate, so the cap is a poor
+//! estimate of a request's cost. What the filter sees is every stream's real output length when
+//! it ends. Output length is not independent of the prompt: in the Azure conversation trace,
+//! prompts of 512 to 2,047 tokens generate about 330 tokens on average, four times what prompts
+//! of 256 to 511 or of 2,048 and more generate (about 80 to 95). One fleet-wide mean books the
+//! long answers as short ones, and they are the requests that make the end-to-end tail. So the
+//! moments are kept per power-of-two class of the prompt's estimated size, falling back to the
+//! fleet-wide ones while a class has too few samples: the cheapest form of the per-class
+//! prediction that learned schedulers use, with two moments per class (compare the per-request
+//! predictors of Fu et al., "Efficient LLM Scheduling by Learning to Rank", 2024, which need a
+//! model of the prompt's content).
+//!
+//! Moments are plain while few samples exist, then exponentially weighted so they follow a
+//! changing traffic mix (West's incremental mean and variance).
+
+/// Samples a class (or the fleet) needs before its moments replace the fallback.
+pub const MIN_SAMPLES: u64 = 20;
+/// Weight of the newest sample once a class has `1 / ALPHA` samples.
+const ALPHA: f64 = 0.05;
+/// Prompt classes: [0, 2), [2, 4), ... [2^(CLASSES-1), inf) estimated tokens.
+const CLASSES: usize = 20;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Moments {
+    mean: f64,
+    var: f64,
+    samples: u64,
+}
+
+impl Moments {
+    fn add(&mut self, x: f64) {
+        self.samples = self.samples.saturating_add(1);
+        let alpha = (1.0 / self.samples as f64).max(ALPHA);
+        let diff = x - self.mean;
+        self.mean += alpha * diff;
+        self.var = (1.0 - alpha) * (self.var + alpha * diff * diff);
+    }
+
+    fn learned(&self) -> Option<Estimate> {
+        (self.samples >= MIN_SAMPLES).then(|| Estimate {
+            mean: self.mean,
+            sd: self.var.max(0.0).sqrt(),
+        })
+    }
+}
+
+/// A learned output length: mean and standard deviation, tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    pub mean: f64,
+    pub sd: f64,
+}
+
+/// The output-length model of one filter instance.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OutputModel {
+    fleet: Moments,
+    classes: [Moments; CLASSES],
+}
+
+fn class_of(prompt_tokens: u64) -> usize {
+    let bits = (u64::BITS - prompt_tokens.leading_zeros()) as usize;
+    bits.min(CLASSES - 1)
+}
+
+impl OutputModel {
+    /// A stream whose prompt was estimated at `prompt_tokens` completed with `output_tokens`.
+    pub fn observe(&mut self, prompt_tokens: u64, output_tokens: u64) {
+        let x = output_tokens as f64;
+        self.fleet.add(x);
+        if let Some(c) = self.classes.get_mut(class_of(prompt_tokens)) {
+            c.add(x);
+        }
+    }
+
+    /// The expected output of a request with this prompt: its class's moments once learned,
+    /// else the fleet's, else nothing (the caller keeps the cap).
+    pub fn estimate(&self, prompt_tokens: u64) -> Option<Estimate> {
+        self.classes
+            .get(class_of(prompt_tokens))
+            .and_then(Moments::learned)
+            .or_else(|| self.fleet.learned())
+    }
+
+    /// The fleet-wide moments, once learned: the spread of a node's mix of requests.
+    pub fn fleet(&self) -> Option<Estimate> {
+        self.fleet.learned()
+    }
+
+    /// Streams seen to completion.
+    pub fn samples(&self) -> u64 {
+        self.fleet.samples
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_are_powers_of_two() {
+        for (prompt, class) in [
+            (0, 0),
+            (1, 1),
+            (2, 2),
+            (3, 2),
+            (511, 9),
+            (512, 10),
+            (1023, 10),
+            (1024, 11),
+            (u64::MAX, CLASSES - 1),
+        ] {
+            assert_eq!(class_of(prompt), class, "{prompt}");
+        }
+    }
+
+    #[test]
+    fn nothing_is_estimated_before_enough_samples() {
+        let mut m = OutputModel::default();
+        for _ in 0..MIN_SAMPLES - 1 {
+            m.observe(100, 50);
+        }
+        assert_eq!(m.estimate(100), None);
+        m.observe(100, 50);
+        assert_eq!(m.estimate(100).map(|e| e.mean), Some(50.0));
+    }
+
+    /// Long answers to mid-sized prompts and short ones to small prompts: each class gets its
+    /// own mean, and a class never seen falls back to the fleet's.
+    #[test]
+    fn each_class_learns_its_own_length_and_unseen_ones_fall_back() {
+        let mut m = OutputModel::default();
+        for i in 0..100 {
+            m.observe(1000, if i % 2 == 0 { 300 } else { 400 });
+            m.observe(300, 90);
+        }
+        let mid = m.estimate(900).unwrap();
+        assert!((mid.mean - 350.0).abs() < 10.0, "{mid:?}");
+        assert!((mid.sd - 50.0).abs() < 5.0, "{mid:?}");
+        let small = m.estimate(400).unwrap();
+        assert!(
+            (small.mean - 90.0).abs() < 1e-6 && small.sd < 1e-6,
+            "{small:?}"
+        );
+        let unseen = m.estimate(50_000).unwrap();
+        assert!(unseen.mean > 150.0 && unseen.mean < 300.0, "{unseen:?}");
+        assert_eq!(m.samples(), 200);
+    }
+
+    #[test]
+    fn the_mean_follows_a_changing_mix() {
+        let mut m = OutputModel::default();
+        for _ in 0..200 {
+            m.observe(10, 100);
+        }
+        for _ in 0..200 {
+            m.observe(10, 500);
+        }
+        assert!(m.estimate(10).unwrap().mean > 490.0);
+    }
+}

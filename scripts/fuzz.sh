@@ -5,7 +5,8 @@
 #
 # Usage: scripts/fuzz.sh [SECONDS] [TARGET...]
 #   SECONDS  how long each target runs (default 10: the CI smoke)
-#   TARGET   request_body, health_json, config, response_usage (default: all of them)
+#   TARGET   request_body, health_json, config, response_usage (default: every target that
+#            `cargo fuzz list` finds in fuzz/Cargo.toml)
 # Environment:
 #   FUZZ_MERGE=1   afterwards merge the inputs that found new coverage into fuzz/corpus/<target>
 #                  (libFuzzer -merge=1: only inputs adding coverage are kept); otherwise the
@@ -20,20 +21,21 @@ cd "$(dirname "$0")/.."
 seconds=${1:-10}
 shift || true
 targets=("$@")
-if [ ${#targets[@]} -eq 0 ]; then
-  targets=(request_body health_json config response_usage)
-fi
 sanitizer=${FUZZ_SANITIZER:-address}
 
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
-  echo "fuzz: cargo-fuzz is not installed (scripts/setup.sh installs it with FUZZ=1)" >&2
+  echo "fuzz: cargo-fuzz is not installed (scripts/setup.sh installs it)" >&2
   exit 1
+fi
+if [ ${#targets[@]} -eq 0 ]; then
+  mapfile -t targets < <(cd fuzz && cargo fuzz list)
 fi
 
 export RUSTC_BOOTSTRAP=1
 logs=$PWD/target/fuzz-logs
 mkdir -p "$logs"
-(cd fuzz && cargo fuzz build --sanitizer "$sanitizer")
+echo "== building the fuzz targets (sanitizer: $sanitizer)"
+(cd fuzz && cargo fuzz build --sanitizer "$sanitizer" >/dev/null)
 
 for t in "${targets[@]}"; do
   work=$(mktemp -d)

@@ -9,7 +9,8 @@
 #            `cargo fuzz list` finds in fuzz/Cargo.toml)
 # Environment:
 #   FUZZ_MERGE=1   afterwards merge the inputs that found new coverage into fuzz/corpus/<target>
-#                  (libFuzzer -merge=1: only inputs adding coverage are kept); otherwise the
+#                  (libFuzzer -merge=1 -use_counters=0: only inputs adding new edges are
+#                  kept, which keeps the corpus at a few hundred files); otherwise the
 #                  committed corpus is read, never written.
 #   FUZZ_SANITIZER address (default) or none (faster, catches panics and aborts only).
 # Each run starts from the committed corpus fuzz/corpus/<target> with the dictionary
@@ -56,8 +57,8 @@ for t in "${targets[@]}"; do
   fi
   if [ "${FUZZ_MERGE:-0}" = 1 ]; then
     before=$(find "fuzz/corpus/$t" -type f | wc -l)
-    (cd fuzz && cargo fuzz run --sanitizer "$sanitizer" "$t" "corpus/$t" "$work" -- -merge=1) \
-      >"$logs/$t.merge.log" 2>&1
+    (cd fuzz && cargo fuzz run --sanitizer "$sanitizer" "$t" "corpus/$t" "$work" -- \
+      -merge=1 -use_counters=0) >"$logs/$t.merge.log" 2>&1
     after=$(find "fuzz/corpus/$t" -type f | wc -l)
     echo "   $t: merged $((after - before)) new inputs into fuzz/corpus/$t ($after files)"
   fi

@@ -36,7 +36,11 @@ export RUSTC_BOOTSTRAP=1
 logs=$PWD/target/fuzz-logs
 mkdir -p "$logs"
 echo "== building the fuzz targets (sanitizer: $sanitizer)"
-(cd fuzz && cargo fuzz build --sanitizer "$sanitizer" >/dev/null)
+if ! (cd fuzz && cargo fuzz build --sanitizer "$sanitizer") >"$logs/build.log" 2>&1; then
+  tail -40 "$logs/build.log" >&2
+  echo "fuzz: the build failed; log in $logs/build.log" >&2
+  exit 1
+fi
 
 for t in "${targets[@]}"; do
   work=$(mktemp -d)

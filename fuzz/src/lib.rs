@@ -1,0 +1,361 @@
+//! The fuzz targets of token-balancer, one function per target, each taking the raw fuzz input
+//! and panicking (through `assert!`) when an invariant of the code under test breaks.
+//!
+//! These functions are used twice: by the libFuzzer binaries in `fuzz/fuzz_targets/` (run with
+//! `cargo fuzz run <target>`, see fuzz/README.md), and by the root crate's corpus replay test
+//! `tests/fuzz_corpus.rs`, which includes this file as a module (`#[path]`) and runs every
+//! committed corpus file through the same function on stable Rust in `cargo test`. So this file
+//! must only use `std`, `serde_json` and `token_balancer`, the dependencies both sides have.
+//!
+//! The invariants asserted are the ones the code documents (module comments, the README's
+//! configuration table); where a bound is a private constant of `src/`, it is repeated here with
+//! the place it comes from.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use serde_json::{json, Value};
+use token_balancer::config::{is_ip_port, Config};
+use token_balancer::telemetry::{parse_health, Report};
+use token_balancer::usage::{output_events, reported_output_tokens};
+use token_balancer::weight::{estimate, Api, Weight};
+
+/// A fuzz target: takes any bytes, panics when an invariant breaks.
+pub type Target = fn(&[u8]);
+
+/// The fuzz targets by name, as `cargo fuzz` knows them (and as their corpus folders are named).
+pub const TARGETS: &[(&str, Target)] = &[
+    ("request_body", request_body),
+    ("health_json", health_json),
+    ("config", config),
+    ("response_usage", response_usage),
+];
+
+/// Request paths the first input byte chooses from: every API the estimator knows, with the
+/// variants the filter sees in practice (prefixes, query strings), and unknown paths.
+const PATHS: [&str; 8] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/generate",
+    "/v1/chat/completions?stream=true",
+    "/openai/v1/embeddings",
+    "",
+];
+
+/// `default_max_tokens` values the first input byte chooses from (the configuration accepts any
+/// u64, including 0 and the maximum).
+const DEFAULT_MAX_TOKENS: [u64; 4] = [256, 0, 1, u64::MAX];
+
+/// `weight::MAX_OUTPUT_TOKENS` (src/weight.rs): the clamp on any output cap taken from a body.
+const MAX_OUTPUT_TOKENS: u64 = 1 << 24;
+/// `weight::MAX_N` (src/weight.rs): the clamp on `n`.
+const MAX_N: u64 = 128;
+/// `weight::PER_MESSAGE_OVERHEAD` (src/weight.rs): template tokens added per message.
+const PER_MESSAGE_OVERHEAD: u64 = 4;
+
+/// Request body estimation. Input: one byte that chooses the request path (low 3 bits) and the
+/// configured `default_max_tokens` (next 2 bits), then the body.
+pub fn request_body(data: &[u8]) {
+    let Some((&choice, body)) = data.split_first() else {
+        return;
+    };
+    let path = PATHS[usize::from(choice & 7)];
+    let default_max_tokens = DEFAULT_MAX_TOKENS[usize::from((choice >> 3) & 3)];
+    let api = Api::from_path(path);
+    let got = estimate(api, body, default_max_tokens);
+
+    // Deterministic, and blind to insignificant JSON whitespace around the value.
+    assert_eq!(got, estimate(api, body, default_max_tokens));
+    let mut padded = b" \n\t".to_vec();
+    padded.extend_from_slice(body);
+    padded.extend_from_slice(b"\r\n ");
+    assert_eq!(
+        got,
+        estimate(api, &padded, default_max_tokens),
+        "whitespace"
+    );
+
+    // Total over arbitrary paths too (the filter passes any `:path` header).
+    let _ = Api::from_path(&String::from_utf8_lossy(body));
+
+    let parsed: Option<Value> = serde_json::from_slice(body).ok();
+    let Some(w) = got else {
+        return;
+    };
+    // Only a JSON object body yields an estimate.
+    let obj = parsed
+        .as_ref()
+        .and_then(Value::as_object)
+        .expect("an estimate from a body that is not a JSON object");
+    assert!(
+        obj.contains_key("messages") || obj.contains_key("prompt") || obj.contains_key("input"),
+        "an estimate from a body with no prompt"
+    );
+    check_weight(api, obj, w, default_max_tokens, body.len());
+}
+
+fn check_weight(
+    api: Api,
+    obj: &serde_json::Map<String, Value>,
+    w: Weight,
+    default_max_tokens: u64,
+    body_len: usize,
+) {
+    // The documented clamps: output at most MAX_OUTPUT_TOKENS times MAX_N, never an overflow.
+    assert!(
+        w.output_tokens <= MAX_OUTPUT_TOKENS * MAX_N,
+        "output {} over the clamp",
+        w.output_tokens
+    );
+    assert_eq!(w.total(), w.prompt_tokens + w.output_tokens);
+    // A prompt token needs at least one character of the body, and a message at least one
+    // byte, worth PER_MESSAGE_OVERHEAD tokens: the prompt estimate is bounded by the size.
+    let body_len = body_len as u64;
+    assert!(
+        w.prompt_tokens <= PER_MESSAGE_OVERHEAD * body_len,
+        "prompt {} from {body_len} bytes",
+        w.prompt_tokens
+    );
+    let is_embedding = api == Api::Embeddings
+        || (api == Api::Other && obj.contains_key("input") && !obj.contains_key("messages"));
+    if is_embedding {
+        assert_eq!(w.output_tokens, 0, "an embedding decodes nothing");
+        return;
+    }
+    // Without any cap in the body the configured default applies, clamped, times n (<= 128).
+    let has_cap = ["max_completion_tokens", "max_tokens"].iter().any(|k| {
+        obj.get(*k)
+            .and_then(Value::as_f64)
+            .is_some_and(|f| f >= 1.0)
+    });
+    if !has_cap {
+        let cap = default_max_tokens.min(MAX_OUTPUT_TOKENS);
+        assert!(
+            w.output_tokens % cap.max(1) == 0 && w.output_tokens <= cap * MAX_N,
+            "output {} without a cap, default {default_max_tokens}",
+            w.output_tokens
+        );
+        if obj.get("n").is_none() {
+            assert_eq!(w.output_tokens, cap, "default cap, n = 1");
+        }
+    }
+}
+
+/// A value a health report may hold: finite, non-negative, below the "absurd" limit
+/// (`telemetry::ABSURD`, 1e15).
+fn sane(x: f64) -> bool {
+    (0.0..1e15).contains(&x)
+}
+
+/// Health answer parsing (the seed JSON format).
+pub fn health_json(data: &[u8]) {
+    let got = parse_health(data);
+    let mut padded = b"\n ".to_vec();
+    padded.extend_from_slice(data);
+    padded.extend_from_slice(b" \t");
+    assert_eq!(got, parse_health(&padded), "whitespace");
+    let Ok(r) = got else {
+        return;
+    };
+    let Report {
+        load_tokens_per_sec,
+        capacity_tokens_per_sec,
+        vram_used_bytes,
+        vram_total_bytes,
+        kv_cache_usage,
+        queue_depth,
+        running_requests,
+    } = r;
+    assert!(sane(load_tokens_per_sec), "load {load_tokens_per_sec}");
+    for (name, v) in [
+        ("capacity", capacity_tokens_per_sec),
+        ("vram_used", vram_used_bytes),
+        ("vram_total", vram_total_bytes),
+        ("kv_cache_usage", kv_cache_usage),
+        ("queue_depth", queue_depth),
+        ("running_requests", running_requests),
+    ] {
+        if let Some(x) = v {
+            assert!(sane(x), "{name} {x}");
+        }
+    }
+    assert!(capacity_tokens_per_sec.map_or(true, |c| c > 0.0));
+    assert!(kv_cache_usage.map_or(true, |u| u <= 1.0));
+    // VRAM bytes come as a pair, with a positive total.
+    assert_eq!(vram_used_bytes.is_some(), vram_total_bytes.is_some());
+    assert!(vram_total_bytes.map_or(true, |t| t > 0.0));
+    // A report is only ever made from a JSON object.
+    let v: Value = serde_json::from_slice(data).expect("a report from a body that is not JSON");
+    assert!(v.is_object());
+}
+
+fn lower_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// Plugin configuration parsing and validation.
+pub fn config(data: &[u8]) {
+    let got = Config::parse(data);
+    // Whitespace around the JSON changes nothing but positions in a JSON error message.
+    let mut padded = b" \n".to_vec();
+    padded.extend_from_slice(data);
+    padded.push(b'\n');
+    match (&got, Config::parse(&padded)) {
+        (Ok(a), Ok(b)) => assert_eq!(*a, b, "whitespace"),
+        (Err(a), Err(b)) => assert_eq!(a.field, b.field, "whitespace"),
+        (a, b) => panic!("whitespace changed the outcome: {a:?} vs {b:?}"),
+    }
+    let c = match got {
+        Ok(c) => c,
+        Err(e) => {
+            // Every error names a field and a reason, and says both. The one empty field name
+            // is an unknown top-level key that is itself empty (`{"": 1}`): the error then
+            // names exactly what the configuration said.
+            assert!(!e.reason.is_empty(), "{e:?}");
+            assert!(
+                !e.field.is_empty() || e.reason.starts_with("is not a known field"),
+                "{e:?}"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains(&e.field) && text.contains(&e.reason),
+                "{text}"
+            );
+            return;
+        }
+    };
+    // The invariants the README's configuration table documents.
+    assert!(!c.nodes.is_empty(), "no node");
+    for (i, n) in c.nodes.iter().enumerate() {
+        assert!(is_ip_port(&n.address), "{:?}", n.address);
+        assert!(
+            c.nodes[..i].iter().all(|m| m.address != n.address),
+            "{:?} listed twice",
+            n.address
+        );
+        assert!(n.health_path.starts_with('/'), "{:?}", n.health_path);
+        assert!(is_ip_port(n.health_target()), "{:?}", n.health_target());
+        assert!(n
+            .capacity_tokens_per_sec
+            .map_or(true, |x| x.is_finite() && x > 0.0));
+        assert_ne!(n.kv_cache_tokens, Some(0));
+    }
+    assert!(!c.health_cluster.is_empty());
+    assert!(c.tick_ms >= 10, "tick_ms {}", c.tick_ms);
+    assert!(c.health_timeout_ms > 0);
+    assert!(c.stale_after_ms > c.tick_ms, "stale_after_ms <= tick_ms");
+    assert!(c.max_body_bytes > 0);
+    assert!(
+        c.vram_ceiling > 0.0 && c.vram_ceiling <= 1.0,
+        "vram_ceiling {}",
+        c.vram_ceiling
+    );
+    assert!(c.kv_bytes_per_token > 0);
+    assert!(c.max_hosts_in_header > 0);
+    assert!(lower_header_name(&c.routing_header));
+    assert!(lower_header_name(&c.health_target_header));
+    assert!(c.debug_header.as_deref().map_or(true, lower_header_name));
+
+    // Written back out with every field explicit, the configuration parses to itself.
+    let again = Config::parse(to_json(&c).to_string().as_bytes())
+        .unwrap_or_else(|e| panic!("{c:?} written out does not parse again: {e}"));
+    assert_eq!(strip_floats(&again), strip_floats(&c));
+    assert!(close(again.vram_ceiling, c.vram_ceiling));
+    for (a, b) in again.nodes.iter().zip(&c.nodes) {
+        match (a.capacity_tokens_per_sec, b.capacity_tokens_per_sec) {
+            (Some(x), Some(y)) => assert!(close(x, y), "{x} vs {y}"),
+            (x, y) => assert_eq!(x, y),
+        }
+    }
+}
+
+/// Equal up to the last bits: serde_json (without its `float_roundtrip` feature, which the
+/// filter does not use) may parse a float it printed one unit in the last place away.
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= a.abs().max(b.abs()) * 1e-14
+}
+
+fn strip_floats(c: &Config) -> Config {
+    let mut c = c.clone();
+    c.vram_ceiling = 0.0;
+    for n in &mut c.nodes {
+        n.capacity_tokens_per_sec = n.capacity_tokens_per_sec.map(|_| 0.0);
+    }
+    c
+}
+
+fn to_json(c: &Config) -> Value {
+    let nodes: Vec<Value> = c
+        .nodes
+        .iter()
+        .map(|n| {
+            json!({
+                "address": n.address,
+                "health_path": n.health_path,
+                "health_address": n.health_address,
+                "capacity_tokens_per_sec": n.capacity_tokens_per_sec,
+                "kv_cache_tokens": n.kv_cache_tokens,
+            })
+        })
+        .collect();
+    let policy = match c.policy {
+        token_balancer::choice::Rule::TokenThroughput => "token_throughput",
+        token_balancer::choice::Rule::LeastReportedLoad => "least_reported_load",
+    };
+    json!({
+        "nodes": nodes,
+        "health_cluster": c.health_cluster,
+        "health_target_header": c.health_target_header,
+        "tick_ms": c.tick_ms,
+        "health_timeout_ms": c.health_timeout_ms,
+        "stale_after_ms": c.stale_after_ms,
+        "routing_header": c.routing_header,
+        "max_body_bytes": c.max_body_bytes,
+        "vram_ceiling": c.vram_ceiling,
+        "default_max_tokens": c.default_max_tokens,
+        "kv_bytes_per_token": c.kv_bytes_per_token,
+        "max_hosts_in_header": c.max_hosts_in_header,
+        "debug_header": c.debug_header,
+        "policy": policy,
+    })
+}
+
+/// Response chunk scanning: content events and reported usage, on arbitrary bytes.
+pub fn response_usage(data: &[u8]) {
+    let events = output_events(data);
+    let reported = reported_output_tokens(data);
+    // Each counted event needs its own key in the chunk: `"text":"` is the shorter, 8 bytes,
+    // and occurrences of one key are counted without overlap.
+    let len = data.len() as u64;
+    assert!(
+        events <= len / 8 + len / 11,
+        "{events} events in {len} bytes"
+    );
+    if reported.is_some() {
+        let has_key = |k: &[u8]| data.windows(k.len()).any(|w| w == k);
+        assert!(has_key(b"\"completion_tokens\":") || has_key(b"\"output_tokens\":"));
+    }
+
+    // One more content event after a line break counts once more, or twice when the chunk ended
+    // on an open key that the break now closes with a (non-quote) character.
+    let mut more = data.to_vec();
+    more.extend_from_slice(b"\n\"content\":\"x\"");
+    let delta = output_events(&more) - events;
+    assert!((1..=2).contains(&delta), "one more event counted {delta}");
+
+    // A usage count reported after everything else is the one returned.
+    let n = data
+        .iter()
+        .take(8)
+        .fold(0u64, |acc, &b| acc << 8 | u64::from(b));
+    let mut last = data.to_vec();
+    last.extend_from_slice(format!("\n\"output_tokens\": {n}}}").as_bytes());
+    assert_eq!(reported_output_tokens(&last), Some(n));
+}

@@ -19,6 +19,9 @@
 
 use serde_json::{json, Value};
 use token_balancer::config::{is_ip_port, Config};
+use token_balancer::engine::{self, Health, HealthFormat};
+use token_balancer::prometheus::parse_prometheus_samples;
+use token_balancer::throughput::Tracker;
 use token_balancer::telemetry::{parse_health, Report};
 use token_balancer::usage::{output_events, reported_output_tokens};
 use token_balancer::weight::{estimate, Api, Weight};
@@ -32,6 +35,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("health_json", health_json),
     ("config", config),
     ("response_usage", response_usage),
+    ("prometheus_text", prometheus_text),
 ];
 
 /// Request paths the first input byte chooses from: every API the estimator knows, with the
@@ -170,6 +174,7 @@ pub fn health_json(data: &[u8]) {
         kv_cache_usage,
         queue_depth,
         running_requests,
+        kv_cache_tokens,
     } = r;
     assert!(sane(load_tokens_per_sec), "load {load_tokens_per_sec}");
     for (name, v) in [
@@ -179,6 +184,7 @@ pub fn health_json(data: &[u8]) {
         ("kv_cache_usage", kv_cache_usage),
         ("queue_depth", queue_depth),
         ("running_requests", running_requests),
+        ("kv_cache_tokens", kv_cache_tokens),
     ] {
         if let Some(x) = v {
             assert!(sane(x), "{name} {x}");
@@ -358,4 +364,76 @@ pub fn response_usage(data: &[u8]) {
     let mut last = data.to_vec();
     last.extend_from_slice(format!("\n\"output_tokens\": {n}}}").as_bytes());
     assert_eq!(reported_output_tokens(&last), Some(n));
+}
+
+/// The report invariants any health answer must meet once turned into a `Report`: every number
+/// finite, non-negative and below the absurd limit; usage a fraction.
+fn sane_report(r: &Report) {
+    assert!(sane(r.load_tokens_per_sec), "{r:?}");
+    for x in [
+        r.capacity_tokens_per_sec,
+        r.vram_used_bytes,
+        r.vram_total_bytes,
+        r.kv_cache_usage,
+        r.queue_depth,
+        r.running_requests,
+        r.kv_cache_tokens,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        assert!(sane(x), "{r:?}");
+    }
+    assert!(r.kv_cache_usage.map_or(true, |u| u <= 1.0), "{r:?}");
+}
+
+/// Prometheus text (src/prometheus.rs) and what each engine's mapping (src/engine.rs) and the
+/// counter-rate tracker (src/throughput.rs) make of it.
+pub fn prometheus_text(data: &[u8]) {
+    let mut samples = parse_prometheus_samples(data);
+    let mut n = 0usize;
+    for s in samples.by_ref() {
+        n += 1;
+        assert!(!s.name.is_empty(), "a sample without a name");
+        assert!(
+            s.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b':'),
+            "metric name {:?}",
+            s.name
+        );
+        for (k, v) in s.labels.iter() {
+            assert!(!k.is_empty());
+            let _ = v.unescaped();
+            let _ = v.as_f64();
+        }
+    }
+    assert!(n + samples.skipped() <= data.split(|b| *b == b'\n').count());
+    // CRLF line ends read the same samples.
+    if !data.contains(&b'\r') {
+        let crlf: Vec<u8> = data
+            .split(|b| *b == b'\n')
+            .collect::<Vec<_>>()
+            .join(&b"\r\n"[..]);
+        assert_eq!(parse_prometheus_samples(&crlf).count(), n, "CRLF");
+    }
+    for format in [
+        HealthFormat::Auto,
+        HealthFormat::Vllm,
+        HealthFormat::Sglang,
+        HealthFormat::Tgi,
+        HealthFormat::Trtllm,
+        HealthFormat::LlamaCpp,
+    ] {
+        match engine::read(format, data) {
+            Ok(Health::Engine(scrape)) => {
+                let mut tracker = Tracker::default();
+                for (t, cap) in [(0, None), (1_000, Some(100.0)), (2_000, None)] {
+                    sane_report(&tracker.observe(&scrape, t, cap, Some(1000)));
+                }
+            }
+            Ok(Health::Seed(report)) => sane_report(&report),
+            Err(_) => {}
+        }
+    }
 }

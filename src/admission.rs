@@ -82,6 +82,12 @@ impl<T> HoldQueue<T> {
         self.entries.remove(at)
     }
 
+    /// Empties the queue, oldest first (the plugin is being reconfigured: its requests must
+    /// not wait for a balancer that is gone).
+    pub fn drain(&mut self) -> impl Iterator<Item = Held<T>> + '_ {
+        self.entries.drain(..)
+    }
+
     /// Routes held requests from the head for as long as the balancer finds them a node with
     /// room; a request held past `max_hold_ms` is routed even over the ceiling. Stops at the
     /// first request that must keep waiting, so the order of arrival is kept.
@@ -222,6 +228,9 @@ mod tests {
         assert_eq!(q.remove(1).map(|h| h.payload), Some('a'));
         assert!(q.remove(1).is_none());
         assert!(q.may_hold());
+        assert!(q.push(4, w(1), 0, 'd').is_ok());
+        assert_eq!(q.drain().map(|h| h.payload).collect::<String>(), "bd");
+        assert!(q.is_empty());
         let mut off: HoldQueue<char> = HoldQueue::new(8, 0);
         assert!(!off.may_hold());
         assert_eq!(off.push(1, w(1), 0, 'x'), Err('x'));

@@ -519,6 +519,17 @@ impl RootContext for Root {
             state.config.tick_ms
         );
         if let Ok(mut guard) = self.state.try_borrow_mut() {
+            // Requests held by a previous configuration go on unrouted (Envoy's fallback)
+            // rather than wait for a balancer that no longer exists.
+            if let Some(mut old) = guard.take() {
+                for held in old.held.drain() {
+                    shift(old.metrics.held_now, -1);
+                    if hostcalls::set_effective_context(held.id).is_ok() {
+                        let _ = hostcalls::resume_http_request();
+                    }
+                }
+                let _ = hostcalls::set_effective_context(self.context_id);
+            }
             *guard = Some(state);
         }
         self.pending.clear();

@@ -14,6 +14,10 @@
 //! ones forever. Nothing is ever dropped: a request held for `max_hold_ms` is routed anyway, to
 //! the node that overflows least, and a full queue routes new requests at once the same way.
 //! The queue is generic over what the glue keeps per request, so it is tested natively.
+//!
+//! A held request keeps its model: it is admitted only to a node serving it, with the sets
+//! known when it leaves (a list learned meanwhile counts), so it may also leave as
+//! `UnknownModel` if the last node serving its model stopped listing it.
 
 use crate::balancer::{Balancer, Outcome};
 use crate::rng::Rng;
@@ -26,6 +30,8 @@ pub struct Held<T> {
     /// The glue's handle for the request (its proxy-wasm context id).
     pub id: u32,
     pub weight: Weight,
+    /// The body's model, which restricts the nodes it may go to.
+    pub model: Option<String>,
     pub since_ms: u64,
     pub payload: T,
 }
@@ -63,13 +69,21 @@ impl<T> HoldQueue<T> {
     }
 
     /// Holds a request. A full or disabled queue gives the payload back: route it now.
-    pub fn push(&mut self, id: u32, weight: Weight, now_ms: u64, payload: T) -> Result<(), T> {
+    pub fn push(
+        &mut self,
+        id: u32,
+        weight: Weight,
+        model: Option<String>,
+        now_ms: u64,
+        payload: T,
+    ) -> Result<(), T> {
         if !self.may_hold() {
             return Err(payload);
         }
         self.entries.push_back(Held {
             id,
             weight,
+            model,
             since_ms: now_ms,
             payload,
         });
@@ -100,7 +114,7 @@ impl<T> HoldQueue<T> {
         let mut out = Vec::new();
         while let Some(head) = self.entries.front() {
             let expired = now_ms.saturating_sub(head.since_ms) >= self.max_hold_ms;
-            let outcome = balancer.route(head.weight, now_ms, rng, !expired);
+            let outcome = balancer.route(head.weight, head.model.as_deref(), now_ms, rng, !expired);
             if matches!(outcome, Outcome::Saturated) {
                 break;
             }
@@ -154,12 +168,12 @@ mod tests {
         report(&mut b, 0.85, 0);
         // 850 used + 100 + 10 > 900: over the ceiling, so the balancer asks to hold.
         assert!(matches!(
-            b.route(w(100), 0, &mut rng, true),
+            b.route(w(100), None, 0, &mut rng, true),
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(100), 0, "first").unwrap();
-        q.push(2, w(20), 10, "second").unwrap();
+        q.push(1, w(100), None, 0, "first").unwrap();
+        q.push(2, w(20), None, 10, "second").unwrap();
         assert!(q.admit(100, &mut b, &mut rng).is_empty());
         assert_eq!(q.len(), 2);
         // The node drains: both fit, and they leave in the order they came.
@@ -179,8 +193,8 @@ mod tests {
         let mut rng = SplitMix64::new(2);
         report(&mut b, 0.5, 0);
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(600), 0, ()).unwrap(); // 500 + 600 + 10 > 900
-        q.push(2, w(10), 0, ()).unwrap(); // would fit on its own
+        q.push(1, w(600), None, 0, ()).unwrap(); // 500 + 600 + 10 > 900
+        q.push(2, w(10), None, 0, ()).unwrap(); // would fit on its own
         assert!(q.admit(10, &mut b, &mut rng).is_empty());
         assert_eq!(q.len(), 2);
     }
@@ -191,8 +205,8 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         report(&mut b, 0.95, 0);
         let mut q = HoldQueue::new(8, 1_000);
-        q.push(1, w(10), 0, ()).unwrap();
-        q.push(2, w(10), 600, ()).unwrap();
+        q.push(1, w(10), None, 0, ()).unwrap();
+        q.push(2, w(10), None, 600, ()).unwrap();
         let out = q.admit(1_000, &mut b, &mut rng);
         assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
         assert_eq!(out[0].0.id, 1);
@@ -212,7 +226,7 @@ mod tests {
         let mut rng = SplitMix64::new(4);
         report(&mut b, 0.95, 0);
         let mut q = HoldQueue::new(8, 1_000_000);
-        q.push(1, w(10), 0, ()).unwrap();
+        q.push(1, w(10), None, 0, ()).unwrap();
         // Long after the report went stale, no node is fresh: the request leaves for Envoy's
         // own balancer instead of waiting for a report that may never come.
         let out = q.admit(100_000, &mut b, &mut rng);
@@ -222,20 +236,20 @@ mod tests {
     #[test]
     fn bounds_and_disabling() {
         let mut q = HoldQueue::new(2, 1_000);
-        assert!(q.push(1, w(1), 0, 'a').is_ok());
-        assert!(q.push(2, w(1), 0, 'b').is_ok());
-        assert_eq!(q.push(3, w(1), 0, 'c'), Err('c'));
+        assert!(q.push(1, w(1), None, 0, 'a').is_ok());
+        assert!(q.push(2, w(1), None, 0, 'b').is_ok());
+        assert_eq!(q.push(3, w(1), None, 0, 'c'), Err('c'));
         assert_eq!(q.remove(1).map(|h| h.payload), Some('a'));
         assert!(q.remove(1).is_none());
         assert!(q.may_hold());
-        assert!(q.push(4, w(1), 0, 'd').is_ok());
+        assert!(q.push(4, w(1), None, 0, 'd').is_ok());
         assert_eq!(q.drain().map(|h| h.payload).collect::<String>(), "bd");
         assert!(q.is_empty());
         let mut off: HoldQueue<char> = HoldQueue::new(8, 0);
         assert!(!off.may_hold());
-        assert_eq!(off.push(1, w(1), 0, 'x'), Err('x'));
+        assert_eq!(off.push(1, w(1), None, 0, 'x'), Err('x'));
         let mut none: HoldQueue<char> = HoldQueue::new(0, 1_000);
-        assert_eq!(none.push(1, w(1), 0, 'y'), Err('y'));
+        assert_eq!(none.push(1, w(1), None, 0, 'y'), Err('y'));
     }
 
     #[test]
@@ -249,7 +263,7 @@ mod tests {
         report(&mut b, 0.85, 0);
         // 0.85 + 0.11 passes the 0.9 ceiling but fits the cache: routed, flagged.
         assert!(matches!(
-            b.route(w(100), 0, &mut rng, true),
+            b.route(w(100), None, 0, &mut rng, true),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
@@ -257,7 +271,7 @@ mod tests {
         ));
         // 0.85 + 0.11 booked + 0.11 more: past the whole cache, held.
         assert!(matches!(
-            b.route(w(100), 0, &mut rng, true),
+            b.route(w(100), None, 0, &mut rng, true),
             Outcome::Saturated
         ));
     }
@@ -268,11 +282,69 @@ mod tests {
         let mut rng = SplitMix64::new(5);
         report(&mut b, 0.95, 0);
         assert!(matches!(
-            b.route(w(10), 0, &mut rng, false),
+            b.route(w(10), None, 0, &mut rng, false),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
             }
         ));
+    }
+
+    /// Node 0 serves m1 (configured) and is full; node 1 is idle and learns from its list that
+    /// it serves m2 only. A request for m1 waits for node 0 however idle node 1 is.
+    #[test]
+    fn a_held_request_keeps_its_model() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","hold_kv_ceiling":0.9,"nodes":[
+                 {"address":"10.0.0.1:8000","kv_cache_tokens":1000,"models":["m1"]},
+                 {"address":"10.0.0.2:8000","kv_cache_tokens":1000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(7);
+        let kv = |b: &mut Balancer, node: usize, used: f64, now: u64| {
+            let body = format!(
+                r#"{{"tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":{used}}}"#
+            );
+            b.on_health(node, Some(body.as_bytes()), now).unwrap();
+        };
+        kv(&mut b, 0, 0.95, 0);
+        kv(&mut b, 1, 0.0, 0);
+        b.on_models(1, br#"{"data":[{"id":"m2"}]}"#).unwrap();
+        assert!(matches!(
+            b.route(w(10), Some("m1"), 0, &mut rng, true),
+            Outcome::Saturated
+        ));
+        let mut q = HoldQueue::new(8, 5_000);
+        q.push(1, w(10), Some("m1".to_string()), 0, "m1").unwrap();
+        assert!(
+            q.admit(100, &mut b, &mut rng).is_empty(),
+            "node 1 does not serve m1"
+        );
+        // Without a model the same request would have gone to node 1 at once.
+        assert!(matches!(
+            b.route(w(10), None, 100, &mut rng, true),
+            Outcome::Routed { ticket, .. } if ticket.node == 1
+        ));
+        kv(&mut b, 0, 0.1, 200);
+        let out = q.admit(200, &mut b, &mut rng);
+        assert!(
+            matches!(&out[..], [(h, Outcome::Routed { ticket, .. })] if h.payload == "m1" && ticket.node == 0),
+            "{out:?}"
+        );
+        // Held while its model is served, gone from every list by the time it leaves: it
+        // leaves as an unknown model, not to a node that would answer 404.
+        let mut b = Balancer::new(
+            &Config::parse(br#"{"health_cluster":"h","nodes":[{"address":"10.0.0.2:8000","kv_cache_tokens":1000}]}"#)
+                .unwrap(),
+        );
+        kv(&mut b, 0, 0.99, 0);
+        b.on_models(0, br#"{"data":[{"id":"m2"},{"id":"lora-x"}]}"#)
+            .unwrap();
+        q.push(2, w(10), Some("lora-x".to_string()), 0, "lora-x")
+            .unwrap();
+        b.on_models(0, br#"{"data":[{"id":"m2"}]}"#).unwrap();
+        let out = q.admit(300, &mut b, &mut rng);
+        assert!(matches!(&out[..], [(_, Outcome::UnknownModel)]), "{out:?}");
     }
 }

@@ -1,13 +1,18 @@
 //! The balancer: the fleet of nodes and the three things that happen to it — a health answer
 //! arrives, a request is routed, a request ends.
 //!
+//! A fourth thing feeds it: a node's model list arrives (`on_models`). A request that names a
+//! model is placed among the nodes that serve it; one whose model every node is known not to
+//! serve is `UnknownModel`, for the caller to reject or leave to Envoy (see `models`).
+//!
 //! This is the whole decision core the Envoy glue drives. It is plain Rust: time comes in as
 //! `now_ms` and randomness as a `Rng`, so every behaviour is tested natively and, compiled to
 //! wasm32-wasip1, in the same instruction set the filter ships in.
 
-use crate::choice::{self, Decision, Growth, Params};
+use crate::choice::{self, Ask, Decision, Growth, Params};
 use crate::config::Config;
 use crate::engine::{self, FormatError, Health};
+use crate::models::{self, ListError, ServedModels, Serves};
 use crate::node::{NodeState, Ticket, Transition};
 use crate::output::OutputModel;
 use crate::rng::Rng;
@@ -41,6 +46,8 @@ pub enum Outcome {
     /// Every fresh node would pass its VRAM ceiling and the caller may hold the request:
     /// nothing was booked; ask again when a stream ends or a report arrives (see `admission`).
     Saturated,
+    /// Every node is known not to serve the request's model: nothing was booked.
+    UnknownModel,
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +77,9 @@ impl Balancer {
                                 cfg.healthy_after_successes,
                             );
                     state.format = n.format;
+                    if let Some(names) = &n.models {
+                        state.models = ServedModels::configured(names.clone());
+                    }
                     state
                 })
                 .collect(),
@@ -110,12 +120,15 @@ impl Balancer {
         };
         let report = match engine::read(state.format, body) {
             Ok(Health::Seed(report)) => report,
-            Ok(Health::Engine(scrape)) => state.tracker.observe(
-                &scrape,
-                now_ms,
-                state.capacity_override,
-                state.kv_cache_tokens,
-            ),
+            Ok(Health::Engine(scrape)) => {
+                state.models.observe_metrics(&scrape.models);
+                state.tracker.observe(
+                    &scrape,
+                    now_ms,
+                    state.capacity_override,
+                    state.kv_cache_tokens,
+                )
+            }
             Err(e) => {
                 let _ = state.note_failure();
                 return Err(HealthError::Unparsable(e));
@@ -123,6 +136,33 @@ impl Balancer {
         };
         let _ = state.accept_report(report, now_ms);
         Ok(report)
+    }
+
+    /// A node's `GET /v1/models` answered 200 with `body`: a good list replaces the last one
+    /// and its length is returned; a bad one changes nothing. A configured node keeps its
+    /// configured set (the glue does not ask those).
+    pub fn on_models(&mut self, node: usize, body: &[u8]) -> Result<usize, ListError> {
+        let names = models::parse_model_list(body)?;
+        let n = names.len();
+        if let Some(state) = self.nodes.get_mut(node) {
+            state.models.set_list(names);
+        }
+        Ok(n)
+    }
+
+    /// Whether node `node`'s model list is worth asking for (its set is not configured).
+    pub fn learns_models(&self, node: usize) -> bool {
+        self.nodes
+            .get(node)
+            .is_some_and(|n| !n.models.is_configured())
+    }
+
+    /// Whether every node is known not to serve `model`. Staleness does not enter: a model
+    /// served only by a node that is down for now is not unknown, only unavailable.
+    pub fn model_unknown(&self, model: &str) -> bool {
+        self.nodes
+            .iter()
+            .all(|n| n.models.serves(model) == Serves::No)
     }
 
     /// Whether node `node` was ejected or readmitted since this was last asked.
@@ -164,21 +204,31 @@ impl Balancer {
     }
 
     /// Chooses the nodes for a request and books it as in flight on the first. `weight` is
-    /// the request's estimate with its output cap; the books hold its expected cost. With
-    /// `may_hold`, a request every node would overflow is not routed: the answer is
-    /// `Saturated` and the caller holds it; without, it goes to the node that overflows least.
+    /// the request's estimate with its output cap; the books hold its expected cost. `model`,
+    /// the body's, keeps the request to the nodes that serve it. With `may_hold`, a request
+    /// every node would overflow is not routed: the answer is `Saturated` and the caller holds
+    /// it; without, it goes to the node that overflows least.
     pub fn route(
         &mut self,
         weight: Weight,
+        model: Option<&str>,
         now_ms: u64,
         rng: &mut dyn Rng,
         may_hold: bool,
     ) -> Outcome {
+        if model.is_some_and(|m| self.model_unknown(m)) {
+            return Outcome::UnknownModel;
+        }
         let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
+        let ask = Ask {
+            weight,
+            growth,
+            model,
+        };
         let (ranked, over_ceiling) =
-            match choice::decide(&self.nodes, weight, growth, mean, now_ms, &self.params, rng) {
+            match choice::decide(&self.nodes, &ask, mean, now_ms, &self.params, rng) {
                 Decision::Route(r) => (r, false),
                 Decision::AllOverCeiling(r)
                     if may_hold
@@ -272,7 +322,7 @@ mod tests {
                 format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
             b.on_health(i, Some(body.as_bytes()), 0).unwrap();
         }
-        match b.route(W, 10, &mut SplitMix64::new(1), false) {
+        match b.route(W, None, 10, &mut SplitMix64::new(1), false) {
             Outcome::Routed {
                 header_value,
                 ticket,
@@ -293,7 +343,7 @@ mod tests {
         // Three failures to eject: two failed polls keep the last good report in use.
         let mut b = Balancer::new(&cfg(1, r#","unhealthy_after_failures":3"#));
         assert_eq!(
-            b.route(W, 0, &mut SplitMix64::new(1), false),
+            b.route(W, None, 0, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes
         );
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 0)
@@ -308,12 +358,12 @@ mod tests {
         assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
         assert_eq!(b.nodes()[0].failures_in_row, 2);
         assert!(matches!(
-            b.route(W, 3000, &mut SplitMix64::new(1), false),
+            b.route(W, None, 3000, &mut SplitMix64::new(1), false),
             Outcome::Routed { .. }
         ));
         // The good report is now stale, and nothing replaced it.
         assert_eq!(
-            b.route(W, 3001, &mut SplitMix64::new(1), false),
+            b.route(W, None, 3001, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes
         );
         assert_eq!(b.take_transition(0), None);
@@ -324,7 +374,7 @@ mod tests {
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 400)
             .unwrap();
         assert_eq!(
-            b.route(W, 400, &mut SplitMix64::new(1), false),
+            b.route(W, None, 400, &mut SplitMix64::new(1), false),
             Outcome::NoFreshNodes,
             "one good poll is not enough to come back"
         );
@@ -332,7 +382,7 @@ mod tests {
             .unwrap();
         assert_eq!(b.take_transition(0), Some(Transition::Readmitted));
         assert!(matches!(
-            b.route(W, 500, &mut SplitMix64::new(1), false),
+            b.route(W, None, 500, &mut SplitMix64::new(1), false),
             Outcome::Routed { .. }
         ));
     }
@@ -346,7 +396,7 @@ mod tests {
         }
         let mut rng = SplitMix64::new(3);
         let tickets: Vec<Ticket> = (0..10)
-            .filter_map(|_| match b.route(W, 1, &mut rng, false) {
+            .filter_map(|_| match b.route(W, None, 1, &mut rng, false) {
                 Outcome::Routed { ticket, .. } => Some(ticket),
                 _ => None,
             })
@@ -406,7 +456,8 @@ mod tests {
         // Routing books the expected cost, and progress plus release return it all.
         b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 0)
             .unwrap();
-        let Outcome::Routed { ticket, .. } = b.route(capped, 1, &mut SplitMix64::new(1), false)
+        let Outcome::Routed { ticket, .. } =
+            b.route(capped, None, 1, &mut SplitMix64::new(1), false)
         else {
             panic!("not routed")
         };
@@ -552,7 +603,7 @@ mod tests {
         );
         b.on_health(0, Some(busy.as_bytes()), 0).unwrap();
         b.on_health(1, Some(idle.as_bytes()), 0).unwrap();
-        match b.route(W, 10, &mut SplitMix64::new(1), false) {
+        match b.route(W, None, 10, &mut SplitMix64::new(1), false) {
             Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 1),
             o => panic!("{o:?}"),
         }
@@ -566,7 +617,7 @@ mod tests {
             prompt_tokens: 2000,
             output_tokens: 100,
         };
-        match b.route(big, 1010, &mut SplitMix64::new(1), false) {
+        match b.route(big, None, 1010, &mut SplitMix64::new(1), false) {
             Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 0),
             o => panic!("{o:?}"),
         }
@@ -584,11 +635,143 @@ mod tests {
             .unwrap();
         }
         assert!(matches!(
-            b.route(W, 1, &mut SplitMix64::new(1), false),
+            b.route(W, None, 1, &mut SplitMix64::new(1), false),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
             }
         ));
+    }
+
+    fn routed_to(o: &Outcome) -> Option<usize> {
+        match o {
+            Outcome::Routed { ticket, .. } => Some(ticket.node),
+            _ => None,
+        }
+    }
+
+    /// Node 0 configured for m1, node 1 learns m2 and an adapter from its list, node 2 has no
+    /// list; then node 2 learns one, and a bad answer changes nothing.
+    #[test]
+    fn models_narrow_the_route_and_unknown_models_are_told_apart() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","models":["m1"]"#, "", ""]));
+        let mut rng = SplitMix64::new(11);
+        // Loads 100, 200, 300: with no restriction node 0 would win.
+        let load = |b: &mut Balancer, now: u64| {
+            for i in 0..3 {
+                let body = format!(
+                    r#"{{"tokens_per_sec_load":{},"tokens_per_sec_capacity":1000}}"#,
+                    100 * (i + 1)
+                );
+                b.on_health(i, Some(body.as_bytes()), now).unwrap();
+            }
+        };
+        load(&mut b, 0);
+        assert!(!b.learns_models(0) && b.learns_models(1) && !b.learns_models(7));
+        assert_eq!(b.on_models(0, br#"{"data":[{"id":"m9"}]}"#), Ok(1));
+        assert_eq!(
+            b.nodes()[0].models.serves("m9"),
+            Serves::No,
+            "configured wins"
+        );
+        assert_eq!(
+            b.on_models(
+                1,
+                br#"{"data":[{"id":"m2"},{"id":"sql-lora","parent":"m2"}]}"#
+            ),
+            Ok(2)
+        );
+        // (model, the node it goes to) while node 2's set is unknown: node 2, the most loaded,
+        // only takes what no known node serves.
+        let cases: &[(Option<&str>, usize)] = &[
+            (None, 0),
+            (Some("m1"), 0),
+            (Some("m2"), 1),
+            (Some("sql-lora"), 1),
+            (Some("m3"), 2),
+        ];
+        for (model, want) in cases {
+            let o = b.route(W, *model, 10, &mut rng, false);
+            assert_eq!(routed_to(&o), Some(*want), "{model:?}: {o:?}");
+            if let Outcome::Routed { ticket, .. } = o {
+                b.release(&ticket, 0);
+            }
+        }
+        // Node 2's list says m3: a model nobody serves is now unknown, with or without holding.
+        assert_eq!(b.on_models(2, br#"{"data":[{"id":"m3"}]}"#), Ok(1));
+        assert!(b.model_unknown("m4") && !b.model_unknown("m3"));
+        assert_eq!(
+            b.route(W, Some("m4"), 10, &mut rng, true),
+            Outcome::UnknownModel
+        );
+        assert_eq!(
+            routed_to(&b.route(W, Some("m3"), 10, &mut rng, false)),
+            Some(2)
+        );
+        // Bad answers keep the last good list.
+        for bad in [
+            &b"<html>"[..],
+            br#"{"data":[]}"#,
+            br#"{"tokens_per_sec_load":1}"#,
+        ] {
+            assert!(b.on_models(2, bad).is_err());
+        }
+        assert_eq!(b.nodes()[2].models.listed(), Some(&["m3".to_string()][..]));
+        // A known model whose nodes are all stale is no unknown model: Envoy routes it.
+        assert_eq!(
+            b.route(W, Some("m3"), 10_000, &mut rng, false),
+            Outcome::NoFreshNodes
+        );
+        // Nor is one whose only node has never reported, while another node is fresh.
+        let mut e = Balancer::new(&engine_cfg(&[r#","models":["m1"]"#, r#","models":["m2"]"#]));
+        e.on_health(1, Some(br#"{"tokens_per_sec_load":1}"#), 0)
+            .unwrap();
+        assert_eq!(
+            e.route(W, Some("m1"), 10, &mut rng, false),
+            Outcome::NoFreshNodes
+        );
+        assert_eq!(
+            routed_to(&e.route(W, Some("m2"), 10, &mut rng, false)),
+            Some(1)
+        );
+        assert_eq!(
+            e.route(W, Some("m3"), 10, &mut rng, false),
+            Outcome::UnknownModel
+        );
+    }
+
+    /// vLLM's metrics add what a list taken earlier does not show yet: an adapter loaded at
+    /// runtime, running now.
+    #[test]
+    fn an_adapter_seen_in_the_metrics_is_routed_to_its_node() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","format":"vllm""#, r#","format":"vllm""#]));
+        let mut rng = SplitMix64::new(12);
+        for i in 0..2 {
+            b.on_models(
+                i,
+                br#"{"data":[{"id":"meta-llama/Llama-3.1-8B-Instruct"}]}"#,
+            )
+            .unwrap();
+        }
+        let with_lora = format!(
+            "{VLLM_V1}vllm:lora_requests_info{{max_lora=\"2\",running_lora_adapters=\"hot-lora\",waiting_lora_adapters=\"\"}} 1.7e9\n"
+        );
+        b.on_health(0, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        b.on_health(1, Some(with_lora.as_bytes()), 0).unwrap();
+        assert_eq!(b.nodes()[1].models.seen(), ["hot-lora"]);
+        for _ in 0..5 {
+            let o = b.route(W, Some("hot-lora"), 10, &mut rng, false);
+            assert_eq!(routed_to(&o), Some(1), "{o:?}");
+        }
+        // The next list is complete as of its time: without the adapter, it is unknown.
+        b.on_models(
+            1,
+            br#"{"data":[{"id":"meta-llama/Llama-3.1-8B-Instruct"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            b.route(W, Some("hot-lora"), 10, &mut rng, false),
+            Outcome::UnknownModel
+        );
     }
 }

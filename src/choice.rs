@@ -38,7 +38,13 @@
 //!
 //! Exact ties are broken at random with the injected generator, so equal idle nodes share a
 //! burst instead of the first one in the list taking it all.
+//!
+//! A request that names a model is ranked among the nodes that serve it, or might (a node whose
+//! set is not known, see `models`); the others are not candidates at all, as a stale node is
+//! not. The capacity assumed for nodes that report none is still the fleet's: which nodes serve
+//! a model says nothing about how fast an unreported one is.
 
+use crate::models::Serves;
 use crate::node::NodeState;
 use crate::rng::Rng;
 use crate::telemetry::Report;
@@ -114,31 +120,55 @@ pub struct Growth {
     pub margin_per_sqrt: f64,
 }
 
-/// Ranks the fresh nodes for a request of `weight`.
+/// The request being placed: its cost, the KV growth to reserve for it, and its model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ask<'a> {
+    pub weight: Weight,
+    pub growth: Growth,
+    /// The body's `model`; `None` puts no restriction on the nodes.
+    pub model: Option<&'a str>,
+}
+
+/// Whether node `n` may serve a request for `model`: there is no restriction, or the node
+/// serves the model or might (its set is not known).
+pub fn may_serve(n: &NodeState, model: Option<&str>) -> bool {
+    match model {
+        None => true,
+        Some(m) => n.models.serves(m) != Serves::No,
+    }
+}
+
+/// Ranks the fresh nodes that may serve the request.
 pub fn decide(
     nodes: &[NodeState],
-    weight: Weight,
-    growth: Growth,
+    ask: &Ask,
     mean_request_tokens: f64,
     now_ms: u64,
     p: &Params,
     rng: &mut dyn Rng,
 ) -> Decision {
+    let (weight, growth) = (ask.weight, ask.growth);
+    // The fleet's fresh nodes set the assumed capacity; only the candidates among them are
+    // ranked. Iterated twice rather than collected twice: this runs on every request.
+    let fleet = || {
+        nodes
+            .iter()
+            .filter_map(|n| n.fresh_report(now_ms, p.stale_after_ms).map(|r| (n, r)))
+    };
     let fresh: Vec<(usize, &NodeState, &Report)> = nodes
         .iter()
         .enumerate()
+        .filter(|(_, n)| may_serve(n, ask.model))
         .filter_map(|(i, n)| n.fresh_report(now_ms, p.stale_after_ms).map(|r| (i, n, r)))
         .collect();
     if fresh.is_empty() {
         return Decision::NoFreshNodes;
     }
-    let known_capacity = fresh
-        .iter()
-        .filter_map(|(_, n, r)| n.capacity_override.or(r.capacity_tokens_per_sec))
+    let known_capacity = fleet()
+        .filter_map(|(n, r)| n.capacity_override.or(r.capacity_tokens_per_sec))
         .fold(None, |m: Option<f64>, c| Some(m.map_or(c, |m| m.max(c))));
-    let max_load = fresh
-        .iter()
-        .map(|(_, _, r)| r.load_tokens_per_sec)
+    let max_load = fleet()
+        .map(|(_, r)| r.load_tokens_per_sec)
         .fold(0.0, f64::max);
     let assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
 
@@ -211,6 +241,7 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::ServedModels;
     use crate::rng::SplitMix64;
 
     const P: Params = Params {
@@ -255,14 +286,26 @@ mod tests {
         margin_per_sqrt: 0.0,
     };
 
-    fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
-        decide(
-            nodes,
+    /// A request of `weight` for `model`, reserving its whole output, no margin.
+    fn ask(weight: Weight, model: Option<&str>) -> Ask<'_> {
+        Ask {
             weight,
-            Growth {
+            growth: Growth {
                 own: weight.output_tokens,
                 margin_per_sqrt: 0.0,
             },
+            model,
+        }
+    }
+
+    fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
+        run_for(nodes, weight, None, now)
+    }
+
+    fn run_for(nodes: &[NodeState], weight: Weight, model: Option<&str>, now: u64) -> Decision {
+        decide(
+            nodes,
+            &ask(weight, model),
             100.0,
             now,
             &P,
@@ -448,10 +491,13 @@ mod tests {
         let decide_with = |margin_per_sqrt: f64| {
             decide(
                 std::slice::from_ref(&n),
-                w(100, 100),
-                Growth {
-                    own: 100,
-                    margin_per_sqrt,
+                &Ask {
+                    weight: w(100, 100),
+                    growth: Growth {
+                        own: 100,
+                        margin_per_sqrt,
+                    },
+                    model: None,
                 },
                 100.0,
                 2000,
@@ -549,11 +595,7 @@ mod tests {
         for _ in 0..5 {
             let d = decide(
                 &nodes,
-                w(500, 500),
-                Growth {
-                    own: 500,
-                    margin_per_sqrt: 0.0,
-                },
+                &ask(w(500, 500), None),
                 100.0,
                 2000,
                 &naive,
@@ -568,30 +610,97 @@ mod tests {
     fn exact_ties_are_broken_at_random_but_reproducibly() {
         let nodes: Vec<NodeState> = (0..4).map(|_| node(Some(rep(0.0, Some(1000.0))))).collect();
         let mut rng = SplitMix64::new(42);
+        let tiny = Ask {
+            weight: w(1, 1),
+            growth: NO_MARGIN,
+            model: None,
+        };
         let mut seen = [0usize; 4];
         for _ in 0..200 {
-            let d = decide(&nodes, w(1, 1), NO_MARGIN, 1.0, 2000, &P, &mut rng);
+            let d = decide(&nodes, &tiny, 1.0, 2000, &P, &mut rng);
             seen[order(&d)[0]] += 1;
         }
         assert!(seen.iter().all(|&s| s > 20), "ties spread: {seen:?}");
-        let a = decide(
-            &nodes,
-            w(1, 1),
-            NO_MARGIN,
-            1.0,
-            2000,
-            &P,
-            &mut SplitMix64::new(9),
-        );
-        let b = decide(
-            &nodes,
-            w(1, 1),
-            NO_MARGIN,
-            1.0,
-            2000,
-            &P,
-            &mut SplitMix64::new(9),
-        );
+        let a = decide(&nodes, &tiny, 1.0, 2000, &P, &mut SplitMix64::new(9));
+        let b = decide(&nodes, &tiny, 1.0, 2000, &P, &mut SplitMix64::new(9));
         assert_eq!(a, b);
+    }
+
+    /// Nodes serving m1 (configured), m2 (listed), an adapter (seen in metrics on top of a
+    /// list), and one whose set is unknown: (model asked, the nodes ranked).
+    #[test]
+    fn a_model_narrows_the_candidates() {
+        let names = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut nodes: Vec<NodeState> =
+            (0..4).map(|_| node(Some(rep(0.0, Some(1000.0))))).collect();
+        nodes[0].models = ServedModels::configured(names(&["m1"]));
+        nodes[1].models.set_list(names(&["m2"]));
+        nodes[2].models.set_list(names(&["m2"]));
+        nodes[2].models.observe_metrics(&names(&["sql-lora"]));
+        // Node 3: nothing known. The load orders the candidates: 0, 1, 2, 3 from least loaded.
+        for (i, n) in nodes.iter_mut().enumerate() {
+            n.accept_report(rep(100.0 * i as f64, Some(1000.0)), 1000);
+        }
+        let cases: &[(Option<&str>, &[usize])] = &[
+            (None, &[0, 1, 2, 3]),
+            (Some("m1"), &[0, 3]),
+            (Some("m2"), &[1, 2, 3]),
+            (Some("sql-lora"), &[2, 3]),
+            (Some("other"), &[3]),
+        ];
+        for (model, want) in cases {
+            assert_eq!(
+                order(&run_for(&nodes, w(10, 10), *model, 2000)),
+                *want,
+                "{model:?}"
+            );
+        }
+        // The unknown node known at last: a model nobody serves has no candidate.
+        nodes[3].models.set_list(names(&["m3"]));
+        assert_eq!(
+            run_for(&nodes, w(10, 10), Some("other"), 2000),
+            Decision::NoFreshNodes
+        );
+        // A stale node serving the model is no candidate either.
+        assert_eq!(
+            run_for(&nodes, w(10, 10), Some("m1"), 5000),
+            Decision::NoFreshNodes
+        );
+        // The naive rule narrows the same way.
+        let naive = Params {
+            rule: Rule::LeastReportedLoad,
+            ..P
+        };
+        let d = decide(
+            &nodes,
+            &ask(w(1, 1), Some("m2")),
+            1.0,
+            2000,
+            &naive,
+            &mut SplitMix64::new(1),
+        );
+        assert_eq!(order(&d), vec![1, 2]);
+    }
+
+    /// Narrowing does not change what a node's missing capacity is assumed to be: the fleet's
+    /// largest, even when the fast node serves another model.
+    #[test]
+    fn assumed_capacity_is_the_fleets_whatever_the_model() {
+        let mut fast = node(Some(rep(0.0, Some(10_000.0))));
+        fast.models = ServedModels::configured(vec!["big".into()]);
+        let mut unreported = node(Some(rep(500.0, None)));
+        unreported.models = ServedModels::configured(vec!["small".into()]);
+        let mut slow = node(Some(rep(400.0, Some(1000.0))));
+        slow.models = ServedModels::configured(vec!["small".into()]);
+        // Unreported at the fleet's 10,000: 9,500 spare against the slow node's 600.
+        assert_eq!(
+            order(&run_for(
+                &[fast, unreported, slow],
+                w(10, 10),
+                Some("small"),
+                2000
+            )),
+            vec![1, 2]
+        );
     }
 }

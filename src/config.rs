@@ -8,6 +8,7 @@
 
 use crate::choice::Rule;
 use crate::engine::HealthFormat;
+use crate::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -31,6 +32,9 @@ pub struct NodeConfig {
     /// What the health endpoint serves: `auto` (default) tells the seed JSON from an engine's
     /// Prometheus text by the answer; the others fix it.
     pub format: HealthFormat,
+    /// The models (and LoRA adapters) the node serves. When set, this is the whole truth for
+    /// the node: its `/v1/models` is not polled and its metrics add nothing (see `models`).
+    pub models: Option<Vec<String>>,
 }
 
 impl NodeConfig {
@@ -92,6 +96,19 @@ pub struct Config {
     pub unhealthy_after_failures: u32,
     /// Good health polls in a row that bring an ejected node back.
     pub healthy_after_successes: u32,
+    /// How often each node's `GET /v1/models` is asked for the models it serves; 0 never.
+    pub models_poll_ms: u64,
+    /// What happens to a request whose model no node serves.
+    pub unknown_model: UnknownModel,
+}
+
+/// What happens to a request naming a model that every node is known not to serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownModel {
+    /// Envoy's own balancer routes it, as without the filter (the node answers for itself).
+    Fallback,
+    /// The filter answers 404 `model_not_found` itself, as vLLM would.
+    Reject,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -114,6 +131,8 @@ const CONFIG_FIELDS: &[&str] = &[
     "hold_kv_ceiling",
     "unhealthy_after_failures",
     "healthy_after_successes",
+    "models_poll_ms",
+    "unknown_model",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -122,6 +141,7 @@ const NODE_FIELDS: &[&str] = &[
     "capacity_tokens_per_sec",
     "kv_cache_tokens",
     "format",
+    "models",
 ];
 
 /// A configuration the plugin refuses to run with: the field and the reason.
@@ -301,6 +321,10 @@ fn parse_node(value: &Value, i: usize, seen: &[NodeConfig]) -> Result<NodeConfig
             )
         })?,
     };
+    let models = match f.get("models") {
+        None => None,
+        Some(v) => Some(model_names(v, &f.name("models"))?),
+    };
     Ok(NodeConfig {
         address,
         health_path,
@@ -308,7 +332,47 @@ fn parse_node(value: &Value, i: usize, seen: &[NodeConfig]) -> Result<NodeConfig
         capacity_tokens_per_sec,
         kv_cache_tokens,
         format,
+        models,
     })
+}
+
+/// `nodes[i].models`: a non-empty array of distinct, non-empty model names.
+fn model_names(value: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
+    let Value::Array(list) = value else {
+        return Err(err(field, "must be an array of model names"));
+    };
+    if list.is_empty() {
+        return Err(err(
+            field,
+            "must name at least one model (leave it out to learn the node's models)",
+        ));
+    }
+    if list.len() > MAX_MODELS_PER_NODE {
+        return Err(err(
+            field,
+            format!("lists more than {MAX_MODELS_PER_NODE} models"),
+        ));
+    }
+    let mut names: Vec<String> = Vec::with_capacity(list.len());
+    for (j, v) in list.iter().enumerate() {
+        let name = match v {
+            Value::String(s) if !s.is_empty() && s.len() <= MAX_MODEL_NAME_BYTES => s.clone(),
+            _ => {
+                return Err(err(
+                    format!("{field}[{j}]"),
+                    format!("must be a model name (a non-empty string of at most {MAX_MODEL_NAME_BYTES} bytes)"),
+                ))
+            }
+        };
+        if names.contains(&name) {
+            return Err(err(
+                format!("{field}[{j}]"),
+                format!("{name:?} is listed twice"),
+            ));
+        }
+        names.push(name);
+    }
+    Ok(names)
 }
 
 impl Config {
@@ -413,7 +477,26 @@ impl Config {
         };
         let unhealthy_after_failures = threshold("unhealthy_after_failures")?;
         let healthy_after_successes = threshold("healthy_after_successes")?;
+        let models_poll_ms = f.uint("models_poll_ms")?.unwrap_or(30_000);
+        if models_poll_ms != 0 && models_poll_ms < tick_ms {
+            return Err(err(
+                "models_poll_ms",
+                format!("must be 0 (never) or at least tick_ms ({tick_ms}): lists are asked on the tick"),
+            ));
+        }
+        let unknown_model = match f.string("unknown_model")?.as_deref() {
+            None | Some("fallback") => UnknownModel::Fallback,
+            Some("reject") => UnknownModel::Reject,
+            Some(other) => {
+                return Err(err(
+                    "unknown_model",
+                    format!("{other:?} is not a choice (fallback, reject)"),
+                ))
+            }
+        };
         Ok(Config {
+            models_poll_ms,
+            unknown_model,
             policy,
             max_hold_ms,
             hold_kv_ceiling,
@@ -469,19 +552,24 @@ mod tests {
         assert_eq!(c.nodes[0].health_path, "/health");
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
         assert_eq!(c.nodes[0].format, HealthFormat::Auto);
+        assert_eq!(c.nodes[0].models, None);
+        assert_eq!(c.models_poll_ms, 30_000);
+        assert_eq!(c.unknown_model, UnknownModel::Fallback);
     }
 
     #[test]
     fn full_config_parses() {
         let c = Config::parse(
             br#"{"nodes":[{"address":"10.0.0.1:8000","health_path":"/h","health_address":"10.0.0.1:9000",
-                 "capacity_tokens_per_sec":5000,"kv_cache_tokens":100000,"format":"vllm"},
+                 "capacity_tokens_per_sec":5000,"kv_cache_tokens":100000,"format":"vllm",
+                 "models":["m1","sql-lora"]},
                 {"address":"[::1]:8000"}],
                "health_cluster":"h","health_target_header":"x-t","tick_ms":200,"health_timeout_ms":100,
                "stale_after_ms":1000,"routing_header":"x-r","max_body_bytes":4096,"vram_ceiling":0.8,
                "default_max_tokens":64,"kv_bytes_per_token":1024,"max_hosts_in_header":2,
                "debug_header":"x-token-balancer-debug","policy":"least_reported_load",
-               "max_hold_ms":5000,"max_held_requests":10}"#,
+               "max_hold_ms":5000,"max_held_requests":10,"models_poll_ms":0,
+               "unknown_model":"reject"}"#,
         )
         .unwrap();
         assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
@@ -493,6 +581,13 @@ mod tests {
         assert_eq!(c.policy, Rule::LeastReportedLoad);
         assert_eq!(c.max_hold_ms, 5000);
         assert_eq!(c.max_held_requests, 10);
+        assert_eq!(
+            c.nodes[0].models.as_deref(),
+            Some(&["m1".to_string(), "sql-lora".to_string()][..])
+        );
+        assert_eq!(c.nodes[1].models, None);
+        assert_eq!(c.models_poll_ms, 0);
+        assert_eq!(c.unknown_model, UnknownModel::Reject);
     }
 
     /// Every rejected configuration names the field it is about.
@@ -547,6 +642,15 @@ mod tests {
             (with(r#""hold_kv_ceiling":0.5"#), "hold_kv_ceiling"),
             (with(r#""hold_kv_ceiling":3"#), "hold_kv_ceiling"),
             (with(r#""healthy_after_successes":101"#), "healthy_after_successes"),
+            (with(r#""models_poll_ms":500"#), "models_poll_ms"),
+            (with(r#""models_poll_ms":-1"#), "models_poll_ms"),
+            (with(r#""unknown_model":"drop""#), "unknown_model"),
+            (with(r#""unknown_model":true"#), "unknown_model"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","models":"m1"}],"health_cluster":"h"}"#.into(), "nodes[0].models"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","models":[]}],"health_cluster":"h"}"#.into(), "nodes[0].models"),
+            (format!(r#"{{"nodes":[{node},{{"address":"127.0.0.1:2","models":["a",""]}}],"health_cluster":"h"}}"#), "nodes[1].models[1]"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","models":["a",7]}],"health_cluster":"h"}"#.into(), "nodes[0].models[1]"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","models":["a","b","a"]}],"health_cluster":"h"}"#.into(), "nodes[0].models[2]"),
         ];
         for (json, field) in cases {
             let e = Config::parse(json.as_bytes()).expect_err(&json);

@@ -54,8 +54,16 @@
 //!
 //! Values are checked per sample: a NaN, infinite, negative or absurd (>= 1e15) value, or a
 //! fraction above 1, is dropped on its own and counted; the other series and fields stand.
+//!
+//! vLLM's scrape also says which models the node serves (see `models`): the `model_name` label
+//! of the series read above, and the adapters of `vllm:lora_requests_info` (its
+//! `running_lora_adapters` and `waiting_lora_adapters` labels, comma-separated, and
+//! `max_lora`). vLLM never removes an old label set of that gauge and sets the current one's
+//! value to the time, so only the series with the largest value is the present; older series
+//! name adapters that may have been unloaded since. Other engines are not read for models.
 
-use crate::prometheus::{parse_prometheus_samples, Sample};
+use crate::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
+use crate::prometheus::{parse_prometheus_samples, Labels, Sample};
 use crate::telemetry::{self, Report, ReportError};
 use std::fmt;
 
@@ -238,7 +246,7 @@ pub struct Counter {
 }
 
 /// What one scrape of an engine says, before any rate is computed.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Scrape {
     pub engine: Engine,
     /// Requests being served (sum over series).
@@ -259,10 +267,16 @@ pub struct Scrape {
     pub samples: usize,
     pub skipped_lines: usize,
     pub rejected_values: usize,
+    /// Models the scrape names (vLLM only): the `model_name` labels and the LoRA adapters
+    /// running or waiting, each once, at most `models::MAX_MODELS_PER_NODE`.
+    pub models: Vec<String>,
+    /// vLLM's `max_lora` (adapters one batch may hold), when LoRA is enabled. Read but not yet
+    /// used by the choice: it bounds adapters per batch, not the adapters served.
+    pub max_lora: Option<u32>,
 }
 
 /// A health answer, read.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Health {
     /// The seed JSON: a report as the node wrote it.
     Seed(Report),
@@ -406,6 +420,17 @@ impl Accs {
     }
 }
 
+/// Adds a model name once; empty and overlong names, and names past the bound, are dropped.
+fn add_model(models: &mut Vec<String>, name: &str) {
+    if !name.is_empty()
+        && name.len() <= MAX_MODEL_NAME_BYTES
+        && models.len() < MAX_MODELS_PER_NODE
+        && !models.iter().any(|m| m == name)
+    {
+        models.push(name.to_string());
+    }
+}
+
 fn product(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     Some(a? * b?).filter(|p| believable(*p))
 }
@@ -417,6 +442,9 @@ pub fn scrape(engine: Option<Engine>, body: &[u8]) -> Result<Scrape, FormatError
     let mut engine = engine;
     let mut accs = Accs::default();
     let mut count = 0usize;
+    let mut models = Vec::new();
+    // The present series of vLLM's LoRA gauge: its value (a time) and labels.
+    let mut lora: Option<(f64, Labels)> = None;
     for s in samples.by_ref() {
         count += 1;
         let e = match engine {
@@ -428,7 +456,31 @@ pub fn scrape(engine: Option<Engine>, body: &[u8]) -> Result<Scrape, FormatError
         };
         if let Some(field) = e.field(s.name) {
             accs.take(field, &s);
+            if e == Engine::Vllm {
+                if let Some(name) = s.labels.get("model_name") {
+                    add_model(&mut models, &name.unescaped());
+                }
+            }
+        } else if e == Engine::Vllm
+            && s.name == "vllm:lora_requests_info"
+            && s.value.is_finite()
+            && !matches!(lora, Some((t, _)) if s.value <= t)
+        {
+            lora = Some((s.value, s.labels));
         }
+    }
+    let mut max_lora = None;
+    if let Some((_, labels)) = lora {
+        for key in ["running_lora_adapters", "waiting_lora_adapters"] {
+            if let Some(list) = labels.get(key) {
+                for adapter in list.unescaped().split(',') {
+                    add_model(&mut models, adapter.trim());
+                }
+            }
+        }
+        max_lora = labels
+            .get("max_lora")
+            .and_then(|v| v.raw().parse::<u32>().ok());
     }
     let skipped_lines = samples.skipped();
     if count == 0 {
@@ -464,6 +516,8 @@ pub fn scrape(engine: Option<Engine>, body: &[u8]) -> Result<Scrape, FormatError
         samples: count,
         skipped_lines,
         rejected_values: accs.rejected,
+        models,
+        max_lora,
     };
     let usable = scrape.running.is_some()
         || scrape.waiting.is_some()
@@ -690,6 +744,75 @@ mod tests {
             let crlf = body.replace('\n', "\r\n\r\n");
             let s = engine_scrape(HealthFormat::Auto, &crlf).unwrap();
             assert_eq!((fields(&s), s.skipped_lines), (want, 0), "{name} with CRLF");
+        }
+    }
+
+    /// (scrape, the models it names, max_lora): vLLM's model_name labels and the present
+    /// series of its LoRA gauge; no other engine is read for models.
+    #[test]
+    fn models_named_in_vllm_metrics() {
+        let llama = "meta-llama/Llama-3.1-8B-Instruct";
+        let lora = |t: f64, running: &str, waiting: &str| {
+            format!(
+                "vllm:lora_requests_info{{max_lora=\"4\",running_lora_adapters=\"{running}\",waiting_lora_adapters=\"{waiting}\"}} {t}\n"
+            )
+        };
+        let cases: Vec<(&str, String, Vec<&str>, Option<u32>)> = vec![
+            ("vLLM v1", VLLM_V1.into(), vec![llama], None),
+            ("two engines of one model: once", VLLM_V1_DP2.into(), vec![llama], None),
+            (
+                "vLLM v0, LoRA off",
+                VLLM_V0.into(),
+                vec!["mistralai/Mistral-7B-Instruct-v0.3"],
+                Some(0),
+            ),
+            (
+                "adapters running and waiting, trimmed",
+                format!("{VLLM_V1}{}", lora(1.7e9, "sql, chat", "summ")),
+                vec![llama, "sql", "chat", "summ"],
+                Some(4),
+            ),
+            (
+                // vLLM keeps every label set it ever set; the latest time is the present.
+                "only the newest LoRA series counts",
+                format!(
+                    "{}{}{}vllm:num_requests_running{{model_name=\"base\"}} 1\n",
+                    lora(100.0, "old", ""),
+                    lora(300.0, "new", ""),
+                    lora(200.0, "older", "")
+                ),
+                vec!["base", "new"],
+                Some(4),
+            ),
+            (
+                "two models on one node, escapes resolved",
+                "vllm:num_requests_running{model_name=\"a\\\"b\"} 1\nvllm:num_requests_waiting{model_name=\"c\"} 0\n"
+                    .into(),
+                vec!["a\"b", "c"],
+                None,
+            ),
+            (
+                "no labels, empty adapters, a NaN time",
+                format!(
+                    "vllm:num_requests_running 1\nvllm:lora_requests_info{{max_lora=\"x\",running_lora_adapters=\",,\"}} 5\n{}",
+                    "vllm:lora_requests_info{running_lora_adapters=\"nan\"} NaN\n"
+                ),
+                vec![],
+                None,
+            ),
+            (
+                "model_name of a metric not read is not looked at",
+                "vllm:num_requests_running 1\nvllm:other{model_name=\"z\"} 1\n".into(),
+                vec![],
+                None,
+            ),
+            ("SGLang names a model but is not read for it", SGLANG.into(), vec![], None),
+        ];
+        for (name, body, want, max_lora) in cases {
+            let s =
+                engine_scrape(HealthFormat::Auto, &body).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(s.models, want, "{name}");
+            assert_eq!(s.max_lora, max_lora, "{name}");
         }
     }
 

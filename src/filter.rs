@@ -1,10 +1,12 @@
 //! The proxy-wasm glue: moves bytes between Envoy and the pure core, and nothing else.
 //!
 //! Root context (one per VM, i.e. per Envoy worker): reads the plugin configuration, polls every
-//! node's health endpoint on the tick timer with HTTP callouts, and owns the `Balancer`.
+//! node's health endpoint on the tick timer with HTTP callouts (and, less often, its
+//! `/v1/models`), and owns the `Balancer`.
 //! HTTP context (one per request): strips any client-supplied routing header, pauses the
 //! headers, reads the body up to the limit, asks the balancer, writes the routing header and
-//! lets the request go; when the stream ends it releases the request's in-flight booking.
+//! lets the request go (or, for a model no node serves and `unknown_model: reject`, answers
+//! 404 itself); when the stream ends it releases the request's in-flight booking.
 //!
 //! Every path that cannot decide continues the request untouched, so Envoy's own fallback
 //! balancer routes it (fail-open). Host calls go through `proxy_wasm::hostcalls`, which return
@@ -13,7 +15,8 @@
 
 use crate::admission::HoldQueue;
 use crate::balancer::{Balancer, HealthError, Outcome};
-use crate::config::Config;
+use crate::config::{Config, UnknownModel};
+use crate::models::ListPoll;
 use crate::node::{Ticket, Transition};
 use crate::rng::SplitMix64;
 use crate::telemetry::Report;
@@ -77,6 +80,8 @@ struct Metrics {
     fallback_body_over_limit: u32,
     fallback_encoded_body: u32,
     fallback_internal: u32,
+    fallback_unknown_model: u32,
+    rejected_unknown_model: u32,
     client_routing_header_removed: u32,
     held: u32,
     held_routed_over_ceiling: u32,
@@ -91,6 +96,9 @@ struct Metrics {
     health_too_large: u32,
     nodes_ejected: u32,
     nodes_readmitted: u32,
+    models_ok: u32,
+    models_failed: u32,
+    models_unparsable: u32,
     node_picks: Vec<u32>,
     node_health_failures: Vec<u32>,
 }
@@ -125,6 +133,8 @@ impl Metrics {
             fallback_body_over_limit: counter(&format!("{p}.fallback.body_over_limit")),
             fallback_encoded_body: counter(&format!("{p}.fallback.encoded_body")),
             fallback_internal: counter(&format!("{p}.fallback.internal")),
+            fallback_unknown_model: counter(&format!("{p}.fallback.unknown_model")),
+            rejected_unknown_model: counter(&format!("{p}.rejected.unknown_model")),
             client_routing_header_removed: counter(&format!("{p}.client_routing_header_removed")),
             held: counter(&format!("{p}.held")),
             held_routed_over_ceiling: counter(&format!("{p}.held_routed_over_ceiling")),
@@ -145,6 +155,9 @@ impl Metrics {
             health_too_large: counter(&format!("{p}.health.too_large")),
             nodes_ejected: counter(&format!("{p}.nodes_ejected")),
             nodes_readmitted: counter(&format!("{p}.nodes_readmitted")),
+            models_ok: counter(&format!("{p}.models.ok")),
+            models_failed: counter(&format!("{p}.models.failed")),
+            models_unparsable: counter(&format!("{p}.models.unparsable")),
             node_picks: cfg
                 .nodes
                 .iter()
@@ -175,6 +188,20 @@ struct State {
 struct Placed {
     ticket: Option<Ticket>,
     debug: Option<String>,
+    /// The filter answered the request itself: it must not be resumed.
+    answered: bool,
+}
+
+/// vLLM's answer to a model it does not serve (OpenAI's error shape), as JSON.
+fn model_not_found_body(model: &str) -> Vec<u8> {
+    serde_json::json!({"error": {
+        "message": format!("The model `{model}` does not exist."),
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }})
+    .to_string()
+    .into_bytes()
 }
 
 /// Where a held request finds its placement once it is admitted: written by whichever
@@ -182,8 +209,15 @@ struct Placed {
 type Slot = Rc<RefCell<Option<Placed>>>;
 
 /// Applies a routing outcome to the current (effective) request: sets the routing header and
-/// counts it. `held_ms` is how long the request waited in the hold queue, if it did.
-fn place(s: &mut State, outcome: Outcome, cap: Weight, held_ms: Option<u64>) -> Placed {
+/// counts it, or answers the request itself. `model` is the body's; `held_ms` is how long the
+/// request waited in the hold queue, if it did.
+fn place(
+    s: &mut State,
+    outcome: Outcome,
+    cap: Weight,
+    model: Option<&str>,
+    held_ms: Option<u64>,
+) -> Placed {
     let debug_on = s.config.debug_header.is_some();
     let held = held_ms
         .map(|ms| format!("; held_ms={ms}"))
@@ -229,6 +263,34 @@ fn place(s: &mut State, outcome: Outcome, cap: Weight, held_ms: Option<u64>) -> 
             Placed {
                 ticket: Some(ticket),
                 debug,
+                answered: false,
+            }
+        }
+        Outcome::UnknownModel if s.config.unknown_model == UnknownModel::Reject => {
+            let debug = debug_on.then(|| format!("rejected=unknown_model{held}"));
+            let body = model_not_found_body(model.unwrap_or_default());
+            let mut headers = vec![("content-type", "application/json")];
+            if let (Some(name), Some(value)) = (&s.config.debug_header, &debug) {
+                headers.push((name.as_str(), value.as_str()));
+            }
+            if hostcalls::send_http_response(404, headers, Some(&body)).is_err() {
+                // Envoy would not take the answer: let its balancer route the request instead.
+                bump(s.metrics.fallback_internal);
+                return Placed::default();
+            }
+            bump(s.metrics.rejected_unknown_model);
+            Placed {
+                ticket: None,
+                debug,
+                answered: true,
+            }
+        }
+        Outcome::UnknownModel => {
+            bump(s.metrics.fallback_unknown_model);
+            Placed {
+                ticket: None,
+                debug: debug_on.then(|| format!("fallback=unknown_model{held}")),
+                answered: false,
             }
         }
         Outcome::NoFreshNodes | Outcome::Saturated => {
@@ -236,6 +298,7 @@ fn place(s: &mut State, outcome: Outcome, cap: Weight, held_ms: Option<u64>) -> 
             Placed {
                 ticket: None,
                 debug: debug_on.then(|| format!("fallback=no_fresh_nodes{held}")),
+                answered: false,
             }
         }
     }
@@ -271,12 +334,16 @@ fn admit_held(state: &Shared, current: u32) {
             s,
             outcome,
             held.weight,
+            held.model.as_deref(),
             Some(now.saturating_sub(held.since_ms)),
         );
+        let answered = placed.answered;
         if let Ok(mut slot) = held.payload.try_borrow_mut() {
             *slot = Some(placed);
         }
-        let _ = hostcalls::resume_http_request();
+        if !answered {
+            let _ = hostcalls::resume_http_request();
+        }
     }
     let _ = hostcalls::set_effective_context(current);
 }
@@ -296,6 +363,10 @@ struct Root {
     state: Shared,
     /// Outstanding health callouts: token -> node index.
     pending: HashMap<u32, usize>,
+    /// Outstanding `/v1/models` callouts: token -> node index.
+    pending_models: HashMap<u32, usize>,
+    /// When to ask each node for its model list (see `models::ListPoll`).
+    list_polls: Vec<ListPoll>,
     first_tick_done: bool,
     /// What this VM last added to the memory gauge.
     memory_reported: u64,
@@ -309,6 +380,10 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
+        if let Some(node) = self.pending_models.remove(&token) {
+            self.on_models(node, body_size);
+            return;
+        }
         let Some(node) = self.pending.remove(&token) else {
             return;
         };
@@ -365,6 +440,126 @@ impl Root {
                         now as i64 - self.memory_reported as i64,
                     );
                     self.memory_reported = now;
+                }
+            }
+        }
+    }
+
+    /// A node's `/v1/models` answer: a good list replaces the last one; anything else keeps it.
+    fn on_models(&mut self, node: usize, body_size: usize) {
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let body = match status.as_deref() {
+            Some("200") if body_size <= MAX_HEALTH_BODY => {
+                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .map(|b| b.unwrap_or_default())
+            }
+            _ => None,
+        };
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let Some(s) = guard.as_mut() else { return };
+        let address = s
+            .config
+            .nodes
+            .get(node)
+            .map(|n| n.address.as_str())
+            .unwrap_or("?");
+        let good = match body {
+            None => {
+                bump(s.metrics.models_failed);
+                let why = match status.as_deref() {
+                    None => "no answer (refused, reset or timed out)".to_string(),
+                    Some("200") if body_size > MAX_HEALTH_BODY => {
+                        format!("over {MAX_HEALTH_BODY} bytes, not read")
+                    }
+                    Some("200") => "body could not be read".to_string(),
+                    Some(st) => format!("status {st}"),
+                };
+                debug!("model list of {address}: {why}");
+                false
+            }
+            Some(body) => {
+                let before = s
+                    .balancer
+                    .nodes()
+                    .get(node)
+                    .and_then(|n| n.models.listed().map(<[String]>::to_vec));
+                match s.balancer.on_models(node, &body) {
+                    Ok(_) => {
+                        bump(s.metrics.models_ok);
+                        let now = s.balancer.nodes().get(node).and_then(|n| n.models.listed());
+                        if before.as_deref() != now {
+                            info!(
+                                "node {address} serves: {}",
+                                now.unwrap_or_default().join(", ")
+                            );
+                        }
+                        true
+                    }
+                    Err(e) => {
+                        bump(s.metrics.models_unparsable);
+                        debug!("model list of {address} not used: {e}");
+                        false
+                    }
+                }
+            }
+        };
+        if let Some(p) = self.list_polls.get_mut(node) {
+            p.answered(good, now_ms());
+        }
+    }
+
+    /// Asks every node whose model list is due, and not configured, for its `/v1/models`. The
+    /// list lives where requests are served, so the callout goes to `address`, not to a
+    /// `health_address` (a metrics sidecar serves no model list).
+    fn poll_models(&mut self) {
+        let Ok(guard) = self.state.try_borrow() else {
+            return;
+        };
+        let Some(s) = guard.as_ref() else { return };
+        if s.config.models_poll_ms == 0 {
+            return;
+        }
+        let now = now_ms();
+        let timeout = Duration::from_millis(s.config.health_timeout_ms);
+        for (i, node) in s.config.nodes.iter().enumerate() {
+            let Some(p) = self.list_polls.get_mut(i) else {
+                continue;
+            };
+            if !s.balancer.learns_models(i)
+                || !p.due(now)
+                || self.pending_models.values().any(|&n| n == i)
+            {
+                continue;
+            }
+            let target = node.address.as_str();
+            let headers = vec![
+                (":method", "GET"),
+                (":path", "/v1/models"),
+                (":authority", target),
+                (":scheme", "http"),
+                (s.config.health_target_header.as_str(), target),
+                ("user-agent", "token-balancer"),
+            ];
+            match hostcalls::dispatch_http_call(
+                &s.config.health_cluster,
+                headers,
+                None,
+                vec![],
+                timeout,
+            ) {
+                Ok(token) => {
+                    self.pending_models.insert(token, i);
+                    p.sent(now);
+                }
+                Err(e) => {
+                    bump(s.metrics.models_failed);
+                    p.answered(false, now);
+                    warn!("model list call to {target} could not start: {e:?}");
                 }
             }
         }
@@ -518,6 +713,12 @@ impl RootContext for Root {
             state.config.health_cluster,
             state.config.tick_ms
         );
+        self.list_polls = state
+            .config
+            .nodes
+            .iter()
+            .map(|_| ListPoll::new(state.config.tick_ms, state.config.models_poll_ms))
+            .collect();
         if let Ok(mut guard) = self.state.try_borrow_mut() {
             // Requests held by a previous configuration go on unrouted (Envoy's fallback)
             // rather than wait for a balancer that no longer exists.
@@ -533,6 +734,7 @@ impl RootContext for Root {
             *guard = Some(state);
         }
         self.pending.clear();
+        self.pending_models.clear();
         self.first_tick_done = false;
         let _ = hostcalls::set_tick_period(FIRST_POLL);
         true
@@ -541,6 +743,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         self.poll();
         self.report_memory();
+        self.poll_models();
         // Held requests past their limit leave on the tick, whatever else happens.
         admit_held(&self.state, self.context_id);
     }
@@ -613,16 +816,18 @@ impl Request {
         Action::Continue
     }
 
-    fn route(&mut self, weight: Weight) -> Action {
+    fn route(&mut self, weight: Weight, model: Option<String>) -> Action {
         self.decided = true;
         let id = self.context_id;
         let step = self.with(|s| {
             let now = now_ms();
             let may_hold = s.held.may_hold();
-            match s.balancer.route(weight, now, &mut s.rng, may_hold) {
+            let m = model.as_deref();
+            match s.balancer.route(weight, m, now, &mut s.rng, may_hold) {
                 Outcome::Saturated => {
                     let slot: Slot = Rc::new(RefCell::new(None));
-                    match s.held.push(id, weight, now, slot.clone()) {
+                    // The queue keeps its own copy of the model: held requests are few.
+                    match s.held.push(id, weight, model.clone(), now, slot.clone()) {
                         Ok(()) => {
                             bump(s.metrics.held);
                             shift(s.metrics.held_now, 1);
@@ -630,19 +835,24 @@ impl Request {
                         }
                         // `may_hold` said there was room; route over the ceiling if not.
                         Err(_) => {
-                            let outcome = s.balancer.route(weight, now, &mut s.rng, false);
-                            Ok(place(s, outcome, weight, None))
+                            let outcome = s.balancer.route(weight, m, now, &mut s.rng, false);
+                            Ok(place(s, outcome, weight, m, None))
                         }
                     }
                 }
-                outcome => Ok(place(s, outcome, weight, None)),
+                outcome => Ok(place(s, outcome, weight, m, None)),
             }
         });
         match step {
             Some(Ok(placed)) => {
                 self.ticket = placed.ticket;
                 self.debug = placed.debug;
-                Action::Continue
+                if placed.answered {
+                    // The local reply is on its way; the request goes no further.
+                    Action::Pause
+                } else {
+                    Action::Continue
+                }
             }
             Some(Err(slot)) => {
                 // Held: whoever admits it sets the header and resumes the request.
@@ -753,8 +963,8 @@ impl HttpContext for Request {
             .ok()
             .flatten()
             .unwrap_or_default();
-        match weight::estimate(self.api, &body, default_max_tokens) {
-            Some(w) => self.route(w),
+        match weight::read(self.api, &body, default_max_tokens) {
+            Some(e) => self.route(e.weight, e.model),
             None => self.fallback("body_unusable", |m| m.fallback_body_unusable),
         }
     }

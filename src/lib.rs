@@ -2,15 +2,17 @@
 //! throughput and KV-cache headroom instead of by connection count.
 //!
 //! Everything that decides is plain Rust with no proxy-wasm dependency (`config`, `weight`,
-//! `telemetry`, `prometheus`, `engine`, `throughput`, `node`, `choice`, `balancer`, `rng`): it
-//! takes time and randomness as arguments and is tested natively and compiled to wasm32-wasip1. The `filter` module is the
-//! thin glue that moves bytes between Envoy and that core; it holds no decision logic.
+//! `telemetry`, `prometheus`, `engine`, `throughput`, `models`, `node`, `choice`, `balancer`,
+//! `admission`, `rng`): it takes time and randomness as arguments and is tested natively and
+//! compiled to wasm32-wasip1. The `filter` module is the thin glue that moves bytes between
+//! Envoy and that core; it holds no decision logic.
 
 pub mod admission;
 pub mod balancer;
 pub mod choice;
 pub mod config;
 pub mod engine;
+pub mod models;
 pub mod node;
 pub mod output;
 pub mod prometheus;

@@ -20,8 +20,12 @@
 //! healthy_threshold): a node is taken out of the choice after a number of failed polls in a
 //! row, well before its last report goes stale, and comes back only after a number of good
 //! polls in a row, so a flapping node does not swing traffic back and forth on every answer.
+//!
+//! The node also carries the models it serves (`models`), which the choice uses to keep a
+//! request off nodes that would answer it 404 `model_not_found`.
 
 use crate::engine::HealthFormat;
+use crate::models::ServedModels;
 use crate::telemetry::Report;
 use crate::throughput::Tracker;
 use crate::weight::Weight;
@@ -51,6 +55,8 @@ pub struct NodeState {
     pub format: HealthFormat,
     /// Counter memory between scrapes, for engines that publish counters instead of a load.
     pub tracker: Tracker,
+    /// What is known of the models the node serves.
+    pub models: ServedModels,
     report: Option<(Report, u64)>,
     epoch: u64,
     pub inflight_requests: u64,
@@ -94,6 +100,7 @@ impl NodeState {
             kv_cache_tokens,
             format: HealthFormat::Auto,
             tracker: Tracker::default(),
+            models: ServedModels::default(),
             report: None,
             epoch: 0,
             inflight_requests: 0,

@@ -228,6 +228,8 @@ mod tests {
             samples: 10,
             skipped_lines: 0,
             rejected_values: 0,
+            models: vec![],
+            max_lora: None,
         }
     }
 
@@ -512,7 +514,7 @@ mod tests {
                 kv_usage: usage,
                 kv_used_tokens: used,
                 kv_total_tokens: geometry,
-                ..base
+                ..base.clone()
             };
             let r = t.observe(&s, i as u64 * 1000, None, configured);
             assert_eq!(r.kv_cache_usage, want_usage, "case {i}");

@@ -15,6 +15,10 @@
 //! `/v1/messages` (`system` plus content blocks). A body that is not JSON, or whose shape gives
 //! no prompt, is `None`: the caller then leaves the request to Envoy's fallback balancer. Fields
 //! of the wrong type are ignored one by one rather than failing the whole estimate.
+//!
+//! The body's `model` comes out with the weight (`read`): it narrows the nodes the request may
+//! go to (see `models`). It is moved out of the parsed value, not copied; a missing, empty or
+//! non-string `model` is no model, as vLLM serves such a request with its default model.
 
 use serde_json::Value;
 
@@ -137,11 +141,39 @@ impl Api {
     }
 }
 
+/// What the filter reads from a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Estimate {
+    pub weight: Weight,
+    /// The model (or LoRA adapter) the body names.
+    pub model: Option<String>,
+}
+
 /// Estimates a request's weight from its JSON body, or `None` when the body gives no basis.
 pub fn estimate(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Weight> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    let obj = v.as_object()?;
+    read(api, body, default_max_tokens).map(|e| e.weight)
+}
 
+/// Reads a request's weight and model from its JSON body, or `None` when the body gives no
+/// basis for a weight (whatever its model).
+pub fn read(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Estimate> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let Value::Object(mut obj) = v else {
+        return None;
+    };
+    let model = match obj.remove("model") {
+        Some(Value::String(m)) if !m.is_empty() => Some(m),
+        _ => None,
+    };
+    let weight = weight_of(api, &obj, default_max_tokens)?;
+    Some(Estimate { weight, model })
+}
+
+fn weight_of(
+    api: Api,
+    obj: &serde_json::Map<String, Value>,
+    default_max_tokens: u64,
+) -> Option<Weight> {
     let prompt_tokens = if let Some(Value::Array(messages)) = obj.get("messages") {
         let system = obj.get("system").map(text_of_content).unwrap_or(0);
         let msgs: u64 = messages
@@ -312,6 +344,31 @@ mod tests {
         }
         // Not UTF-8 at all.
         assert_eq!(estimate(Api::Chat, &[0xff, 0xfe, 0x00, 0x7b], 256), None);
+    }
+
+    #[test]
+    fn the_model_comes_with_the_weight() {
+        let cases: &[(&str, Option<&str>)] = &[
+            (r#"{"model":"m1","messages":[]}"#, Some("m1")),
+            (r#"{"messages":[],"model":"sql-lora"}"#, Some("sql-lora")),
+            (
+                r#"{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"a"}"#,
+                Some("meta-llama/Llama-3.1-8B-Instruct"),
+            ),
+            (r#"{"model":"a\"b\u00e9","messages":[]}"#, Some("a\"bé")),
+            (r#"{"messages":[]}"#, None),
+            (r#"{"model":"","messages":[]}"#, None),
+            (r#"{"model":null,"messages":[]}"#, None),
+            (r#"{"model":7,"messages":[]}"#, None),
+            (r#"{"model":["m1"],"messages":[]}"#, None),
+        ];
+        for (body, want) in cases {
+            let e = read(Api::Chat, body.as_bytes(), 256).unwrap();
+            assert_eq!(e.model.as_deref(), *want, "{body}");
+            assert_eq!(Some(e.weight), estimate(Api::Chat, body.as_bytes(), 256));
+        }
+        // A model does not make a body without a prompt usable.
+        assert_eq!(read(Api::Chat, br#"{"model":"m1"}"#, 256), None);
     }
 
     #[test]

@@ -189,6 +189,18 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     return cfg
 
 
+def with_node_settings(cfg: dict, settings: list[dict]) -> dict:
+    """Adds per-node plugin settings (health_path, format, models, ...) to an envoy_config
+    result, node by node in order."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
+    conf = json.loads(wasm["configuration"]["value"])
+    for node, extra in zip(conf["nodes"], settings):
+        node.update(extra)
+    wasm["configuration"]["value"] = json.dumps(conf)
+    return cfg
+
+
 def without_filter(cfg: dict, lb_policy: str) -> dict:
     """The configuration with the token_balancer filter removed and the inference cluster on one
     of Envoy's own balancers (ROUND_ROBIN, LEAST_REQUEST): the baselines."""

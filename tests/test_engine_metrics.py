@@ -6,11 +6,9 @@ The mock node serves vLLM-named metrics at /metrics; the filter, configured per 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
+from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until, with_node_settings
 
 TICK_MS = 100
 STALE_MS = 600
@@ -23,17 +21,6 @@ def cluster():
                      ("node-c", "gpu=h100,kv_tokens=20000")])
     yield c
     c.stop()
-
-
-def with_node_settings(cfg: dict, settings: list[dict]) -> dict:
-    """Adds per-node plugin settings (health_path, format) to an envoy_config result."""
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    wasm = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
-    conf = json.loads(wasm["configuration"]["value"])
-    for node, extra in zip(conf["nodes"], settings):
-        node.update(extra)
-    wasm["configuration"]["value"] = json.dumps(conf)
-    return cfg
 
 
 def test_engine_metrics_are_read_as_health_and_a_misconfigured_node_is_not_used(cluster):

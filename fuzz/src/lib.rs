@@ -21,8 +21,8 @@ use serde_json::{json, Value};
 use token_balancer::config::{is_ip_port, Config};
 use token_balancer::engine::{self, Health, HealthFormat};
 use token_balancer::prometheus::parse_prometheus_samples;
-use token_balancer::throughput::Tracker;
 use token_balancer::telemetry::{parse_health, Report};
+use token_balancer::throughput::Tracker;
 use token_balancer::usage::{output_events, reported_output_tokens};
 use token_balancer::weight::{estimate, Api, Weight};
 

@@ -269,7 +269,39 @@ pub struct Snapshot<'a> {
     pub histograms: Option<&'a Recorder>,
 }
 
+/// Test overrides of the gauges a balancer routes on, set through POST /admin/health with the
+/// seed format's names (`queue_depth`, `running_requests`, `kv_cache_usage`) so one override
+/// drives /health and every /metrics flavour alike. Counters are never overridden: they must
+/// only grow.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GaugeOverrides {
+    pub waiting: Option<u64>,
+    pub running: Option<u64>,
+    /// KV-cache use 0..1; it also sets the tokens in use (and TGI's batch tokens) to match.
+    pub kv_usage: Option<f64>,
+}
+
 impl Snapshot<'_> {
+    /// Replaces the overridden gauges.
+    pub fn apply(&mut self, o: GaugeOverrides) {
+        if let Some(w) = o.waiting {
+            self.waiting = w;
+        }
+        if let Some(r) = o.running {
+            self.running = r;
+        }
+        if let Some(u) = o.kv_usage {
+            let u = if u.is_finite() {
+                u.clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            self.kv_usage = u;
+            self.kv_used_tokens = (u * self.kv_capacity_tokens as f64).round() as u64;
+            self.running_max_tokens = self.kv_used_tokens;
+        }
+    }
+
     fn ratio(num: u64, den: u64) -> f64 {
         if den == 0 {
             0.0
@@ -1544,6 +1576,93 @@ mod tests {
         let mut s = snapshot(&r);
         s.loras = None;
         assert!(!render(Flavour::Vllm, &s).contains("lora"));
+    }
+
+    /// The overrides tests drive a balancer with reach each flavour's own queue and KV series.
+    #[test]
+    fn gauge_overrides_show_in_every_flavour() {
+        let r = recorder(Flavour::Vllm);
+        // (flavour, its waiting series, its running series, its KV series, the KV value)
+        let table = [
+            (
+                Flavour::Vllm,
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_running",
+                "vllm:kv_cache_usage_perc",
+                0.95,
+            ),
+            (
+                Flavour::VllmV0,
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_running",
+                "vllm:gpu_cache_usage_perc",
+                0.95,
+            ),
+            (
+                Flavour::Sglang,
+                "sglang:num_queue_reqs",
+                "sglang:num_running_reqs",
+                "sglang:token_usage",
+                0.95,
+            ),
+            (
+                Flavour::Tgi,
+                "tgi_queue_size",
+                "tgi_batch_current_size",
+                "tgi_batch_current_max_tokens",
+                123_500.0,
+            ),
+            (
+                Flavour::Trtllm,
+                "trtllm_num_requests_waiting",
+                "trtllm_num_requests_running",
+                "trtllm_kv_cache_utilization",
+                0.95,
+            ),
+            (
+                Flavour::Llamacpp,
+                "llamacpp:requests_deferred",
+                "llamacpp:requests_processing",
+                "llamacpp:kv_cache_usage_ratio",
+                0.95,
+            ),
+        ];
+        for (f, waiting, running, kv, want_kv) in table {
+            let mut s = snapshot(&r);
+            s.apply(GaugeOverrides::default());
+            let plain = parse(&render(f, &s)).unwrap();
+            assert_eq!(value(&plain, waiting, &[]), Some(2.0), "{f:?}");
+            s.apply(GaugeOverrides {
+                waiting: Some(77),
+                running: Some(5),
+                kv_usage: Some(0.95),
+            });
+            let samples = parse(&render(f, &s)).unwrap();
+            assert_eq!(value(&samples, waiting, &[]), Some(77.0), "{f:?}");
+            assert_eq!(value(&samples, running, &[]), Some(5.0), "{f:?}");
+            assert_eq!(value(&samples, kv, &[]), Some(want_kv), "{f:?}");
+            // Counters stay what the engine counted.
+            assert_eq!(
+                plain
+                    .iter()
+                    .filter(|x| x.name.ends_with("_total"))
+                    .map(|x| x.value)
+                    .sum::<f64>(),
+                samples
+                    .iter()
+                    .filter(|x| x.name.ends_with("_total"))
+                    .map(|x| x.value)
+                    .sum::<f64>(),
+                "{f:?}"
+            );
+        }
+        // Out-of-range KV is clamped, not rendered as an impossible fraction.
+        let mut s = snapshot(&r);
+        s.apply(GaugeOverrides {
+            kv_usage: Some(7.0),
+            ..GaugeOverrides::default()
+        });
+        assert_eq!((s.kv_usage, s.kv_used_tokens), (1.0, 130_000));
     }
 
     #[test]

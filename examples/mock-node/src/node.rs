@@ -5,7 +5,7 @@
 
 use crate::cli::NodeSpec;
 use mock_gpu_node::engine::{Admission, Engine, Event, Iteration, Request, LOAD_WINDOW_MS};
-use mock_gpu_node::metrics::{self, Flavour, Loras, Observed, Recorder, Snapshot};
+use mock_gpu_node::metrics::{self, Flavour, GaugeOverrides, Loras, Observed, Recorder, Snapshot};
 use mock_gpu_node::prefix;
 use serde_json::{json, Map, Value};
 use std::collections::{HashMap, VecDeque};
@@ -70,10 +70,29 @@ struct Stats {
 /// Test controls set through POST /admin/health.
 #[derive(Default)]
 pub struct Overrides {
-    /// Fields that replace what /health would report.
+    /// Fields that replace what /health would report; `queue_depth`, `running_requests` and
+    /// `kv_cache_usage` also replace the matching gauges of /metrics.
     pub fields: Map<String, Value>,
     pub fail: bool,
     pub hang: bool,
+}
+
+impl Overrides {
+    /// The gauges /metrics reports overridden (values of the wrong type are ignored).
+    pub fn gauges(&self) -> GaugeOverrides {
+        let count = |k: &str| {
+            self.fields
+                .get(k)
+                .and_then(Value::as_f64)
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(|v| v.round() as u64)
+        };
+        GaugeOverrides {
+            waiting: count("queue_depth"),
+            running: count("running_requests"),
+            kv_usage: self.fields.get("kv_cache_usage").and_then(Value::as_f64),
+        }
+    }
 }
 
 pub struct Node {
@@ -503,6 +522,7 @@ impl Node {
             ..Snapshot::default()
         };
         drop(e);
+        snap.apply(lock(&self.overrides).gauges());
         let stats = lock(&self.stats);
         snap.finished_stop_total = stats.finished_stop;
         snap.finished_length_total = stats.finished_length;

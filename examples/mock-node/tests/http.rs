@@ -751,6 +751,51 @@ fn metric_flavours_report_the_engine_state_in_their_names() {
     }
 }
 
+/// POST /admin/health's queue, running and KV overrides reach /metrics too, in the engine's
+/// own names, and a reset gives the engine's values back.
+#[test]
+fn metrics_follow_the_gauge_overrides() {
+    let table = [
+        ("sglang", "sglang:num_queue_reqs{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"}",
+         "sglang:token_usage{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"}", 0.95),
+        ("tgi", "tgi_queue_size", "tgi_batch_current_max_tokens", 0.95 * 20_000.0),
+        ("vllm", "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"}",
+         "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"}", 0.95),
+    ];
+    let specs: Vec<String> = table
+        .iter()
+        .map(|(f, ..)| format!("name={f},metrics={f},models=m,kv_tokens=20000"))
+        .collect();
+    let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
+    let mock = start(&specs, &[]);
+    for ((flavour, waiting, kv, want_kv), port) in table.iter().zip(&mock.ports) {
+        let mut c = Conn::open(*port);
+        let metrics = |c: &mut Conn| c.call("GET", "/metrics", &[], "").text();
+        let before = metrics(&mut c);
+        assert_eq!(sample(&before, waiting), Some(0.0), "{flavour}: {before}");
+        let r = c.call(
+            "POST",
+            "/admin/health",
+            &[],
+            r#"{"queue_depth":42,"kv_cache_usage":0.95}"#,
+        );
+        assert_eq!(r.status, 200);
+        let after = metrics(&mut c);
+        assert_eq!(sample(&after, waiting), Some(42.0), "{flavour}: {after}");
+        assert_eq!(sample(&after, kv), Some(*want_kv), "{flavour}: {after}");
+        // The same override in the seed /health.
+        let h = c.call("GET", "/health", &[], "").json();
+        assert_eq!(
+            (h["queue_depth"].as_f64(), h["kv_cache_usage"].as_f64()),
+            (Some(42.0), Some(0.95))
+        );
+        c.call("POST", "/admin/health", &[], r#"{"reset":true}"#);
+        let reset = metrics(&mut c);
+        assert_eq!(sample(&reset, waiting), Some(0.0), "{flavour}: {reset}");
+        assert_eq!(sample(&reset, kv), Some(0.0), "{flavour}: {reset}");
+    }
+}
+
 #[test]
 fn one_process_serves_several_nodes() {
     let mock = start(&["name=fast,gpu=h100", "name=slow,gpu=l4"], &[]);

@@ -20,4 +20,7 @@ for (const imp of WebAssembly.Module.imports(module)) {
   };
 }
 const instance = await WebAssembly.instantiate(module, imports);
-exit(wasi.start(instance));
+// A program linking the filter's library (an example, not a test) also carries the plugin's
+// `_initialize` export, which Node refuses next to `_start`; the program only needs `_start`.
+const { _initialize, ...exports } = instance.exports;
+exit(wasi.start(_initialize === undefined ? instance : { exports }));

@@ -88,6 +88,7 @@ impl Balancer {
                 stale_after_ms: cfg.stale_after_ms,
                 vram_ceiling: cfg.vram_ceiling,
                 kv_bytes_per_token: cfg.kv_bytes_per_token,
+                keep: cfg.max_hosts_in_header,
             },
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,

@@ -67,6 +67,20 @@ pub struct Params {
     pub stale_after_ms: u64,
     pub vram_ceiling: f64,
     pub kv_bytes_per_token: u64,
+    /// How many nodes of the ranking the caller uses (the routing header's length): only
+    /// those are put in order, the rest are dropped unsorted, so a decision over a thousand
+    /// nodes is a linear selection, not a sort.
+    pub keep: usize,
+}
+
+/// Keeps the `keep` smallest by `cmp`, in order: a selection (linear) then a sort of `keep`.
+fn best<T>(v: &mut Vec<T>, keep: usize, cmp: impl Fn(&T, &T) -> std::cmp::Ordering) {
+    let keep = keep.max(1);
+    if v.len() > keep {
+        v.select_nth_unstable_by(keep - 1, &cmp);
+        v.truncate(keep);
+    }
+    v.sort_by(cmp);
 }
 
 /// Share of capacity assumed free on a saturated node.
@@ -149,27 +163,26 @@ pub fn decide(
 ) -> Decision {
     let (weight, growth) = (ask.weight, ask.growth);
     // The fleet's fresh nodes set the assumed capacity; only the candidates among them are
-    // ranked. Iterated twice rather than collected twice: this runs on every request.
-    let fleet = || {
-        nodes
-            .iter()
-            .filter_map(|n| n.fresh_report(now_ms, p.stale_after_ms).map(|r| (n, r)))
-    };
-    let fresh: Vec<(usize, &NodeState, &Report)> = nodes
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| may_serve(n, ask.model))
-        .filter_map(|(i, n)| n.fresh_report(now_ms, p.stale_after_ms).map(|r| (i, n, r)))
-        .collect();
+    // ranked. One pass over the nodes for both: this runs on every request, and with a
+    // thousand nodes each pass over their state is a pass through memory.
+    let mut fresh: Vec<(usize, &NodeState, &Report)> = Vec::with_capacity(nodes.len());
+    let mut known_capacity: Option<f64> = None;
+    let mut max_load = 0.0_f64;
+    for (i, n) in nodes.iter().enumerate() {
+        let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+            continue;
+        };
+        if let Some(c) = n.capacity_override.or(r.capacity_tokens_per_sec) {
+            known_capacity = Some(known_capacity.map_or(c, |m| m.max(c)));
+        }
+        max_load = max_load.max(r.load_tokens_per_sec);
+        if may_serve(n, ask.model) {
+            fresh.push((i, n, r));
+        }
+    }
     if fresh.is_empty() {
         return Decision::NoFreshNodes;
     }
-    let known_capacity = fleet()
-        .filter_map(|(n, r)| n.capacity_override.or(r.capacity_tokens_per_sec))
-        .fold(None, |m: Option<f64>, c| Some(m.map_or(c, |m| m.max(c))));
-    let max_load = fleet()
-        .map(|(_, r)| r.load_tokens_per_sec)
-        .fold(0.0, f64::max);
     let assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
 
     if p.rule == Rule::LeastReportedLoad {
@@ -184,7 +197,9 @@ pub fn decide(
                 (ranked, rng.next_u64())
             })
             .collect();
-        ranked.sort_by(|(a, ka), (b, kb)| a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb)));
+        best(&mut ranked, p.keep, |(a, ka), (b, kb)| {
+            a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb))
+        });
         return Decision::Route(ranked.into_iter().map(|(r, _)| r).collect());
     }
 
@@ -225,7 +240,7 @@ pub fn decide(
         }
     }
     if admitted.is_empty() {
-        over.sort_by(|(a, ka), (b, kb)| {
+        best(&mut over, p.keep, |(a, ka), (b, kb)| {
             a.kv_fraction
                 .unwrap_or(0.0)
                 .total_cmp(&b.kv_fraction.unwrap_or(0.0))
@@ -234,7 +249,9 @@ pub fn decide(
         });
         return Decision::AllOverCeiling(over.into_iter().map(|(r, _)| r).collect());
     }
-    admitted.sort_by(|(a, ka), (b, kb)| a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb)));
+    best(&mut admitted, p.keep, |(a, ka), (b, kb)| {
+        a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb))
+    });
     Decision::Route(admitted.into_iter().map(|(r, _)| r).collect())
 }
 
@@ -249,6 +266,7 @@ mod tests {
         stale_after_ms: 3000,
         vram_ceiling: 0.9,
         kv_bytes_per_token: 1,
+        keep: usize::MAX,
     };
 
     fn w(p: u64, o: u64) -> Weight {

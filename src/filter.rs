@@ -69,6 +69,27 @@ enum CallFailure {
     TooLarge,
 }
 
+/// The answer to the current HTTP callout: its status, and its body when that is a 200 within
+/// the read limit, or why not. A reset callout has no :status; Envoy answers refused (503) and
+/// timed-out (504) callouts itself, so those count as bad statuses.
+fn call_answer(body_size: usize) -> (Option<String>, Option<Vec<u8>>, Option<CallFailure>) {
+    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten();
+    let (body, failure) = match status.as_deref() {
+        None => (None, Some(CallFailure::NoAnswer)),
+        Some("200") if body_size > MAX_HEALTH_BODY => (None, Some(CallFailure::TooLarge)),
+        Some("200") => (
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .map(|b| b.unwrap_or_default()),
+            None,
+        ),
+        Some(_) => (None, Some(CallFailure::BadStatus)),
+    };
+    (status, body, failure)
+}
+
 /// Envoy counters (they appear under `wasmcustom.` in Envoy's stats).
 #[derive(Default)]
 struct Metrics {
@@ -387,22 +408,7 @@ impl Context for Root {
         let Some(node) = self.pending.remove(&token) else {
             return;
         };
-        // A reset callout has no :status; Envoy answers refused (503) and timed-out (504)
-        // callouts itself, so those count as bad statuses.
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
-        let (body, failure) = match status.as_deref() {
-            None => (None, Some(CallFailure::NoAnswer)),
-            Some("200") if body_size > MAX_HEALTH_BODY => (None, Some(CallFailure::TooLarge)),
-            Some("200") => (
-                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                    .ok()
-                    .map(|b| b.unwrap_or_default()),
-                None,
-            ),
-            Some(_) => (None, Some(CallFailure::BadStatus)),
-        };
+        let (status, body, failure) = call_answer(body_size);
         {
             let Ok(mut guard) = self.state.try_borrow_mut() else {
                 return;
@@ -447,17 +453,7 @@ impl Root {
 
     /// A node's `/v1/models` answer: a good list replaces the last one; anything else keeps it.
     fn on_models(&mut self, node: usize, body_size: usize) {
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
-        let body = match status.as_deref() {
-            Some("200") if body_size <= MAX_HEALTH_BODY => {
-                hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                    .ok()
-                    .map(|b| b.unwrap_or_default())
-            }
-            _ => None,
-        };
+        let (status, body, failure) = call_answer(body_size);
         let Ok(mut guard) = self.state.try_borrow_mut() else {
             return;
         };
@@ -471,13 +467,15 @@ impl Root {
         let good = match body {
             None => {
                 bump(s.metrics.models_failed);
-                let why = match status.as_deref() {
-                    None => "no answer (refused, reset or timed out)".to_string(),
-                    Some("200") if body_size > MAX_HEALTH_BODY => {
+                let why = match failure {
+                    Some(CallFailure::NoAnswer) => "no answer (reset)".to_string(),
+                    Some(CallFailure::TooLarge) => {
                         format!("over {MAX_HEALTH_BODY} bytes, not read")
                     }
-                    Some("200") => "body could not be read".to_string(),
-                    Some(st) => format!("status {st}"),
+                    Some(CallFailure::BadStatus) => {
+                        format!("status {}", status.unwrap_or_default())
+                    }
+                    None => "body could not be read".to_string(),
                 };
                 debug!("model list of {address}: {why}");
                 false

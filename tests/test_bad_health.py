@@ -104,8 +104,8 @@ def test_each_bad_answer_is_counted_ejects_the_node_and_requests_still_succeed(s
                lambda: f"{stat} to be counted: {envoy.counters()}")
     wait_until(lambda: envoy.counter("token_balancer.nodes_ejected") > ejected, 20,
                lambda: f"the node to be ejected: {envoy.counters()}")
-    # Every VM of the filter (the main thread's and the worker's) ejects on its own; ten bad
-    # polls counted over both leave each of them at least two in a row.
+    # Every VM of the filter (the main thread's and the worker's) ejects on its own; both poll
+    # at the same rate, so ten bad polls counted over both give each its two in a row.
     wait_until(lambda: envoy.counter(f"token_balancer.{stat}") >= before + 10, 20,
                lambda: f"more bad polls: {envoy.counters()}")
     p = picks(envoy, flaky)

@@ -69,6 +69,25 @@ enum CallFailure {
     TooLarge,
 }
 
+/// A GET to `target` (`ip:port`) through the health cluster, which sends it to the address the
+/// target header names: the only way the filter reaches a node outside a request.
+fn callout(
+    config: &Config,
+    target: &str,
+    path: &str,
+    timeout: Duration,
+) -> Result<u32, proxy_wasm::types::Status> {
+    let headers = vec![
+        (":method", "GET"),
+        (":path", path),
+        (":authority", target),
+        (":scheme", "http"),
+        (config.health_target_header.as_str(), target),
+        ("user-agent", "token-balancer"),
+    ];
+    hostcalls::dispatch_http_call(&config.health_cluster, headers, None, vec![], timeout)
+}
+
 /// The answer to the current HTTP callout: its status, and its body when that is a 200 within
 /// the read limit, or why not. A reset callout has no :status; Envoy answers refused (503) and
 /// timed-out (504) callouts itself, so those count as bad statuses.
@@ -535,21 +554,7 @@ impl Root {
                 continue;
             }
             let target = node.address.as_str();
-            let headers = vec![
-                (":method", "GET"),
-                (":path", "/v1/models"),
-                (":authority", target),
-                (":scheme", "http"),
-                (s.config.health_target_header.as_str(), target),
-                ("user-agent", "token-balancer"),
-            ];
-            match hostcalls::dispatch_http_call(
-                &s.config.health_cluster,
-                headers,
-                None,
-                vec![],
-                timeout,
-            ) {
+            match callout(&s.config, target, "/v1/models", timeout) {
                 Ok(token) => {
                     self.pending_models.insert(token, i);
                     p.sent(now);
@@ -581,21 +586,7 @@ impl Root {
                 continue;
             }
             let target = node.health_target();
-            let headers = vec![
-                (":method", "GET"),
-                (":path", node.health_path.as_str()),
-                (":authority", target),
-                (":scheme", "http"),
-                (s.config.health_target_header.as_str(), target),
-                ("user-agent", "token-balancer"),
-            ];
-            match hostcalls::dispatch_http_call(
-                &s.config.health_cluster,
-                headers,
-                None,
-                vec![],
-                timeout,
-            ) {
+            match callout(&s.config, target, &node.health_path, timeout) {
                 Ok(token) => {
                     self.pending.insert(token, i);
                 }

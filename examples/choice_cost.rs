@@ -7,7 +7,8 @@
 //! or natively with `cargo run --release --example choice_cost`. Each fleet gets fresh reports
 //! from every node (load, capacity, KV use, queue), then the balancer routes requests and
 //! releases them, as the filter does per request; the time per `route` + `release` pair is the
-//! median of several batches. Prints one line per fleet size.
+//! median of several batches. Prints one line per fleet size, for the default power-of-two
+//! choices (`choices: 2`) and for the comparison of every node (`choices: 0`).
 
 use std::time::Instant;
 use token_balancer::balancer::{Balancer, Outcome};
@@ -15,7 +16,7 @@ use token_balancer::config::Config;
 use token_balancer::rng::SplitMix64;
 use token_balancer::weight::Weight;
 
-fn fleet(n: usize) -> Balancer {
+fn fleet(n: usize, choices: usize) -> Balancer {
     let nodes: Vec<String> = (0..n)
         .map(|i| {
             format!(
@@ -27,7 +28,7 @@ fn fleet(n: usize) -> Balancer {
         })
         .collect();
     let cfg = format!(
-        r#"{{"health_cluster":"h","nodes":[{}],"stale_after_ms":600000}}"#,
+        r#"{{"health_cluster":"h","nodes":[{}],"stale_after_ms":600000,"choices":{choices}}}"#,
         nodes.join(",")
     );
     let Ok(cfg) = Config::parse(cfg.as_bytes()) else {
@@ -50,9 +51,9 @@ fn fleet(n: usize) -> Balancer {
 
 fn main() {
     let mut rng = SplitMix64::new(7);
-    println!("nodes  route+release, median us (min us)");
-    for n in [10usize, 100, 1000] {
-        let mut b = fleet(n);
+    println!("choices  nodes  route+release, median us (min us)");
+    for (choices, n) in [(2, 10), (2, 100), (2, 1000), (0, 10), (0, 100), (0, 1000)] {
+        let mut b = fleet(n, choices);
         let per_batch = (20_000 / n).max(20);
         let mut batches = Vec::new();
         for batch in 0..15 {
@@ -71,6 +72,6 @@ fn main() {
         batches.sort_by(f64::total_cmp);
         let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
         let min = batches.first().copied().unwrap_or(f64::NAN);
-        println!("{n:5}  {median:8.2} ({min:.2})");
+        println!("{choices:7}  {n:5}  {median:8.2} ({min:.2})");
     }
 }

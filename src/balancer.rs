@@ -15,6 +15,7 @@ use crate::engine::{self, FormatError, Health};
 use crate::models::{self, ListError, ServedModels, Serves};
 use crate::node::{NodeState, Ticket, Transition};
 use crate::output::OutputModel;
+use crate::pool::Pool;
 use crate::rng::Rng;
 use crate::telemetry::Report;
 use crate::weight::Weight;
@@ -61,6 +62,8 @@ pub struct Balancer {
     /// Mean and variance of the output length of the streams seen to completion, and how many.
     /// Output lengths learned from the streams seen to completion.
     outputs: OutputModel,
+    /// The candidates of the power-of-d choices and their drawing weights.
+    pool: Pool,
 }
 
 impl Balancer {
@@ -89,11 +92,13 @@ impl Balancer {
                 vram_ceiling: cfg.vram_ceiling,
                 kv_bytes_per_token: cfg.kv_bytes_per_token,
                 keep: cfg.max_hosts_in_header,
+                choices: cfg.choices,
             },
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,
             mean_request_tokens: None,
             outputs: OutputModel::default(),
+            pool: Pool::default(),
         }
     }
 
@@ -112,9 +117,25 @@ impl Balancer {
         body: Option<&[u8]>,
         now_ms: u64,
     ) -> Result<Report, HealthError> {
+        let stale_after = self.params.stale_after_ms;
         let Some(state) = self.nodes.get_mut(node) else {
             return Err(HealthError::UnknownNode);
         };
+        // Only a change of whether the node is a candidate changes the pool; a new report of
+        // a candidate is read where it stands when the node is drawn.
+        let was_candidate = state.fresh_report(now_ms, stale_after).is_some();
+        let result = Self::read_health(state, body, now_ms);
+        if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
+            self.pool.invalidate();
+        }
+        result
+    }
+
+    fn read_health(
+        state: &mut NodeState,
+        body: Option<&[u8]>,
+        now_ms: u64,
+    ) -> Result<Report, HealthError> {
         let Some(body) = body else {
             let _ = state.note_failure();
             return Err(HealthError::CallFailed);
@@ -217,9 +238,6 @@ impl Balancer {
         rng: &mut dyn Rng,
         may_hold: bool,
     ) -> Outcome {
-        if model.is_some_and(|m| self.model_unknown(m)) {
-            return Outcome::UnknownModel;
-        }
         let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
@@ -228,8 +246,26 @@ impl Balancer {
             growth,
             model,
         };
-        let (ranked, over_ceiling) =
-            match choice::decide(&self.nodes, &ask, mean, now_ms, &self.params, rng) {
+        let sampled = if self.params.choices > 0 {
+            self.pool.refresh(&self.nodes, now_ms, &self.params);
+            choice::sample(
+                &self.nodes,
+                &self.pool,
+                &ask,
+                mean,
+                now_ms,
+                &self.params,
+                rng,
+            )
+        } else {
+            None
+        };
+        // A sampled node serves the model, or might: only without one is the model's fate
+        // worth a walk over the fleet.
+        let (ranked, over_ceiling) = match sampled {
+            Some(r) => (r, false),
+            None if model.is_some_and(|m| self.model_unknown(m)) => return Outcome::UnknownModel,
+            None => match choice::decide(&self.nodes, &ask, mean, now_ms, &self.params, rng) {
                 Decision::Route(r) => (r, false),
                 Decision::AllOverCeiling(r)
                     if may_hold
@@ -241,7 +277,8 @@ impl Balancer {
                 }
                 Decision::AllOverCeiling(r) => (r, true),
                 Decision::NoFreshNodes => return Outcome::NoFreshNodes,
-            };
+            },
+        };
         let Some(first) = ranked.first().copied() else {
             return Outcome::NoFreshNodes;
         };
@@ -317,7 +354,7 @@ mod tests {
 
     #[test]
     fn header_lists_the_ranking_up_to_the_limit() {
-        let mut b = Balancer::new(&cfg(4, r#","max_hosts_in_header":3"#));
+        let mut b = Balancer::new(&cfg(4, r#","max_hosts_in_header":3,"choices":0"#));
         for (i, load) in [400, 100, 300, 200].iter().enumerate() {
             let body =
                 format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
@@ -482,7 +519,12 @@ mod tests {
             .map(|(i, extra)| format!(r#"{{"address":"127.0.0.1:{}"{extra}}}"#, 8001 + i))
             .collect();
         Config::parse(
-            format!(r#"{{"nodes":[{}],"health_cluster":"h"}}"#, nodes.join(",")).as_bytes(),
+            // Every node compared: these tests are about what the ranking knows, not sampling.
+            format!(
+                r#"{{"nodes":[{}],"health_cluster":"h","choices":0}}"#,
+                nodes.join(",")
+            )
+            .as_bytes(),
         )
         .unwrap()
     }
@@ -772,6 +814,139 @@ mod tests {
         .unwrap();
         assert_eq!(
             b.route(W, Some("hot-lora"), 10, &mut rng, false),
+            Outcome::UnknownModel
+        );
+    }
+
+    /// `n` nodes of capacity 1000 at load `load(i)`, reported at 0.
+    fn sampled_fleet(n: usize, extra: &str, load: impl Fn(usize) -> u32) -> Balancer {
+        let mut b = Balancer::new(&cfg(n, extra));
+        for i in 0..n {
+            let body = format!(
+                r#"{{"tokens_per_sec_load":{},"tokens_per_sec_capacity":1000}}"#,
+                load(i)
+            );
+            b.on_health(i, Some(body.as_bytes()), 0).unwrap();
+        }
+        b
+    }
+
+    /// Sixteen routers (replicas) hold the same reports: one node idle, 99 half loaded. Each
+    /// sends one request before the next report. Comparing every node sends all sixteen to the
+    /// idle one (herding); two choices spread them.
+    #[test]
+    fn two_choices_do_not_herd_on_the_same_stale_reports() {
+        let idle = |i: usize| if i == 42 { 0 } else { 500 };
+        let cases: &[(&str, usize, usize)] = &[
+            // (config, fewest and most requests the idle node gets out of 16)
+            (r#","choices":0"#, 16, 16),
+            (r#","choices":2"#, 0, 3),
+        ];
+        for (extra, low, high) in cases {
+            let mut at_idle = 0;
+            for replica in 0..16u64 {
+                let mut b = sampled_fleet(100, extra, idle);
+                let o = b.route(W, None, 10, &mut SplitMix64::new(replica), false);
+                at_idle += usize::from(routed_to(&o) == Some(42));
+            }
+            assert!(
+                (*low..=*high).contains(&at_idle),
+                "{extra}: {at_idle} of 16 at the idle node"
+            );
+        }
+    }
+
+    /// The drawn nodes are compared: with two choices a request never goes to the more
+    /// loaded of its two candidates, so the most loaded nodes get the least.
+    #[test]
+    fn two_choices_prefer_the_less_loaded() {
+        let mut b = sampled_fleet(10, r#","choices":2"#, |i| 100 * i as u32);
+        let mut rng = SplitMix64::new(3);
+        let mut counts = [0u32; 10];
+        for _ in 0..2000 {
+            let o = b.route(W, None, 10, &mut rng, false);
+            if let Outcome::Routed { ticket, .. } = o {
+                counts[ticket.node] += 1;
+                b.release(&ticket, 0);
+            }
+        }
+        // Two distinct nodes drawn uniformly, the less loaded kept: node i wins the pairs with a
+        // more loaded node, with probability (n-1-i) / (n(n-1)/2); the most loaded never wins.
+        for (i, c) in counts.iter().enumerate() {
+            let want = 2000.0 * (9 - i) as f64 / 45.0;
+            assert!(
+                (*c as f64 - want).abs() < 0.25 * want + 10.0,
+                "node {i}: {c}, want about {want}: {counts:?}"
+            );
+        }
+    }
+
+    /// Drawing never bends the rules of the full comparison: no stale or ejected node, no node
+    /// that would pass the ceiling, no node that does not serve the model, and a saturated
+    /// fleet is still told apart (held) rather than routed by luck of the draw.
+    #[test]
+    fn two_choices_keep_the_rules() {
+        let mut b = Balancer::new(&cfg(
+            20,
+            r#","choices":2,"kv_bytes_per_token":1,"max_hold_ms":1000"#,
+        ));
+        let full = br#"{"tokens_per_sec_load":0,"vram_used_bytes":990,"vram_total_bytes":1000}"#;
+        let room = br#"{"tokens_per_sec_load":900,"tokens_per_sec_capacity":1000,"vram_used_bytes":0,"vram_total_bytes":100000}"#;
+        for i in 0..20 {
+            b.on_health(i, Some(&full[..]), 0).unwrap();
+        }
+        let mut rng = SplitMix64::new(5);
+        assert_eq!(b.route(W, None, 10, &mut rng, true), Outcome::Saturated);
+        // Only node 7 has room, and node 3 has room but stops answering (ejected).
+        b.on_health(7, Some(&room[..]), 20).unwrap();
+        b.on_health(3, Some(&room[..]), 20).unwrap();
+        b.on_health(3, None, 30).unwrap_err();
+        b.on_health(3, None, 40).unwrap_err();
+        for _ in 0..50 {
+            let o = b.route(W, None, 50, &mut rng, true);
+            assert_eq!(routed_to(&o), Some(7), "{o:?}");
+            if let Outcome::Routed { ticket, .. } = o {
+                b.release(&ticket, 0);
+            }
+        }
+        // Later every report but node 7's (taken at 20) is stale: only node 7 is drawn.
+        let late = 20 + b.params.stale_after_ms;
+        for _ in 0..20 {
+            let o = b.route(W, None, late, &mut rng, false);
+            assert_eq!(routed_to(&o), Some(7), "{o:?}");
+        }
+    }
+
+    #[test]
+    fn two_choices_respect_the_model() {
+        let nodes: Vec<String> = (0..30)
+            .map(|i| {
+                let model = if i % 10 == 4 { "rare" } else { "common" };
+                format!(
+                    r#"{{"address":"127.0.0.1:{}","models":["{model}"]}}"#,
+                    9000 + i
+                )
+            })
+            .collect();
+        let cfg = Config::parse(
+            format!(r#"{{"nodes":[{}],"health_cluster":"h"}}"#, nodes.join(",")).as_bytes(),
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        for i in 0..30 {
+            b.on_health(i, Some(br#"{"tokens_per_sec_load":1}"#), 0)
+                .unwrap();
+        }
+        let mut rng = SplitMix64::new(9);
+        for _ in 0..200 {
+            let o = b.route(W, Some("rare"), 10, &mut rng, false);
+            let node = routed_to(&o).unwrap();
+            assert_eq!(node % 10, 4, "{o:?}");
+            let o = b.route(W, Some("common"), 10, &mut rng, false);
+            assert_ne!(routed_to(&o).unwrap() % 10, 4, "{o:?}");
+        }
+        assert_eq!(
+            b.route(W, Some("none"), 10, &mut rng, false),
             Outcome::UnknownModel
         );
     }

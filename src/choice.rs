@@ -36,6 +36,15 @@
 //! first): the caller either holds the request until a node has room (`admission`, when
 //! `max_hold_ms` is set) or sends it to the one that overflows least.
 //!
+//! Which nodes are compared: by default two, drawn in proportion to their capacity (`sample`,
+//! power-of-two choices; `pool` says why). Every Envoy worker and every Envoy replica ranks
+//! the same reports between two polls, and its own in-flight correction only sees its own
+//! dispatches: comparing every node makes them all pick the same node (herding). Two random
+//! candidates, the better one kept, spread independent routers and still steer away from
+//! loaded nodes; a request the drawn nodes cannot take without passing the VRAM ceiling is
+//! placed by comparing every node (`decide`), which is also what tells a saturated fleet apart.
+//! `choices: 0` compares every node on every request.
+//!
 //! Exact ties are broken at random with the injected generator, so equal idle nodes share a
 //! burst instead of the first one in the list taking it all.
 //!
@@ -46,6 +55,7 @@
 
 use crate::models::Serves;
 use crate::node::NodeState;
+use crate::pool::Pool;
 use crate::rng::Rng;
 use crate::telemetry::Report;
 use crate::weight::Weight;
@@ -71,6 +81,8 @@ pub struct Params {
     /// those are put in order, the rest are dropped unsorted, so a decision over a thousand
     /// nodes is a linear selection, not a sort.
     pub keep: usize,
+    /// Candidates compared per request (power-of-d choices); 0 compares every node.
+    pub choices: usize,
 }
 
 /// Keeps the `keep` smallest by `cmp`, in order: a selection (linear) then a sort of `keep`.
@@ -152,6 +164,52 @@ pub fn may_serve(n: &NodeState, model: Option<&str>) -> bool {
     }
 }
 
+/// What the fleet as a whole contributes to one node's evaluation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fleet {
+    /// Capacity assumed for a node that reports none and has none configured.
+    pub assumed_capacity: f64,
+    /// Running mean of request size, tokens: turns a reported queue depth into work.
+    pub mean_request_tokens: f64,
+}
+
+/// One node's predicted time to serve the request and KV use after admitting it, and whether
+/// that use passes the ceiling. `r` is the node's fresh report.
+pub fn evaluate(
+    node: usize,
+    n: &NodeState,
+    r: &Report,
+    ask: &Ask,
+    fleet: &Fleet,
+    p: &Params,
+) -> (Ranked, bool) {
+    let (weight, growth) = (ask.weight, ask.growth);
+    let c = n
+        .capacity_override
+        .or(r.capacity_tokens_per_sec)
+        .unwrap_or(fleet.assumed_capacity);
+    let spare = (c - r.load_tokens_per_sec).max(MIN_SPARE_SHARE * c);
+    let backlog =
+        r.queue_depth.unwrap_or(0.0) * fleet.mean_request_tokens + n.unreflected_tokens as f64;
+    let seconds = (backlog + weight.total() as f64) / spare;
+    // KV still to come: prompts sent since the report, the output reserved for everything
+    // in flight, and this request's own prompt and reserved output.
+    let margin = growth.margin_per_sqrt * ((n.inflight_requests + 1) as f64).sqrt();
+    let kv_extra = n
+        .unreflected_prompt_tokens
+        .saturating_add(n.growth_tokens)
+        .saturating_add(weight.prompt_tokens)
+        .saturating_add(growth.own)
+        .saturating_add(margin.ceil() as u64);
+    let kv = kv_fraction(n, r, kv_extra, p);
+    let ranked = Ranked {
+        node,
+        seconds,
+        kv_fraction: kv,
+    };
+    (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
+}
+
 /// Ranks the fresh nodes that may serve the request.
 pub fn decide(
     nodes: &[NodeState],
@@ -161,7 +219,6 @@ pub fn decide(
     p: &Params,
     rng: &mut dyn Rng,
 ) -> Decision {
-    let (weight, growth) = (ask.weight, ask.growth);
     // The fleet's fresh nodes set the assumed capacity; only the candidates among them are
     // ranked. One pass over the nodes for both: this runs on every request, and with a
     // thousand nodes each pass over their state is a pass through memory.
@@ -203,37 +260,18 @@ pub fn decide(
         return Decision::Route(ranked.into_iter().map(|(r, _)| r).collect());
     }
 
-    let w = weight.total() as f64;
+    let fleet = Fleet {
+        assumed_capacity,
+        mean_request_tokens,
+    };
     let mut admitted = Vec::with_capacity(fresh.len());
     let mut over = Vec::new();
     for (i, n, r) in fresh {
-        let c = n
-            .capacity_override
-            .or(r.capacity_tokens_per_sec)
-            .unwrap_or(assumed_capacity);
-        let spare = (c - r.load_tokens_per_sec).max(MIN_SPARE_SHARE * c);
-        let backlog =
-            r.queue_depth.unwrap_or(0.0) * mean_request_tokens + n.unreflected_tokens as f64;
-        let seconds = (backlog + w) / spare;
-        // KV still to come: prompts sent since the report, the output reserved for everything
-        // in flight, and this request's own prompt and reserved output.
-        let margin = growth.margin_per_sqrt * ((n.inflight_requests + 1) as f64).sqrt();
-        let kv_extra = n
-            .unreflected_prompt_tokens
-            .saturating_add(n.growth_tokens)
-            .saturating_add(weight.prompt_tokens)
-            .saturating_add(growth.own)
-            .saturating_add(margin.ceil() as u64);
-        let kv = kv_fraction(n, r, kv_extra, p);
-        let ranked = Ranked {
-            node: i,
-            seconds,
-            kv_fraction: kv,
-        };
+        let (ranked, is_over) = evaluate(i, n, r, ask, &fleet, p);
         // The random key breaks exact ties only; it is drawn for every node so that the
         // sequence drawn does not depend on which nodes tie.
         let key = rng.next_u64();
-        if matches!(kv, Some(f) if f > p.vram_ceiling) {
+        if is_over {
             over.push((ranked, key));
         } else {
             admitted.push((ranked, key));
@@ -255,6 +293,70 @@ pub fn decide(
     Decision::Route(admitted.into_iter().map(|(r, _)| r).collect())
 }
 
+/// Power-of-d choices (see `pool`): draws candidates in proportion to their capacity and
+/// keeps the best of the first `p.choices` with room under the VRAM ceiling; the other nodes
+/// drawn with room follow, best first, as the retry hosts of the routing header. `None` when
+/// sampling has nothing to add or cannot decide: the pool is no larger than the number of
+/// choices (then every node is compared anyway), or the draws found no node with room, which
+/// only a comparison of every node can tell apart from a saturated fleet (holding depends on
+/// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
+/// then the full comparison.
+pub fn sample(
+    nodes: &[NodeState],
+    pool: &Pool,
+    ask: &Ask,
+    mean_request_tokens: f64,
+    now_ms: u64,
+    p: &Params,
+    rng: &mut dyn Rng,
+) -> Option<Vec<Ranked>> {
+    let d = p.choices;
+    if d == 0 || pool.len() <= d || p.rule != Rule::TokenThroughput {
+        return None;
+    }
+    let want = d.max(p.keep.min(pool.len()));
+    let fleet = Fleet {
+        assumed_capacity: pool.assumed_capacity(),
+        mean_request_tokens,
+    };
+    let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
+    let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
+    for _ in 0..(4 * want + 8) {
+        if admitted.len() >= want {
+            break;
+        }
+        let Some(i) = pool.draw(rng) else { break };
+        if drawn.contains(&i) {
+            continue;
+        }
+        drawn.push(i);
+        let Some(n) = nodes.get(i) else { continue };
+        if !may_serve(n, ask.model) {
+            continue;
+        }
+        let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+            continue;
+        };
+        let (ranked, over) = evaluate(i, n, r, ask, &fleet, p);
+        if !over {
+            admitted.push(ranked);
+        }
+    }
+    let compared = d.min(admitted.len());
+    let winner = admitted
+        .iter()
+        .take(compared)
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.seconds.total_cmp(&b.seconds))
+        .map(|(at, _)| at)?;
+    admitted.swap(0, winner);
+    if let Some(rest) = admitted.get_mut(1..) {
+        rest.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    }
+    admitted.truncate(p.keep.max(1));
+    Some(admitted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +369,7 @@ mod tests {
         vram_ceiling: 0.9,
         kv_bytes_per_token: 1,
         keep: usize::MAX,
+        choices: 0,
     };
 
     fn w(p: u64, o: u64) -> Weight {

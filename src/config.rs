@@ -80,6 +80,9 @@ pub struct Config {
     /// The ranking rule: `token_throughput` (default), or the seed article's naive
     /// `least_reported_load`, kept only as a benchmark baseline.
     pub policy: Rule,
+    /// How many candidates the choice compares per request: power-of-d choices over nodes
+    /// drawn in proportion to their capacity (2, the default), or 0 for all nodes (argmin).
+    pub choices: usize,
     /// Longest a request waits in the filter while every node is predicted over the VRAM
     /// ceiling, before it is routed anyway. 0 (default) never holds: such a request goes at
     /// once to the node that overflows least.
@@ -126,6 +129,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "max_hosts_in_header",
     "debug_header",
     "policy",
+    "choices",
     "max_hold_ms",
     "max_held_requests",
     "hold_kv_ceiling",
@@ -452,6 +456,14 @@ impl Config {
                 ))
             }
         };
+        let choices = f.uint("choices")?.unwrap_or(2);
+        if choices > 64 {
+            return Err(err(
+                "choices",
+                "must be at most 64 (0 compares every node); more samples than that cost more \
+                 than a full comparison saves",
+            ));
+        }
         let max_hold_ms = f.uint("max_hold_ms")?.unwrap_or(0);
         if max_hold_ms > 600_000 {
             return Err(err(
@@ -498,6 +510,7 @@ impl Config {
             models_poll_ms,
             unknown_model,
             policy,
+            choices: usize::try_from(choices).unwrap_or(0),
             max_hold_ms,
             hold_kv_ceiling,
             unhealthy_after_failures,
@@ -544,6 +557,7 @@ mod tests {
         assert_eq!(c.max_hosts_in_header, 3);
         assert_eq!(c.debug_header, None);
         assert_eq!(c.policy, Rule::TokenThroughput);
+        assert_eq!(c.choices, 2);
         assert_eq!(c.max_hold_ms, 0);
         assert_eq!(c.max_held_requests, 1024);
         assert_eq!(c.hold_kv_ceiling, 1.0);
@@ -569,7 +583,7 @@ mod tests {
                "default_max_tokens":64,"kv_bytes_per_token":1024,"max_hosts_in_header":2,
                "debug_header":"x-token-balancer-debug","policy":"least_reported_load",
                "max_hold_ms":5000,"max_held_requests":10,"models_poll_ms":0,
-               "unknown_model":"reject"}"#,
+               "unknown_model":"reject","choices":0}"#,
         )
         .unwrap();
         assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
@@ -579,6 +593,7 @@ mod tests {
         assert_eq!(c.nodes[1].format, HealthFormat::Auto);
         assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
         assert_eq!(c.policy, Rule::LeastReportedLoad);
+        assert_eq!(c.choices, 0);
         assert_eq!(c.max_hold_ms, 5000);
         assert_eq!(c.max_held_requests, 10);
         assert_eq!(
@@ -635,6 +650,8 @@ mod tests {
             (with(r#""max_hosts_in_header":0"#), "max_hosts_in_header"),
             (with(r#""policy":"random""#), "policy"),
             (with(r#""policy":1"#), "policy"),
+            (with(r#""choices":65"#), "choices"),
+            (with(r#""choices":-1"#), "choices"),
             (with(r#""max_hold_ms":600001"#), "max_hold_ms"),
             (with(r#""max_hold_ms":-5"#), "max_hold_ms"),
             (with(r#""max_held_requests":"many""#), "max_held_requests"),

@@ -15,6 +15,7 @@ pub mod engine;
 pub mod models;
 pub mod node;
 pub mod output;
+pub mod pool;
 pub mod prometheus;
 pub mod rng;
 pub mod telemetry;

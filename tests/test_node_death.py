@@ -53,8 +53,10 @@ def test_a_node_killed_under_load(tmp_path):
     victim_port = free_port()
     victim = MockCluster([("node-c", "gpu=h100")], ports=[victim_port])
     addresses = [n.address for n in survivors.nodes] + [victim[0].address]
+    # Every node compared (choices 0), so that the node made the best is the one chosen: the
+    # test needs requests on the victim when it dies.
     envoy = Envoy(envoy_config(addresses, free_port(), free_port(),
-                               plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}))
+                               plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, "choices": 0}))
     stop = threading.Event()
     results: list[tuple[int, str]] = []
 

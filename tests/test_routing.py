@@ -31,8 +31,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def envoy(cluster):
+    # Every node compared (choices 0): these tests name the node the ranking must pick.
+    # test_two_choices_* run the shipped power-of-two choices.
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
-                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS})
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, "choices": 0})
     e = Envoy(cfg)
     yield e
     e.stop()
@@ -279,3 +281,35 @@ def test_output_lengths_are_learned_from_responses(cluster):
         assert int(learned["output_tokens"]) == 6, learned
     finally:
         e.stop()
+
+
+def test_two_choices_spread_and_keep_the_rules(cluster):
+    """The shipped rule (power-of-two choices): equal idle nodes share the requests, the most
+    loaded of three nodes never wins a draw, and a long prompt still avoids a node whose VRAM
+    it would overflow."""
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS})
+    assert "choices" not in json.loads(
+        cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
+    e = Envoy(cfg)
+    try:
+        for n in cluster.nodes:
+            n.reset_health()
+        polls_seen(cluster)
+        assert set(spread(e, 30, chat("hi", 2))) == {"node-a", "node-b", "node-c"}
+        capacity = cluster[0].health()["tokens_per_sec_capacity"]
+        cluster[0].set_health(tokens_per_sec_load=capacity * 0.99)
+        polls_seen(cluster)
+        got = spread(e, 30, chat("hi", 2))
+        assert got["node-a"] == 0 and got["node-b"] > 0 and got["node-c"] > 0, got
+        total = KV_TOKENS * KV_BYTES_PER_TOKEN
+        cluster[0].set_health(tokens_per_sec_load=0, vram_used_bytes=int(total * 0.85),
+                              vram_total_bytes=total)
+        polls_seen(cluster)
+        got = spread(e, 10, chat("lorem ipsum dolor sit amet " * 450, 16))
+        assert got["node-a"] == 0 and sum(got.values()) == 10, got
+    finally:
+        e.stop()
+        for n in cluster.nodes:
+            n.reset_health()

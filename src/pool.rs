@@ -1,0 +1,240 @@
+//! The candidate pool: which nodes a request may be sent to, and how likely each is to be drawn
+//! for the power-of-d choices (see `choice`).
+//!
+//! Comparing every node on every request is what herds: between two health reports every
+//! Envoy worker and replica ranks the same stale figures the same way and sends its requests to
+//! the same "best" node (Mitzenmacher, "How Useful Is Old Information?", IEEE TPDS 2000, shows
+//! the global minimum on old data is worse than two random choices). Drawing a few candidates
+//! at random and keeping the best of them spreads the requests of independent routers while
+//! still steering away from loaded nodes (Mitzenmacher, "The Power of Two Choices in
+//! Randomized Load Balancing", 2001; tower's `balance::p2c`). GPU fleets are not uniform, so a
+//! node is drawn in proportion to its capacity: an H100 is drawn about three times as often as
+//! an L4 and then compared on its predicted time to serve, as in weighted power-of-two-choices.
+//!
+//! Drawing needs the set of candidates and their cumulative weights, and computing that walks
+//! the fleet: it is done when the set changes (a node's first report, an ejection or
+//! readmission, a model list, the configuration), when a member's report goes stale, and at
+//! least every `REBUILD_MS` so that the weights follow learned capacities, never per request.
+//! Between two rebuilds a drawn node is still checked for freshness, so a stale one is never
+//! chosen; a node that became a candidate since the last rebuild is only missed until the next
+//! one.
+
+use crate::choice::Params;
+use crate::node::NodeState;
+use crate::rng::Rng;
+
+/// Longest the pool's weights go without a rebuild.
+pub const REBUILD_MS: u64 = 1000;
+
+/// Eligible nodes and their cumulative drawing weights.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Pool {
+    members: Vec<usize>,
+    cumulative: Vec<f64>,
+    /// The capacity assumed for nodes that report none (see `choice`), as of the rebuild.
+    assumed_capacity: f64,
+    built_at: Option<u64>,
+    /// The earliest moment a member's report goes stale: the set changes then.
+    valid_until: u64,
+    dirty: bool,
+}
+
+impl Pool {
+    /// The set may have changed: rebuild before the next draw.
+    pub fn invalidate(&mut self) {
+        self.dirty = true;
+    }
+
+    /// Rebuilds the pool if it may be out of date at `now_ms`.
+    pub fn refresh(&mut self, nodes: &[NodeState], now_ms: u64, p: &Params) {
+        let due = match self.built_at {
+            None => true,
+            Some(at) => {
+                self.dirty || now_ms >= self.valid_until || now_ms.saturating_sub(at) >= REBUILD_MS
+            }
+        };
+        if due {
+            self.rebuild(nodes, now_ms, p);
+        }
+    }
+
+    fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, p: &Params) {
+        self.members.clear();
+        self.cumulative.clear();
+        let mut known_capacity: Option<f64> = None;
+        let mut max_load = 0.0_f64;
+        let mut valid_until = u64::MAX;
+        for n in nodes {
+            let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+                continue;
+            };
+            if let Some(c) = n.capacity_override.or(r.capacity_tokens_per_sec) {
+                known_capacity = Some(known_capacity.map_or(c, |m| m.max(c)));
+            }
+            max_load = max_load.max(r.load_tokens_per_sec);
+            if let Some(at) = n.reported_at() {
+                valid_until =
+                    valid_until.min(at.saturating_add(p.stale_after_ms).saturating_add(1));
+            }
+        }
+        self.assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
+        let mut total = 0.0;
+        for (i, n) in nodes.iter().enumerate() {
+            let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+                continue;
+            };
+            let c = n
+                .capacity_override
+                .or(r.capacity_tokens_per_sec)
+                .unwrap_or(self.assumed_capacity);
+            // A node reporting no usable capacity is still drawn, as rarely as a node of a
+            // thousandth of the fleet's largest.
+            let weight = if c.is_finite() && c > 0.0 {
+                c
+            } else {
+                self.assumed_capacity.max(1.0) * 1e-3
+            };
+            total += weight;
+            self.members.push(i);
+            self.cumulative.push(total);
+        }
+        self.built_at = Some(now_ms);
+        self.valid_until = valid_until;
+        self.dirty = false;
+    }
+
+    /// How many nodes are candidates.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The capacity the choice assumes for nodes that report none.
+    pub fn assumed_capacity(&self) -> f64 {
+        self.assumed_capacity
+    }
+
+    /// One member, drawn in proportion to its capacity.
+    pub fn draw(&self, rng: &mut dyn Rng) -> Option<usize> {
+        let total = *self.cumulative.last()?;
+        // 53 random bits make a uniform double in [0, 1).
+        let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+        let at = self.cumulative.partition_point(|&c| c <= u);
+        self.members
+            .get(at)
+            .or_else(|| self.members.last())
+            .copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::choice::Rule;
+    use crate::rng::SplitMix64;
+    use crate::telemetry::Report;
+
+    const P: Params = Params {
+        rule: Rule::TokenThroughput,
+        stale_after_ms: 1000,
+        vram_ceiling: 0.9,
+        kv_bytes_per_token: 1,
+        keep: 3,
+        choices: 2,
+    };
+
+    fn node(capacity: Option<f64>, reported_at: Option<u64>) -> NodeState {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        if let Some(at) = reported_at {
+            n.accept_report(
+                Report {
+                    load_tokens_per_sec: 10.0,
+                    capacity_tokens_per_sec: capacity,
+                    ..Report::default()
+                },
+                at,
+            );
+        }
+        n
+    }
+
+    #[test]
+    fn members_are_the_fresh_nodes_not_ejected() {
+        let mut ejected = node(Some(100.0), Some(0));
+        ejected.note_failure();
+        ejected.note_failure();
+        assert!(ejected.ejected);
+        let nodes = vec![
+            node(Some(100.0), Some(0)),
+            node(Some(100.0), None),
+            ejected,
+            node(Some(100.0), Some(500)),
+        ];
+        let mut pool = Pool::default();
+        pool.refresh(&nodes, 600, &P);
+        assert_eq!(pool.members, vec![0, 3]);
+        // Node 0's report goes stale after 1000 ms: the pool rebuilds without it.
+        pool.refresh(&nodes, 1001, &P);
+        assert_eq!(pool.members, vec![3]);
+        pool.refresh(&nodes, 1501, &P);
+        assert!(pool.is_empty());
+        let mut rng = SplitMix64::new(1);
+        assert_eq!(pool.draw(&mut rng), None);
+    }
+
+    #[test]
+    fn draws_follow_capacity() {
+        let cases: &[(&[Option<f64>], &[f64])] = &[
+            (&[Some(100.0), Some(100.0)], &[0.5, 0.5]),
+            (&[Some(300.0), Some(100.0)], &[0.75, 0.25]),
+            (&[Some(100.0), Some(100.0), Some(200.0)], &[0.25, 0.25, 0.5]),
+            // A node reporting no capacity is assumed to have the largest known one.
+            (&[None, Some(100.0)], &[0.5, 0.5]),
+        ];
+        for (caps, shares) in cases {
+            let nodes: Vec<_> = caps.iter().map(|c| node(*c, Some(0))).collect();
+            let mut pool = Pool::default();
+            pool.refresh(&nodes, 1, &P);
+            let mut rng = SplitMix64::new(7);
+            let mut counts = vec![0u32; nodes.len()];
+            let draws = 40_000;
+            for _ in 0..draws {
+                counts[pool.draw(&mut rng).unwrap()] += 1;
+            }
+            for (i, share) in shares.iter().enumerate() {
+                let got = counts[i] as f64 / draws as f64;
+                assert!(
+                    (got - share).abs() < 0.02,
+                    "{caps:?}: node {i} drawn {got}, want {share}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rebuilds_only_when_due() {
+        let p = Params {
+            stale_after_ms: 10 * REBUILD_MS,
+            ..P
+        };
+        let mut nodes = vec![node(Some(100.0), Some(0))];
+        let mut pool = Pool::default();
+        pool.refresh(&nodes, 10, &p);
+        assert_eq!(pool.members, vec![0]);
+        // A new candidate is not seen until the pool is invalidated or its rebuild is due.
+        nodes.push(node(Some(100.0), Some(20)));
+        pool.refresh(&nodes, 30, &p);
+        assert_eq!(pool.members, vec![0]);
+        pool.invalidate();
+        pool.refresh(&nodes, 30, &p);
+        assert_eq!(pool.members, vec![0, 1]);
+        nodes.push(node(Some(100.0), Some(40)));
+        pool.refresh(&nodes, 40, &p);
+        assert_eq!(pool.members, vec![0, 1]);
+        pool.refresh(&nodes, 30 + REBUILD_MS, &p);
+        assert_eq!(pool.members, vec![0, 1, 2]);
+    }
+}

@@ -40,7 +40,9 @@ POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_b
 # Ablations of token-balancer, run only when named in --policies: the shipped configuration
 # with one setting changed.
 VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
-            "tb_hold_at_ceiling": {"hold_kv_ceiling": 0.9}}
+            "tb_hold_at_ceiling": {"hold_kv_ceiling": 0.9},
+            # Every node compared on every request (argmin), against the shipped two choices.
+            "tb_argmin": {"choices": 0}}
 # Envoy's client_side_weighted_round_robin, weighing nodes by the ORCA load reports the mock
 # sends in its `endpoint-load-metrics` response header (qps / utilization).
 CSWRR = {"policies": [{"typed_extension_config": {

@@ -10,7 +10,7 @@
 //! wasm32-wasip1, in the same instruction set the filter ships in.
 
 use crate::choice::{self, Ask, Decision, Growth, Params};
-use crate::config::Config;
+use crate::config::{Config, NodeConfig};
 use crate::engine::{self, FormatError, Health};
 use crate::models::{self, ListError, ServedModels, Serves};
 use crate::node::{NodeState, Ticket, Transition};
@@ -54,6 +54,14 @@ pub enum Outcome {
 #[derive(Debug, Clone)]
 pub struct Balancer {
     nodes: Vec<NodeState>,
+    /// Each node's settings, index for index with `nodes`: the configured ones first, then the
+    /// members learned from the cluster (`set_members`).
+    configs: Vec<NodeConfig>,
+    /// How many of `configs` come from the configuration's `nodes`.
+    listed: usize,
+    /// The settings of a member the configuration does not list; `None` when the nodes do not
+    /// follow a cluster.
+    defaults: Option<NodeConfig>,
     params: Params,
     max_hosts: usize,
     /// Predicted KV use the least-full node must pass before a request is held.
@@ -64,6 +72,32 @@ pub struct Balancer {
     outputs: OutputModel,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
+    /// Failed and good polls in a row that eject and readmit a node.
+    hysteresis: (u32, u32),
+}
+
+/// Most nodes a balancer follows: a cluster listing more is followed up to this many.
+pub const MAX_NODES: usize = 4096;
+
+/// What a new member list changed (node indices).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemberChange {
+    /// Nodes that joined: new, back, or a slot reused for a new address.
+    pub joined: Vec<usize>,
+    /// Nodes that left the cluster: never chosen or polled until they are members again.
+    pub left: Vec<usize>,
+    /// Members not followed because the balancer already follows `MAX_NODES` nodes.
+    pub over_limit: usize,
+}
+
+fn node_state(n: &NodeConfig, (unhealthy, healthy): (u32, u32)) -> NodeState {
+    let mut state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
+        .with_hysteresis(unhealthy, healthy);
+    state.format = n.format;
+    if let Some(names) = &n.models {
+        state.models = ServedModels::configured(names.clone());
+    }
+    state
 }
 
 impl Balancer {
@@ -73,19 +107,16 @@ impl Balancer {
                 .nodes
                 .iter()
                 .map(|n| {
-                    let mut state =
-                        NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
-                            .with_hysteresis(
-                                cfg.unhealthy_after_failures,
-                                cfg.healthy_after_successes,
-                            );
-                    state.format = n.format;
-                    if let Some(names) = &n.models {
-                        state.models = ServedModels::configured(names.clone());
-                    }
-                    state
+                    node_state(
+                        n,
+                        (cfg.unhealthy_after_failures, cfg.healthy_after_successes),
+                    )
                 })
                 .collect(),
+            configs: cfg.nodes.clone(),
+            listed: cfg.nodes.len(),
+            defaults: cfg.membership.as_ref().map(|m| m.node_defaults.clone()),
+            hysteresis: (cfg.unhealthy_after_failures, cfg.healthy_after_successes),
             params: Params {
                 rule: cfg.policy,
                 stale_after_ms: cfg.stale_after_ms,
@@ -104,6 +135,82 @@ impl Balancer {
 
     pub fn nodes(&self) -> &[NodeState] {
         &self.nodes
+    }
+
+    /// Node `node`'s settings: where to poll it, its format, its configured figures.
+    pub fn node_config(&self, node: usize) -> Option<&NodeConfig> {
+        self.configs.get(node)
+    }
+
+    /// The members of the Envoy cluster are now `addresses` (see `membership`). A member the
+    /// balancer knows keeps its state; a new one takes its settings from `nodes` when listed
+    /// there, else from the defaults, and a slot left by a departed node with nothing in
+    /// flight is reused before the list grows, so churn (pods replaced under new addresses)
+    /// does not grow the state without bound. A node that left keeps its books until its
+    /// requests end, but it is never chosen, and its report is dropped, so that a node coming
+    /// back is trusted only on a new report. Without `membership` configured this does nothing.
+    pub fn set_members(&mut self, addresses: &[String]) -> MemberChange {
+        let mut change = MemberChange::default();
+        let Some(defaults) = self.defaults.clone() else {
+            return change;
+        };
+        let wanted: std::collections::HashSet<&str> =
+            addresses.iter().map(String::as_str).collect();
+        for (i, n) in self.nodes.iter_mut().enumerate() {
+            let member = wanted.contains(n.address.as_str());
+            if n.member && !member {
+                n.member = false;
+                change.left.push(i);
+            } else if !n.member && member {
+                n.member = true;
+                change.joined.push(i);
+            }
+        }
+        let known: std::collections::HashSet<String> =
+            self.nodes.iter().map(|n| n.address.clone()).collect();
+        for address in addresses {
+            if known.contains(address) {
+                continue;
+            }
+            let config = NodeConfig {
+                address: address.clone(),
+                ..defaults.clone()
+            };
+            let mut state = node_state(&config, self.hysteresis);
+            state.member = true;
+            let reusable = (self.listed..self.nodes.len()).find(|&i| {
+                self.nodes
+                    .get(i)
+                    .is_some_and(|n| !n.member && n.inflight_requests == 0)
+            });
+            let slot = match reusable {
+                Some(i) => i,
+                None if self.nodes.len() < MAX_NODES => {
+                    self.nodes.push(state.clone());
+                    self.configs.push(config.clone());
+                    self.nodes.len() - 1
+                }
+                None => {
+                    change.over_limit += 1;
+                    continue;
+                }
+            };
+            if let (Some(n), Some(c)) = (self.nodes.get_mut(slot), self.configs.get_mut(slot)) {
+                *n = state;
+                *c = config;
+            }
+            change.left.retain(|&i| i != slot);
+            change.joined.push(slot);
+        }
+        for &i in &change.left {
+            if let Some(n) = self.nodes.get_mut(i) {
+                n.forget_report();
+            }
+        }
+        if !change.joined.is_empty() || !change.left.is_empty() {
+            self.pool.invalidate();
+        }
+        change
     }
 
     /// A health answer for node `node`: `Some(body)` for an HTTP 200, `None` for a failed or
@@ -949,5 +1056,125 @@ mod tests {
             b.route(W, Some("none"), 10, &mut rng, false),
             Outcome::UnknownModel
         );
+    }
+
+    fn members(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn following(extra: &str) -> Balancer {
+        Balancer::new(
+            &Config::parse(
+                format!(
+                    r#"{{"health_cluster":"h","choices":0,"membership":{{"cluster":"c",
+                       "admin_cluster":"a","node_defaults":{{"kv_cache_tokens":777}}}}{extra}}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap(),
+        )
+    }
+
+    const IDLE: &[u8] = br#"{"tokens_per_sec_load":1,"tokens_per_sec_capacity":1000}"#;
+
+    #[test]
+    fn members_join_and_leave_and_only_members_are_chosen() {
+        let mut b = following(r#","nodes":[{"address":"10.0.0.9:80","kv_cache_tokens":5}]"#);
+        let mut rng = SplitMix64::new(1);
+        // Before any member list, the listed node stands.
+        assert_eq!(b.nodes().len(), 1);
+        let c = b.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]));
+        assert_eq!(
+            c,
+            MemberChange {
+                joined: vec![1, 2],
+                left: vec![0],
+                over_limit: 0
+            }
+        );
+        assert_eq!(b.node_config(1).unwrap().kv_cache_tokens, Some(777));
+        for i in 0..3 {
+            b.on_health(i, Some(IDLE), 0).unwrap();
+        }
+        // The listed node is no member: never chosen, whatever it reports.
+        for _ in 0..20 {
+            let o = b.route(W, None, 10, &mut rng, false);
+            assert!(matches!(routed_to(&o), Some(1 | 2)), "{o:?}");
+            if let Outcome::Routed { ticket, .. } = o {
+                b.release(&ticket, 0);
+            }
+        }
+        // It joins and takes its listed settings; node 2 leaves with a request in flight.
+        let on_2 = loop {
+            if let Outcome::Routed { ticket, .. } = b.route(W, None, 10, &mut rng, false) {
+                if ticket.node == 2 {
+                    break ticket;
+                }
+                b.release(&ticket, 0);
+            }
+        };
+        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80"]));
+        assert_eq!(
+            c,
+            MemberChange {
+                joined: vec![0],
+                left: vec![2],
+                over_limit: 0
+            }
+        );
+        assert_eq!(b.node_config(0).unwrap().kv_cache_tokens, Some(5));
+        b.on_health(0, Some(IDLE), 20).unwrap();
+        for _ in 0..20 {
+            let o = b.route(W, None, 30, &mut rng, false);
+            assert!(matches!(routed_to(&o), Some(0 | 1)), "{o:?}");
+            if let Outcome::Routed { ticket, .. } = o {
+                b.release(&ticket, 0);
+            }
+        }
+        // A new address cannot take node 2's slot while its request is in flight...
+        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.3:80"]));
+        assert_eq!(c.joined, vec![3]);
+        b.release(&on_2, 0);
+        assert_eq!(b.nodes()[2].inflight_requests, 0);
+        // ...and takes it once the request is done: the state does not grow with churn.
+        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.4:80"]));
+        assert_eq!(
+            c,
+            MemberChange {
+                joined: vec![2],
+                left: vec![3],
+                over_limit: 0
+            }
+        );
+        assert_eq!(b.nodes().len(), 4);
+        assert_eq!(b.nodes()[2].address, "10.0.0.4:80");
+        // A node that comes back is trusted only on a new report.
+        let c = b.set_members(&members(&[
+            "10.0.0.9:80",
+            "10.0.0.1:80",
+            "10.0.0.4:80",
+            "10.0.0.3:80",
+        ]));
+        assert_eq!(c.joined, vec![3]);
+        assert_eq!(b.nodes()[3].reported_at(), None);
+        // An empty cluster: nothing to choose, Envoy's fallback routes.
+        b.set_members(&[]);
+        assert_eq!(b.route(W, None, 40, &mut rng, false), Outcome::NoFreshNodes);
+    }
+
+    #[test]
+    fn members_are_followed_only_when_configured_and_up_to_the_limit() {
+        let mut fixed = Balancer::new(&cfg(2, ""));
+        assert_eq!(
+            fixed.set_members(&members(&["10.0.0.1:80"])),
+            MemberChange::default()
+        );
+        assert!(fixed.nodes().iter().all(|n| n.member));
+        let mut b = following("");
+        let many: Vec<String> = (0..MAX_NODES + 5)
+            .map(|i| format!("10.{}.{}.{}:80", i / 65536, (i / 256) % 256, i % 256))
+            .collect();
+        let c = b.set_members(&many);
+        assert_eq!((c.joined.len(), c.over_limit), (MAX_NODES, 5));
     }
 }

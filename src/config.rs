@@ -48,8 +48,11 @@ impl NodeConfig {
 /// are documented in the README's configuration table and asserted by the tests below.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// The GPU nodes this filter balances over. At least one.
+    /// The GPU nodes this filter balances over: at least one, unless `membership` is set; then
+    /// these are the settings of the members at these addresses.
     pub nodes: Vec<NodeConfig>,
+    /// When set, the nodes are the members of this Envoy cluster, followed at runtime.
+    pub membership: Option<Membership>,
     /// Envoy cluster that carries health callouts. It must send each callout to the address in
     /// `health_target_header` (an ORIGINAL_DST cluster with `http_header_name`, see envoy/).
     pub health_cluster: String,
@@ -137,6 +140,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "healthy_after_successes",
     "models_poll_ms",
     "unknown_model",
+    "membership",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -147,6 +151,58 @@ const NODE_FIELDS: &[&str] = &[
     "format",
     "models",
 ];
+
+const MEMBERSHIP_FIELDS: &[&str] = &["cluster", "admin_cluster", "poll_ms", "node_defaults"];
+
+const NODE_DEFAULT_FIELDS: &[&str] = &[
+    "health_path",
+    "capacity_tokens_per_sec",
+    "kv_cache_tokens",
+    "format",
+    "models",
+];
+
+/// Where the set of nodes comes from when it follows an Envoy cluster (`membership`): the
+/// cluster's members as Envoy's admin endpoint lists them (see `membership`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Membership {
+    /// The inference cluster whose members are the nodes (the one the routing header steers).
+    pub cluster: String,
+    /// A cluster whose endpoint is Envoy's own admin listener: the member list is read from
+    /// its `/clusters?format=json`.
+    pub admin_cluster: String,
+    /// How often the member list is read.
+    pub poll_ms: u64,
+    /// Settings of a member that `nodes` does not list (its `address` is the member's).
+    pub node_defaults: NodeConfig,
+}
+
+fn parse_membership(value: &Value, tick_ms: u64) -> Result<Membership, ConfigError> {
+    let f = Fields::new(value, "membership.", MEMBERSHIP_FIELDS)?;
+    let cluster = f.required_string("cluster")?;
+    let admin_cluster = f.required_string("admin_cluster")?;
+    for (key, v) in [("cluster", &cluster), ("admin_cluster", &admin_cluster)] {
+        if v.is_empty() {
+            return Err(err(f.name(key), "must name an Envoy cluster"));
+        }
+    }
+    let poll_ms = f.uint("poll_ms")?.unwrap_or(2000);
+    if poll_ms < tick_ms {
+        return Err(err(
+            f.name("poll_ms"),
+            format!("must be at least tick_ms ({tick_ms}): the list is read on the tick"),
+        ));
+    }
+    let empty = Value::Object(Map::new());
+    let defaults = f.get("node_defaults").unwrap_or(&empty);
+    let d = Fields::new(defaults, "membership.node_defaults.", NODE_DEFAULT_FIELDS)?;
+    Ok(Membership {
+        cluster,
+        admin_cluster,
+        poll_ms,
+        node_defaults: node_settings(&d, String::new())?,
+    })
+}
 
 /// A configuration the plugin refuses to run with: the field and the reason.
 #[derive(Debug, Clone, PartialEq)]
@@ -289,6 +345,12 @@ fn parse_node(value: &Value, i: usize, seen: &[NodeConfig]) -> Result<NodeConfig
             format!("{address:?} is listed twice"),
         ));
     }
+    node_settings(&f, address)
+}
+
+/// A node's settings other than its address: a listed node's, or the defaults of the nodes
+/// learned from the cluster (`membership.node_defaults`, which has no `health_address`).
+fn node_settings(f: &Fields, address: String) -> Result<NodeConfig, ConfigError> {
     let health_path = f
         .string("health_path")?
         .unwrap_or_else(|| "/health".to_string());
@@ -392,10 +454,16 @@ impl Config {
             .map_err(|e| err("configuration", format!("is not valid JSON: {e}")))?;
         let f = Fields::new(&value, "", CONFIG_FIELDS)?;
 
+        let follows_cluster = f.get("membership").is_some();
+        let none = Vec::new();
         let list = match f.get("nodes") {
-            None => return Err(err("nodes", "is required")),
-            Some(Value::Array(list)) if list.is_empty() => {
-                return Err(err("nodes", "must list at least one node"))
+            None if follows_cluster => &none,
+            None => return Err(err("nodes", "is required (or `membership`)")),
+            Some(Value::Array(list)) if list.is_empty() && !follows_cluster => {
+                return Err(err(
+                    "nodes",
+                    "must list at least one node (or set `membership`)",
+                ))
             }
             Some(Value::Array(list)) => list,
             Some(_) => return Err(err("nodes", "must be an array of nodes")),
@@ -496,6 +564,10 @@ impl Config {
                 format!("must be 0 (never) or at least tick_ms ({tick_ms}): lists are asked on the tick"),
             ));
         }
+        let membership = match f.get("membership") {
+            None => None,
+            Some(v) => Some(parse_membership(v, tick_ms)?),
+        };
         let unknown_model = match f.string("unknown_model")?.as_deref() {
             None | Some("fallback") => UnknownModel::Fallback,
             Some("reject") => UnknownModel::Reject,
@@ -507,6 +579,7 @@ impl Config {
             }
         };
         Ok(Config {
+            membership,
             models_poll_ms,
             unknown_model,
             policy,
@@ -542,6 +615,35 @@ mod tests {
     use super::*;
 
     const MIN: &str = r#"{"nodes":[{"address":"127.0.0.1:8001"}],"health_cluster":"health"}"#;
+
+    #[test]
+    fn membership_needs_no_nodes_and_has_defaults() {
+        let c = Config::parse(
+            br#"{"health_cluster":"h","membership":{"cluster":"gpu_nodes","admin_cluster":"admin"}}"#,
+        )
+        .unwrap();
+        assert!(c.nodes.is_empty());
+        let m = c.membership.unwrap();
+        assert_eq!(
+            (m.cluster.as_str(), m.admin_cluster.as_str()),
+            ("gpu_nodes", "admin")
+        );
+        assert_eq!(m.poll_ms, 2000);
+        assert_eq!(m.node_defaults.health_path, "/health");
+        assert_eq!(m.node_defaults.format, HealthFormat::Auto);
+        let c = Config::parse(
+            br#"{"health_cluster":"h","nodes":[],"tick_ms":100,"membership":{"cluster":"c",
+                "admin_cluster":"a","poll_ms":500,"node_defaults":{"health_path":"/metrics",
+                "format":"vllm","kv_cache_tokens":5000,"models":["m"]}}}"#,
+        )
+        .unwrap();
+        let d = c.membership.unwrap().node_defaults;
+        assert_eq!(d.health_path, "/metrics");
+        assert_eq!(d.format, HealthFormat::Vllm);
+        assert_eq!(d.kv_cache_tokens, Some(5000));
+        assert_eq!(d.models.as_deref(), Some(&["m".to_string()][..]));
+        assert!(Config::parse(MIN.as_bytes()).unwrap().membership.is_none());
+    }
 
     #[test]
     fn minimal_config_gets_documented_defaults() {
@@ -652,6 +754,17 @@ mod tests {
             (with(r#""policy":1"#), "policy"),
             (with(r#""choices":65"#), "choices"),
             (with(r#""choices":-1"#), "choices"),
+            (with(r#""membership":{}"#), "membership.cluster"),
+            (with(r#""membership":{"cluster":"c"}"#), "membership.admin_cluster"),
+            (with(r#""membership":{"cluster":"","admin_cluster":"a"}"#), "membership.cluster"),
+            (with(r#""membership":{"cluster":"c","admin_cluster":"a","poll_ms":10}"#), "membership.poll_ms"),
+            (with(r#""membership":{"cluster":"c","admin_cluster":"a","every":1}"#), "membership.every"),
+            (with(r#""membership":{"cluster":"c","admin_cluster":"a","node_defaults":{"health_address":"127.0.0.1:1"}}"#),
+             "membership.node_defaults.health_address"),
+            (with(r#""membership":{"cluster":"c","admin_cluster":"a","node_defaults":{"format":"x"}}"#),
+             "membership.node_defaults.format"),
+            (with(r#""membership":[]"#), "membership"),
+            (r#"{"health_cluster":"h"}"#.into(), "nodes"),
             (with(r#""max_hold_ms":600001"#), "max_hold_ms"),
             (with(r#""max_hold_ms":-5"#), "max_hold_ms"),
             (with(r#""max_held_requests":"many""#), "max_held_requests"),

@@ -16,6 +16,7 @@
 use crate::admission::HoldQueue;
 use crate::balancer::{Balancer, HealthError, Outcome};
 use crate::config::{Config, UnknownModel};
+use crate::membership;
 use crate::models::ListPoll;
 use crate::node::{Ticket, Transition};
 use crate::rng::SplitMix64;
@@ -36,6 +37,9 @@ use std::time::{Duration, UNIX_EPOCH};
 /// histograms, and a data-parallel vLLM repeats every series per engine (8 engines, ~300 KB).
 /// Parsing costs about 4 ms per MiB under V8 (the parser reads ~250 MB/s as Wasm).
 const MAX_HEALTH_BODY: usize = 1024 * 1024;
+/// Largest admin `/clusters` answer read: about 1 KiB per host (with its stats) for every
+/// cluster Envoy has, so 16 MiB is ten thousand hosts.
+const MAX_MEMBERS_BODY: usize = 16 * 1024 * 1024;
 /// Delay before the first poll, so a freshly started Envoy has data within a fraction of a
 /// second instead of a whole tick.
 const FIRST_POLL: Duration = Duration::from_millis(50);
@@ -77,27 +81,51 @@ fn callout(
     path: &str,
     timeout: Duration,
 ) -> Result<u32, proxy_wasm::types::Status> {
-    let headers = vec![
+    get(
+        &config.health_cluster,
+        target,
+        Some((config.health_target_header.as_str(), target)),
+        path,
+        timeout,
+    )
+}
+
+/// A GET through `cluster`, with the header that names its target when the cluster needs one.
+fn get(
+    cluster: &str,
+    authority: &str,
+    target_header: Option<(&str, &str)>,
+    path: &str,
+    timeout: Duration,
+) -> Result<u32, proxy_wasm::types::Status> {
+    let mut headers = vec![
         (":method", "GET"),
         (":path", path),
-        (":authority", target),
+        (":authority", authority),
         (":scheme", "http"),
-        (config.health_target_header.as_str(), target),
         ("user-agent", "token-balancer"),
     ];
-    hostcalls::dispatch_http_call(&config.health_cluster, headers, None, vec![], timeout)
+    headers.extend(target_header);
+    hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout)
 }
 
 /// The answer to the current HTTP callout: its status, and its body when that is a 200 within
 /// the read limit, or why not. A reset callout has no :status; Envoy answers refused (503) and
 /// timed-out (504) callouts itself, so those count as bad statuses.
 fn call_answer(body_size: usize) -> (Option<String>, Option<Vec<u8>>, Option<CallFailure>) {
+    call_answer_within(body_size, MAX_HEALTH_BODY)
+}
+
+fn call_answer_within(
+    body_size: usize,
+    limit: usize,
+) -> (Option<String>, Option<Vec<u8>>, Option<CallFailure>) {
     let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
         .ok()
         .flatten();
     let (body, failure) = match status.as_deref() {
         None => (None, Some(CallFailure::NoAnswer)),
-        Some("200") if body_size > MAX_HEALTH_BODY => (None, Some(CallFailure::TooLarge)),
+        Some("200") if body_size > limit => (None, Some(CallFailure::TooLarge)),
         Some("200") => (
             hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                 .ok()
@@ -139,8 +167,22 @@ struct Metrics {
     models_ok: u32,
     models_failed: u32,
     models_unparsable: u32,
+    members_ok: u32,
+    members_failed: u32,
+    nodes_joined: u32,
+    nodes_left: u32,
+    members_now: u32,
     node_picks: Vec<u32>,
     node_health_failures: Vec<u32>,
+}
+
+/// A per-node counter, named after the node's address.
+fn node_counter(address: &str, what: &str) -> u32 {
+    let safe: String = address
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    counter(&format!("token_balancer.node.{safe}.{what}"))
 }
 
 fn counter(name: &str) -> u32 {
@@ -155,15 +197,24 @@ fn bump(id: u32) {
 }
 
 impl Metrics {
+    /// Node `i` has (a new) `address`: its counters are named after it.
+    fn name_node(&mut self, i: usize, address: &str) {
+        for (list, what) in [
+            (&mut self.node_picks, "picks"),
+            (&mut self.node_health_failures, "health_failures"),
+        ] {
+            if list.len() <= i {
+                list.resize(i + 1, 0);
+            }
+            if let Some(id) = list.get_mut(i) {
+                *id = node_counter(address, what);
+            }
+        }
+    }
+
     fn define(cfg: &Config) -> Metrics {
         let p = "token_balancer";
-        let node = |addr: &str, what: &str| {
-            let safe: String = addr
-                .chars()
-                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                .collect();
-            counter(&format!("{p}.node.{safe}.{what}"))
-        };
+        let node = node_counter;
         Metrics {
             routed: counter(&format!("{p}.routed")),
             routed_over_vram_ceiling: counter(&format!("{p}.routed_over_vram_ceiling")),
@@ -198,6 +249,12 @@ impl Metrics {
             models_ok: counter(&format!("{p}.models.ok")),
             models_failed: counter(&format!("{p}.models.failed")),
             models_unparsable: counter(&format!("{p}.models.unparsable")),
+            members_ok: counter(&format!("{p}.members.ok")),
+            members_failed: counter(&format!("{p}.members.failed")),
+            nodes_joined: counter(&format!("{p}.nodes_joined")),
+            nodes_left: counter(&format!("{p}.nodes_left")),
+            members_now: hostcalls::define_metric(MetricType::Gauge, &format!("{p}.members_now"))
+                .unwrap_or(0),
             node_picks: cfg
                 .nodes
                 .iter()
@@ -407,6 +464,9 @@ struct Root {
     pending_models: HashMap<u32, usize>,
     /// When to ask each node for its model list (see `models::ListPoll`).
     list_polls: Vec<ListPoll>,
+    /// The outstanding admin `/clusters` callout (see `membership`), and when the next is due.
+    pending_members: Option<u32>,
+    members_due_ms: u64,
     first_tick_done: bool,
     /// What this VM last added to the memory gauge.
     memory_reported: u64,
@@ -422,6 +482,11 @@ impl Context for Root {
     ) {
         if let Some(node) = self.pending_models.remove(&token) {
             self.on_models(node, body_size);
+            return;
+        }
+        if self.pending_members == Some(token) {
+            self.pending_members = None;
+            self.on_members(body_size);
             return;
         }
         let Some(node) = self.pending.remove(&token) else {
@@ -478,11 +543,11 @@ impl Root {
         };
         let Some(s) = guard.as_mut() else { return };
         let address = s
-            .config
-            .nodes
+            .balancer
+            .nodes()
             .get(node)
-            .map(|n| n.address.as_str())
-            .unwrap_or("?");
+            .map(|n| n.address.clone())
+            .unwrap_or_default();
         let good = match body {
             None => {
                 bump(s.metrics.models_failed);
@@ -543,11 +608,15 @@ impl Root {
         }
         let now = now_ms();
         let timeout = Duration::from_millis(s.config.health_timeout_ms);
-        for (i, node) in s.config.nodes.iter().enumerate() {
+        for (i, state) in s.balancer.nodes().iter().enumerate() {
+            let Some(node) = s.balancer.node_config(i) else {
+                continue;
+            };
             let Some(p) = self.list_polls.get_mut(i) else {
                 continue;
             };
-            if !s.balancer.learns_models(i)
+            if !state.member
+                || !s.balancer.learns_models(i)
                 || !p.due(now)
                 || self.pending_models.values().any(|&n| n == i)
             {
@@ -568,6 +637,119 @@ impl Root {
         }
     }
 
+    /// Asks Envoy's admin for the members of the inference cluster, when due (see `membership`).
+    fn poll_members(&mut self) {
+        let Ok(guard) = self.state.try_borrow() else {
+            return;
+        };
+        let Some(s) = guard.as_ref() else { return };
+        let Some(m) = &s.config.membership else {
+            return;
+        };
+        let now = now_ms();
+        if self.pending_members.is_some() || now < self.members_due_ms {
+            return;
+        }
+        self.members_due_ms = now.saturating_add(m.poll_ms);
+        let timeout = Duration::from_millis(s.config.health_timeout_ms.max(1000));
+        match get(
+            &m.admin_cluster,
+            "envoy-admin",
+            None,
+            "/clusters?format=json",
+            timeout,
+        ) {
+            Ok(token) => self.pending_members = Some(token),
+            Err(e) => {
+                bump(s.metrics.members_failed);
+                warn!(
+                    "member list call via cluster {:?} could not start: {e:?}",
+                    m.admin_cluster
+                );
+            }
+        }
+    }
+
+    /// The admin `/clusters` answer: a good list becomes the node set; anything else keeps the
+    /// last one (the nodes do not vanish because the admin did not answer once).
+    fn on_members(&mut self, body_size: usize) {
+        let (status, body, failure) = call_answer_within(body_size, MAX_MEMBERS_BODY);
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let Some(s) = guard.as_mut() else { return };
+        let Some(m) = s.config.membership.clone() else {
+            return;
+        };
+        let Some(body) = body else {
+            bump(s.metrics.members_failed);
+            warn!(
+                "member list of cluster {:?} not read: {}",
+                m.cluster,
+                match failure {
+                    Some(CallFailure::TooLarge) => format!("over {MAX_MEMBERS_BODY} bytes"),
+                    Some(CallFailure::BadStatus) =>
+                        format!("status {}", status.unwrap_or_default()),
+                    _ => "no answer".to_string(),
+                }
+            );
+            return;
+        };
+        let members = match membership::parse_members(&body, &m.cluster) {
+            Ok(members) => members,
+            Err(e) => {
+                bump(s.metrics.members_failed);
+                warn!("member list of cluster {:?} not used: {e}", m.cluster);
+                return;
+            }
+        };
+        bump(s.metrics.members_ok);
+        let change = s.balancer.set_members(&members.addresses);
+        for &i in &change.left {
+            bump(s.metrics.nodes_left);
+            let address = s.balancer.nodes().get(i).map(|n| n.address.as_str());
+            info!(
+                "node {} left cluster {:?}: no longer chosen",
+                address.unwrap_or("?"),
+                m.cluster
+            );
+        }
+        let tick_ms = s.config.tick_ms;
+        for &i in &change.joined {
+            bump(s.metrics.nodes_joined);
+            let address = s
+                .balancer
+                .nodes()
+                .get(i)
+                .map(|n| n.address.clone())
+                .unwrap_or_default();
+            s.metrics.name_node(i, &address);
+            if self.list_polls.len() <= i {
+                self.list_polls
+                    .resize(i + 1, ListPoll::new(tick_ms, s.config.models_poll_ms));
+            } else if let Some(p) = self.list_polls.get_mut(i) {
+                *p = ListPoll::new(tick_ms, s.config.models_poll_ms);
+            }
+            info!("node {address} joined cluster {:?}", m.cluster);
+        }
+        if change.over_limit > 0 {
+            warn!(
+                "cluster {:?} has more members than the {} followed: {} not followed",
+                m.cluster,
+                crate::balancer::MAX_NODES,
+                change.over_limit
+            );
+        }
+        if members.unaddressable > 0 {
+            debug!(
+                "cluster {:?}: {} members without an ip:port address, not followed",
+                m.cluster, members.unaddressable
+            );
+        }
+        // Each VM sets the gauge to what it follows; they agree but for a poll's lag.
+        let _ = hostcalls::record_metric(s.metrics.members_now, members.addresses.len() as u64);
+    }
+
     /// Sends one health callout to every node that has none outstanding.
     fn poll(&mut self) {
         let Ok(guard) = self.state.try_borrow() else {
@@ -579,10 +761,13 @@ impl Root {
             let _ = hostcalls::set_tick_period(Duration::from_millis(s.config.tick_ms));
         }
         let timeout = Duration::from_millis(s.config.health_timeout_ms);
-        for (i, node) in s.config.nodes.iter().enumerate() {
+        for (i, state) in s.balancer.nodes().iter().enumerate() {
+            let Some(node) = s.balancer.node_config(i) else {
+                continue;
+            };
             // A node whose last poll is still outstanding is not polled again: slow nodes must
-            // not pile up callouts.
-            if self.pending.values().any(|&n| n == i) {
+            // not pile up callouts. A node out of the cluster is not polled at all.
+            if !state.member || self.pending.values().any(|&n| n == i) {
                 continue;
             }
             let target = node.health_target();
@@ -610,11 +795,11 @@ impl Root {
         status: Option<&str>,
     ) {
         let address = s
-            .config
-            .nodes
+            .balancer
+            .nodes()
             .get(node)
-            .map(|n| n.address.as_str())
-            .unwrap_or("?");
+            .map(|n| n.address.clone())
+            .unwrap_or_default();
         match result {
             Ok(_) => bump(s.metrics.health_ok),
             Err(e) => {
@@ -724,12 +909,15 @@ impl RootContext for Root {
         }
         self.pending.clear();
         self.pending_models.clear();
+        self.pending_members = None;
+        self.members_due_ms = 0;
         self.first_tick_done = false;
         let _ = hostcalls::set_tick_period(FIRST_POLL);
         true
     }
 
     fn on_tick(&mut self) {
+        self.poll_members();
         self.poll();
         self.report_memory();
         self.poll_models();

@@ -12,6 +12,7 @@ pub mod balancer;
 pub mod choice;
 pub mod config;
 pub mod engine;
+pub mod membership;
 pub mod models;
 pub mod node;
 pub mod output;

@@ -79,6 +79,9 @@ pub struct NodeState {
     healthy_after: u32,
     /// The last change of health not yet taken by the glue (for its stats and log).
     transition: Option<Transition>,
+    /// A member of the Envoy cluster (see `membership`): a node that is not is never chosen,
+    /// since override_host would ignore it.
+    pub member: bool,
 }
 
 /// A change of a node's health, for the stats and the log.
@@ -115,6 +118,7 @@ impl NodeState {
             unhealthy_after: 2,
             healthy_after: 2,
             transition: None,
+            member: true,
         }
     }
 
@@ -162,15 +166,27 @@ impl NodeState {
         self.transition.take()
     }
 
-    /// The last report, if it is younger than `stale_after_ms` and the node is not ejected.
+    /// The last report, if it is younger than `stale_after_ms` and the node is neither ejected
+    /// nor out of the cluster.
     pub fn fresh_report(&self, now_ms: u64, stale_after_ms: u64) -> Option<&Report> {
-        if self.ejected {
+        if self.ejected || !self.member {
             return None;
         }
         match &self.report {
             Some((r, at)) if now_ms.saturating_sub(*at) <= stale_after_ms => Some(r),
             _ => None,
         }
+    }
+
+    /// Drops the last report and the counter baseline: the node has left the cluster, and
+    /// if it comes back (perhaps restarted) only a new report is to be trusted.
+    pub fn forget_report(&mut self) {
+        self.report = None;
+        self.tracker = Tracker::default();
+        self.epoch += 1;
+        self.unreflected_tokens = 0;
+        self.unreflected_requests = 0;
+        self.unreflected_prompt_tokens = 0;
     }
 
     /// When the last good report arrived.

@@ -8,7 +8,9 @@
 //! from every node (load, capacity, KV use, queue), then the balancer routes requests and
 //! releases them, as the filter does per request; the time per `route` + `release` pair is the
 //! median of several batches. Prints one line per fleet size, for the default power-of-two
-//! choices (`choices: 2`) and for the comparison of every node (`choices: 0`).
+//! choices (`choices: 2`) and for the comparison of every node (`choices: 0`), and for fleets
+//! where only one node in 10 or in 100 has VRAM room (draws then often find none, and the
+//! decision falls back to comparing every node).
 
 use std::time::Instant;
 use token_balancer::balancer::{Balancer, Outcome};
@@ -16,7 +18,9 @@ use token_balancer::config::Config;
 use token_balancer::rng::SplitMix64;
 use token_balancer::weight::Weight;
 
-fn fleet(n: usize, choices: usize) -> Balancer {
+/// `n` nodes with fresh reports; every `full_every`-th has room under the VRAM ceiling and the
+/// others would overflow (1: all have room).
+fn fleet(n: usize, choices: usize, full_every: usize) -> Balancer {
     let nodes: Vec<String> = (0..n)
         .map(|i| {
             format!(
@@ -41,7 +45,11 @@ fn fleet(n: usize, choices: usize) -> Balancer {
             r#"{{"tokens_per_sec_load":{},"tokens_per_sec_capacity":{},"kv_cache_usage":{},"queue_depth":{}}}"#,
             (i * 37) % 5000,
             5000 + (i % 3) * 5000,
-            ((i * 13) % 80) as f64 / 100.0,
+            if i % full_every == 0 {
+                ((i * 13) % 80) as f64 / 100.0
+            } else {
+                0.99
+            },
             i % 5
         );
         let _ = b.on_health(i, Some(body.as_bytes()), 0);
@@ -51,9 +59,19 @@ fn fleet(n: usize, choices: usize) -> Balancer {
 
 fn main() {
     let mut rng = SplitMix64::new(7);
-    println!("choices  nodes  route+release, median us (min us)");
-    for (choices, n) in [(2, 10), (2, 100), (2, 1000), (0, 10), (0, 100), (0, 1000)] {
-        let mut b = fleet(n, choices);
+    println!("choices  nodes  with room  route+release, median us (min us)");
+    let runs = [
+        (2, 10, 1),
+        (2, 100, 1),
+        (2, 1000, 1),
+        (2, 1000, 10),
+        (2, 1000, 100),
+        (0, 10, 1),
+        (0, 100, 1),
+        (0, 1000, 1),
+    ];
+    for (choices, n, full_every) in runs {
+        let mut b = fleet(n, choices, full_every);
         let per_batch = (20_000 / n).max(20);
         let mut batches = Vec::new();
         for batch in 0..15 {
@@ -72,6 +90,7 @@ fn main() {
         batches.sort_by(f64::total_cmp);
         let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
         let min = batches.first().copied().unwrap_or(f64::NAN);
-        println!("{choices:7}  {n:5}  {median:8.2} ({min:.2})");
+        let room = format!("1/{full_every}");
+        println!("{choices:7}  {n:5}  {room:>9}  {median:8.2} ({min:.2})");
     }
 }

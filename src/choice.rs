@@ -95,6 +95,40 @@ fn best<T>(v: &mut Vec<T>, keep: usize, cmp: impl Fn(&T, &T) -> std::cmp::Orderi
     v.sort_by(cmp);
 }
 
+/// The `k` smallest items pushed, in order, by a strict ordering: the worst kept is compared
+/// first, so an item that does not make the cut costs one comparison.
+struct TopK<T, F: Fn(&T, &T) -> std::cmp::Ordering> {
+    k: usize,
+    items: Vec<T>,
+    cmp: F,
+}
+
+impl<T, F: Fn(&T, &T) -> std::cmp::Ordering> TopK<T, F> {
+    fn new(k: usize, cmp: F) -> Self {
+        let k = k.max(1);
+        TopK {
+            k,
+            items: Vec::with_capacity(k.min(64)),
+            cmp,
+        }
+    }
+
+    fn push(&mut self, x: T) {
+        if self.items.len() >= self.k {
+            match self.items.last() {
+                Some(worst) if (self.cmp)(&x, worst) == std::cmp::Ordering::Less => {
+                    self.items.pop();
+                }
+                _ => return,
+            }
+        }
+        let at = self
+            .items
+            .partition_point(|y| (self.cmp)(y, &x) != std::cmp::Ordering::Greater);
+        self.items.insert(at, x);
+    }
+}
+
 /// Share of capacity assumed free on a saturated node.
 const MIN_SPARE_SHARE: f64 = 0.05;
 
@@ -220,12 +254,13 @@ pub fn decide(
     rng: &mut dyn Rng,
 ) -> Decision {
     // The fleet's fresh nodes set the assumed capacity; only the candidates among them are
-    // ranked. One pass over the nodes for both: this runs on every request, and with a
-    // thousand nodes each pass over their state is a pass through memory.
-    let mut fresh: Vec<(usize, &NodeState, &Report)> = Vec::with_capacity(nodes.len());
+    // ranked. Two passes, neither of which allocates: this runs on every request the draws
+    // cannot place, and a list of a thousand nodes built per request costs more than a
+    // second walk.
     let mut known_capacity: Option<f64> = None;
     let mut max_load = 0.0_f64;
-    for (i, n) in nodes.iter().enumerate() {
+    let mut any = false;
+    for n in nodes {
         let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
             continue;
         };
@@ -233,21 +268,22 @@ pub fn decide(
             known_capacity = Some(known_capacity.map_or(c, |m| m.max(c)));
         }
         max_load = max_load.max(r.load_tokens_per_sec);
-        if may_serve(n, ask.model) {
-            fresh.push((i, n, r));
-        }
+        any |= may_serve(n, ask.model);
     }
-    if fresh.is_empty() {
+    if !any {
         return Decision::NoFreshNodes;
     }
     let assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
+    let fresh = nodes.iter().enumerate().filter_map(|(i, n)| {
+        let r = n.fresh_report(now_ms, p.stale_after_ms)?;
+        may_serve(n, ask.model).then_some((i, n, r))
+    });
 
     if p.rule == Rule::LeastReportedLoad {
         let mut ranked: Vec<(Ranked, u64)> = fresh
-            .iter()
             .map(|(i, _, r)| {
                 let ranked = Ranked {
-                    node: *i,
+                    node: i,
                     seconds: r.load_tokens_per_sec,
                     kv_fraction: None,
                 };
@@ -264,8 +300,23 @@ pub fn decide(
         assumed_capacity,
         mean_request_tokens,
     };
-    let mut admitted = Vec::with_capacity(fresh.len());
-    let mut over = Vec::new();
+    // Only the `keep` best of each kind are kept, as they come: no list of the whole fleet.
+    let mut admitted = TopK::new(
+        p.keep,
+        |(a, ka): &(Ranked, u64), (b, kb): &(Ranked, u64)| {
+            a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb))
+        },
+    );
+    let mut over = TopK::new(
+        p.keep,
+        |(a, ka): &(Ranked, u64), (b, kb): &(Ranked, u64)| {
+            a.kv_fraction
+                .unwrap_or(0.0)
+                .total_cmp(&b.kv_fraction.unwrap_or(0.0))
+                .then(a.seconds.total_cmp(&b.seconds))
+                .then(ka.cmp(kb))
+        },
+    );
     for (i, n, r) in fresh {
         let (ranked, is_over) = evaluate(i, n, r, ask, &fleet, p);
         // The random key breaks exact ties only; it is drawn for every node so that the
@@ -277,20 +328,10 @@ pub fn decide(
             admitted.push((ranked, key));
         }
     }
-    if admitted.is_empty() {
-        best(&mut over, p.keep, |(a, ka), (b, kb)| {
-            a.kv_fraction
-                .unwrap_or(0.0)
-                .total_cmp(&b.kv_fraction.unwrap_or(0.0))
-                .then(a.seconds.total_cmp(&b.seconds))
-                .then(ka.cmp(kb))
-        });
-        return Decision::AllOverCeiling(over.into_iter().map(|(r, _)| r).collect());
+    if admitted.items.is_empty() {
+        return Decision::AllOverCeiling(over.items.into_iter().map(|(r, _)| r).collect());
     }
-    best(&mut admitted, p.keep, |(a, ka), (b, kb)| {
-        a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb))
-    });
-    Decision::Route(admitted.into_iter().map(|(r, _)| r).collect())
+    Decision::Route(admitted.items.into_iter().map(|(r, _)| r).collect())
 }
 
 /// Power-of-d choices (see `pool`): draws candidates in proportion to their capacity and

@@ -320,9 +320,11 @@ impl Balancer {
     /// the pooled margin of `RESERVE_SIGMAS` fleet-wide standard deviations per square root of
     /// the requests in flight (see `choice`); the cap and no margin until outputs are learned.
     pub fn growth(&self, weight: Weight) -> Growth {
+        let fleet = self.outputs.fleet();
         Growth {
             own: self.expected(weight).output_tokens,
-            margin_per_sqrt: self.outputs.fleet().map_or(0.0, |e| RESERVE_SIGMAS * e.sd),
+            margin_per_sqrt: fleet.map_or(0.0, |e| RESERVE_SIGMAS * e.sd),
+            per_running: fleet.map_or(0.0, |e| e.mean / 2.0),
         }
     }
 

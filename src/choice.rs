@@ -28,7 +28,9 @@
 //! and output. Output is booked at the learned mean, and the uncertainty is reserved once per
 //! node for everything in flight there: z standard deviations of one output times the square
 //! root of the number in flight (the standard deviation of a sum of independent lengths), not
-//! z deviations per request. Reserving each request at its own 90th percentile assumes they
+//! z deviations per request. The growth still to come is this router's books, or, when larger,
+//! the node's reported running sequences times half a mean output: behind several Envoy
+//! replicas each router's books hold only its own share of what runs there. Reserving each request at its own 90th percentile assumes they
 //! all run long at once; with 60 sequences on a node that books several times the growth that
 //! happens, keeps the cache a third empty and, with holding, makes requests wait for room that
 //! is there. Before enough outputs are learned, each request books its cap instead.
@@ -178,6 +180,9 @@ pub struct Growth {
     /// Margin per square root of the number of requests in flight on the node (z times the
     /// standard deviation of one output length); 0 when nothing is learned yet.
     pub margin_per_sqrt: f64,
+    /// Output still to come of one sequence the node reports running (half a mean output):
+    /// the growth of the requests other routers sent, which this one has no books for.
+    pub per_running: f64,
 }
 
 /// The request being placed: its cost, the KV growth to reserve for it, and its model.
@@ -229,9 +234,14 @@ pub fn evaluate(
     // KV still to come: prompts sent since the report, the output reserved for everything
     // in flight, and this request's own prompt and reserved output.
     let margin = growth.margin_per_sqrt * ((n.inflight_requests + 1) as f64).sqrt();
+    // This router's books cover only what it sent; with other routers (Envoy replicas) in
+    // front of the same node, the node's own count of running sequences says more. The larger
+    // of the two stands.
+    let reported_growth = r.running_requests.unwrap_or(0.0) * growth.per_running;
+    let still_to_come = (n.growth_tokens as f64).max(reported_growth) as u64;
     let kv_extra = n
         .unreflected_prompt_tokens
-        .saturating_add(n.growth_tokens)
+        .saturating_add(still_to_come)
         .saturating_add(weight.prompt_tokens)
         .saturating_add(growth.own)
         .saturating_add(margin.ceil() as u64);
@@ -446,6 +456,7 @@ mod tests {
     const NO_MARGIN: Growth = Growth {
         own: 1,
         margin_per_sqrt: 0.0,
+        per_running: 0.0,
     };
 
     /// A request of `weight` for `model`, reserving its whole output, no margin.
@@ -455,6 +466,7 @@ mod tests {
             growth: Growth {
                 own: weight.output_tokens,
                 margin_per_sqrt: 0.0,
+                per_running: 0.0,
             },
             model,
         }
@@ -658,6 +670,7 @@ mod tests {
                     growth: Growth {
                         own: 100,
                         margin_per_sqrt,
+                        per_running: 0.0,
                     },
                     model: None,
                 },
@@ -864,5 +877,37 @@ mod tests {
             )),
             vec![1, 2]
         );
+    }
+
+    /// Sequences another router sent grow too: a node reporting 40 running sequences and 60%
+    /// KV use has no room for a request once their output still to come (half a mean output
+    /// of 200 each) is counted, although this router's own books for it are empty.
+    #[test]
+    fn reported_running_sequences_count_as_growth() {
+        let r = Report {
+            load_tokens_per_sec: 0.0,
+            capacity_tokens_per_sec: Some(1000.0),
+            vram_used_bytes: Some(6000.0),
+            vram_total_bytes: Some(10_000.0),
+            running_requests: Some(40.0),
+            ..Report::default()
+        };
+        let nodes = [node(Some(r))];
+        let place = |per_running: f64| {
+            let ask = Ask {
+                weight: w(100, 100),
+                growth: Growth {
+                    own: 100,
+                    margin_per_sqrt: 0.0,
+                    per_running,
+                },
+                model: None,
+            };
+            decide(&nodes, &ask, 100.0, 2000, &P, &mut SplitMix64::new(1))
+        };
+        // Without: 6000 + 200 of 10000 is under the 0.9 ceiling.
+        assert!(matches!(place(0.0), Decision::Route(_)));
+        // With: 6000 + 40 * 100 + 200 is over it.
+        assert!(matches!(place(100.0), Decision::AllOverCeiling(_)));
     }
 }

@@ -6,7 +6,7 @@
 //!   spare    S = max(C - L, 5% of C)                tokens/s the node has free
 //!   backlog  B = queue_depth * mean_request_tokens  work waiting at the node (reported)
 //!              + unreflected_tokens                 work this filter sent since that report
-//!              + output still to come               of the sequences running there
+//!              + running * mean_output / 2          output still to come where it runs
 //!   time     T = (B + w) / S                        w = prompt + output tokens of the request
 //! ```
 //!
@@ -17,9 +17,9 @@
 //! queue is long loses even when its throughput looks fine (throughput saturates, the queue
 //! does not), and the unreflected term moves a node down the ranking with every request sent to
 //! it before the next report, so a burst spreads instead of herding. The output still to come
-//! of the running sequences counts as work ahead too: an engine spends each iteration's token
-//! budget on its decoders before any prefill, so a node busy decoding starts a new prompt
-//! late (in the simulator, leaving it out tripled the p99 TTFT behind 16 replicas). The 5% floor keeps a
+//! of the sequences the node reports running counts as work ahead too: an engine spends each
+//! iteration's token budget on its decoders before any prefill, so a node busy decoding starts
+//! a new prompt late (in the simulator, leaving it out tripled the p99 TTFT behind 16 replicas). The 5% floor keeps a
 //! saturated node finite, ranked among saturated peers by its backlog. T is an ordering key, not
 //! a latency forecast: only the order matters, which is why the rule stays robust to telemetry
 //! that is off by a constant factor (the same spirit as tower's `Load` that only needs `Ord`).
@@ -232,16 +232,18 @@ pub fn evaluate(
         .or(r.capacity_tokens_per_sec)
         .unwrap_or(fleet.assumed_capacity);
     let spare = (c - r.load_tokens_per_sec).max(MIN_SPARE_SHARE * c);
-    // Output the running sequences still have to generate: this router's books, or, when
-    // larger, the node's reported running sequences times half a mean output. Behind several
-    // Envoy replicas each router's books hold only its own share of what runs there. It is
-    // work ahead of the request (decode tokens take an iteration's budget before any prefill,
-    // so a node busy decoding starts a new prompt late), and KV the cache must still hold.
+    // Output the running sequences still have to generate, estimated from the node's reported
+    // running count (half a mean output each): the same figure behind any number of Envoy
+    // replicas, where each router's books hold only its own share. It is work ahead of the
+    // request: decode tokens take an iteration's budget before any prefill, so a node busy
+    // decoding many sequences starts a new prompt late. (This router's books are not used
+    // here: one long stream of its own is one token an iteration, not work ahead.) For the
+    // KV the cache must still hold, the larger of books and estimate stands.
     let reported_growth = r.running_requests.unwrap_or(0.0) * growth.per_running;
     let still_to_come = (n.growth_tokens as f64).max(reported_growth);
     let backlog = r.queue_depth.unwrap_or(0.0) * fleet.mean_request_tokens
         + n.unreflected_tokens as f64
-        + still_to_come;
+        + reported_growth;
     let seconds = (backlog + weight.total() as f64) / spare;
     // KV still to come: prompts sent since the report, the output reserved for everything
     // in flight, and this request's own prompt and reserved output.

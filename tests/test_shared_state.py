@@ -158,3 +158,25 @@ def test_every_worker_sees_the_others_dispatches(cluster):
     seen, spread = inflight_seen(cluster[0], "vm", n)
     assert len(spread) >= 2, spread
     assert max(seen) < n - 1, (seen, spread)
+
+
+def test_without_the_poller_service_requests_fall_back(cluster):
+    """A filter in singleton mode whose poller service is missing (not configured, or its VM
+    crashed: the heartbeat then goes stale) has no fleet: every request goes to Envoy's own
+    balancer, counted, and the loss is logged once, not per request."""
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": 2000}, poller="singleton")
+    cfg.pop("bootstrap_extensions")
+    envoy = Envoy(cfg, concurrency=WORKERS)
+    try:
+        start = sum(health_total(n) for n in cluster.nodes)
+        for _ in range(20):
+            r = envoy.post("/v1/chat/completions", chat("hi", 2))
+            assert r.status == 200
+            assert r.headers["x-token-balancer"] == "fallback=no_fleet"
+        assert envoy.counter("token_balancer.fallback.no_fleet") == 20
+        assert sum(health_total(n) for n in cluster.nodes) == start, "filter VMs never poll"
+        lines = [l for l in envoy.log_text().splitlines() if "no fleet snapshot" in l]
+        assert 1 <= len(lines) <= WORKERS + 1, lines
+    finally:
+        envoy.stop()

@@ -2,7 +2,11 @@
 //!
 //! Root context (one per VM, i.e. per Envoy worker): reads the plugin configuration, polls every
 //! node's health endpoint on the tick timer with HTTP callouts (and, less often, its
-//! `/v1/models`), and owns the `Balancer`.
+//! `/v1/models`), and owns the `Balancer`. With `poller: singleton` a root plays one of two other
+//! roles (`Role`, told by its `plugin_root_id`): the poller service (a bootstrap extension, main
+//! thread) polls and publishes the fleet in shared data; a filter VM polls nothing, reads the
+//! fleet, and writes its dispatches, progress and releases into the shared books (see
+//! `shared`; the glue only moves their bytes through `HostStore`).
 //! HTTP context (one per request): strips any client-supplied routing header, pauses the
 //! headers, reads the body up to the limit, asks the balancer, writes the routing header and
 //! lets the request go (or, for a model no node serves and `unknown_model: reject`, answers

@@ -157,14 +157,17 @@ class MockCluster:
 
 
 def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int, plugin: dict | None = None,
-                 health_addresses: dict[str, str] | None = None, poller: str = "vm") -> dict:
+                 health_addresses: dict[str, str] | None = None, poller: str | None = None) -> dict:
     """The shipped envoy/envoy.yaml with this run's ports, nodes and plugin settings.
 
     Starting from the shipped file (not a copy kept for tests) means the tests run the same
     listener, clusters, retry policy and filter settings a user runs. `poller` "singleton" keeps
     the shipped poller service (bootstrap_extensions; it shares the filter's vm_config and
     configuration objects through the YAML anchors, so every change below reaches both);
-    "vm" (the default of the tests written before it) drops it and lets every VM poll."""
+    "vm" drops it and lets every VM poll. Unset, it is $TB_POLLER, else "vm" (the mode of the
+    tests written before the service), so `TB_POLLER=singleton pytest ...` runs a test file in
+    the other mode."""
+    poller = poller or os.environ.get("TB_POLLER") or "vm"
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
     if poller == "vm":
         cfg.pop("bootstrap_extensions", None)

@@ -17,6 +17,7 @@ use crate::node::{NodeState, Ticket, Transition};
 use crate::output::OutputModel;
 use crate::pool::Pool;
 use crate::rng::Rng;
+use crate::shared::{Books, NodeView, Snapshot};
 use crate::telemetry::Report;
 use crate::weight::Weight;
 
@@ -424,6 +425,103 @@ impl Balancer {
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
         if let Some(state) = self.nodes.get_mut(ticket.node) {
             state.release(ticket, received);
+        }
+    }
+}
+
+/// What a fleet snapshot changed (`Balancer::import_fleet`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Imported {
+    /// Nodes whose report is new.
+    pub new_reports: usize,
+    /// Nodes of this balancer the snapshot does not have (the poller's configuration lists
+    /// other nodes): they have no report, so they are not chosen.
+    pub missing: usize,
+}
+
+/// Sharing the fleet between the VMs of one Envoy (see `shared`): the poller's balancer exports
+/// what its health answers taught it; a filter VM's balancer takes that in place of polling,
+/// and takes each node's books from the shared ones before deciding.
+impl Balancer {
+    /// Every node as this balancer sees it, for the snapshot. `epoch_base` is added to each
+    /// node's report epoch: the poller's start time in ms, so that the epochs of a restarted
+    /// poller are newer than any before (a node takes at most one report a tick, >= 10 ms).
+    pub fn fleet_view(&self, epoch_base: u64) -> Vec<NodeView> {
+        self.nodes
+            .iter()
+            .map(|n| NodeView {
+                address: n.address.clone(),
+                report: n.report_taken(),
+                epoch: epoch_base.saturating_add(n.epoch()),
+                ejected: n.ejected,
+                member: n.member,
+                listed_models: n.models.listed().map(<[String]>::to_vec),
+                seen_models: n.models.seen().to_vec(),
+            })
+            .collect()
+    }
+
+    /// Takes every node's report, epoch, health and models from `snapshot`, matched by
+    /// address. A configured model set stays (it is this balancer's configuration). The books
+    /// are not touched (see `set_books`).
+    pub fn import_fleet(&mut self, snapshot: &Snapshot) -> Imported {
+        let by_address: std::collections::HashMap<&str, &NodeView> = snapshot
+            .nodes
+            .iter()
+            .map(|v| (v.address.as_str(), v))
+            .collect();
+        let mut imported = Imported::default();
+        for n in &mut self.nodes {
+            let Some(v) = by_address.get(n.address.as_str()) else {
+                imported.missing += 1;
+                let epoch = n.epoch();
+                n.adopt_report(None, epoch);
+                continue;
+            };
+            if v.report.is_some() && (v.epoch != n.epoch() || n.report_taken() != v.report) {
+                imported.new_reports += 1;
+            }
+            n.adopt_report(v.report, v.epoch.max(n.epoch()));
+            n.ejected = v.ejected;
+            n.member = v.member;
+            if !n.models.is_configured() {
+                let mut models = ServedModels::default();
+                if let Some(list) = &v.listed_models {
+                    models.set_list(list.clone());
+                }
+                models.observe_metrics(&v.seen_models);
+                n.models = models;
+            }
+        }
+        self.pool.invalidate();
+        imported
+    }
+
+    /// Node `node`'s books as this balancer holds them.
+    pub fn books(&self, node: usize) -> Option<Books> {
+        self.nodes.get(node).map(|n| Books {
+            epoch: n.epoch(),
+            inflight_requests: n.inflight_requests,
+            inflight_tokens: n.inflight_tokens,
+            unreflected_tokens: n.unreflected_tokens,
+            unreflected_requests: n.unreflected_requests,
+            unreflected_prompt_tokens: n.unreflected_prompt_tokens,
+            growth_tokens: n.growth_tokens,
+        })
+    }
+
+    /// Replaces node `node`'s books (the shared ones, under the epoch rule): the next
+    /// decision and dispatch start from them, and a ticket takes their epoch.
+    pub fn set_books(&mut self, node: usize, b: &Books) {
+        if let Some(n) = self.nodes.get_mut(node) {
+            n.inflight_requests = b.inflight_requests;
+            n.inflight_tokens = b.inflight_tokens;
+            n.unreflected_tokens = b.unreflected_tokens;
+            n.unreflected_requests = b.unreflected_requests;
+            n.unreflected_prompt_tokens = b.unreflected_prompt_tokens;
+            n.growth_tokens = b.growth_tokens;
+            let report = n.report_taken();
+            n.adopt_report(report, b.epoch.max(n.epoch()));
         }
     }
 }
@@ -1178,5 +1276,102 @@ mod tests {
             .collect();
         let c = b.set_members(&many);
         assert_eq!((c.joined.len(), c.over_limit), (MAX_NODES, 5));
+    }
+}
+
+#[cfg(test)]
+mod shared_tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn cfg(ports: &[u16]) -> Config {
+        let nodes: Vec<String> = ports
+            .iter()
+            .map(|p| format!(r#"{{"address":"127.0.0.1:{p}"}}"#))
+            .collect();
+        Config::parse(
+            format!(
+                r#"{{"nodes":[{}],"health_cluster":"h","choices":0}}"#,
+                nodes.join(",")
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    const W: Weight = Weight {
+        prompt_tokens: 100,
+        output_tokens: 100,
+    };
+
+    fn routed(o: &Outcome) -> Option<Ticket> {
+        match o {
+            Outcome::Routed { ticket, .. } => Some(*ticket),
+            _ => None,
+        }
+    }
+
+    /// The poller's view goes through the snapshot's bytes into a balancer that never polls,
+    /// which then decides as the poller would; the shared books then steer it.
+    #[test]
+    fn a_reader_decides_from_the_poller_snapshot_and_the_shared_books() {
+        let mut poller = Balancer::new(&cfg(&[8001, 8002, 8003]));
+        for (i, load) in [300, 100, 200].iter().enumerate() {
+            let body =
+                format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
+            poller.on_health(i, Some(body.as_bytes()), 0).unwrap();
+        }
+        poller.on_models(2, br#"{"data":[{"id":"m2"}]}"#).unwrap();
+        let base = 1_000_000;
+        let snap = Snapshot {
+            nodes: poller.fleet_view(base),
+        };
+        let snap = Snapshot::decode(&snap.encode()).unwrap();
+        let mut reader = Balancer::new(&cfg(&[8001, 8002, 8003]));
+        let mut rng = SplitMix64::new(1);
+        assert_eq!(
+            reader.route(W, None, 10, &mut rng, false),
+            Outcome::NoFreshNodes
+        );
+        assert_eq!(
+            reader.import_fleet(&snap),
+            Imported {
+                new_reports: 3,
+                missing: 0
+            }
+        );
+        assert_eq!(reader.import_fleet(&snap).new_reports, 0, "nothing new");
+        let t = routed(&reader.route(W, None, 10, &mut rng, false)).unwrap();
+        assert_eq!((t.node, t.epoch), (1, base + 1));
+        assert_eq!(
+            routed(&reader.route(W, Some("m2"), 10, &mut rng, false)).map(|t| t.node),
+            Some(2),
+            "models come with the snapshot"
+        );
+        // Other workers have sent node 1 a lot since its report: the shared books say so.
+        let mut books = reader.books(1).unwrap();
+        assert_eq!(books.inflight_requests, 1);
+        books.unreflected_tokens = 1_000_000;
+        reader.set_books(1, &books);
+        let t = routed(&reader.route(W, None, 10, &mut rng, false)).unwrap();
+        assert_ne!(t.node, 1);
+        // An ejection reaches the reader; a node the poller does not follow has no report.
+        poller.on_health(2, None, 20).unwrap_err();
+        poller.on_health(2, None, 30).unwrap_err();
+        let snap = Snapshot {
+            nodes: poller.fleet_view(base),
+        };
+        let mut other = Balancer::new(&cfg(&[8001, 8002, 8003, 8009]));
+        assert_eq!(other.import_fleet(&snap).missing, 1);
+        reader.import_fleet(&snap);
+        for _ in 0..10 {
+            let o = reader.route(W, None, 40, &mut rng, false);
+            assert_ne!(routed(&o).map(|t| t.node), Some(2), "{o:?}");
+        }
+        // Books at a newer epoch than the snapshot's keep theirs (a ticket takes it).
+        let mut b = reader.books(0).unwrap();
+        b.epoch = base + 50;
+        reader.set_books(0, &b);
+        assert_eq!(reader.books(0).unwrap().epoch, base + 50);
     }
 }

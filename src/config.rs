@@ -106,6 +106,21 @@ pub struct Config {
     pub models_poll_ms: u64,
     /// What happens to a request whose model no node serves.
     pub unknown_model: UnknownModel,
+    /// Who polls the nodes: every VM for itself, or one poller service per Envoy process.
+    pub poller: Poller,
+}
+
+/// Who polls the nodes (see `shared`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Poller {
+    /// Every VM (each Envoy worker and the main thread) polls every node and keeps its own
+    /// books. Needs nothing more than the HTTP filter.
+    Vm,
+    /// One poller per Envoy process: a bootstrap `envoy.bootstrap.wasm` service with
+    /// `singleton: true`, loaded from the same `.wasm` with the same `vm_id`, this same
+    /// configuration and root_id `token_balancer_poller`, polls and publishes the fleet in
+    /// shared data; the filter VMs read it and share their in-flight books there.
+    Singleton,
 }
 
 /// What happens to a request naming a model that every node is known not to serve.
@@ -141,6 +156,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "models_poll_ms",
     "unknown_model",
     "membership",
+    "poller",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -578,7 +594,26 @@ impl Config {
                 ))
             }
         };
+        let poller = match f.string("poller")?.as_deref() {
+            None | Some("vm") => Poller::Vm,
+            Some("singleton") => Poller::Singleton,
+            Some(other) => {
+                return Err(err(
+                    "poller",
+                    format!("{other:?} is not a choice (vm, singleton)"),
+                ))
+            }
+        };
+        if poller == Poller::Singleton && membership.is_some() {
+            // The shared books are one key per configured node; members learned at runtime
+            // would need keys that come and go, and slots the poller and the workers agree on.
+            return Err(err(
+                "poller",
+                "\"singleton\" does not follow `membership` yet: list the `nodes`, or use \"vm\"",
+            ));
+        }
         Ok(Config {
+            poller,
             membership,
             models_poll_ms,
             unknown_model,
@@ -671,6 +706,11 @@ mod tests {
         assert_eq!(c.nodes[0].models, None);
         assert_eq!(c.models_poll_ms, 30_000);
         assert_eq!(c.unknown_model, UnknownModel::Fallback);
+        assert_eq!(c.poller, Poller::Vm);
+        let c = Config::parse(
+            br#"{"nodes":[{"address":"127.0.0.1:8001"}],"health_cluster":"h","poller":"singleton"}"#,
+        );
+        assert_eq!(c.map(|c| c.poller), Ok(Poller::Singleton));
     }
 
     #[test]
@@ -776,6 +816,9 @@ mod tests {
             (with(r#""models_poll_ms":-1"#), "models_poll_ms"),
             (with(r#""unknown_model":"drop""#), "unknown_model"),
             (with(r#""unknown_model":true"#), "unknown_model"),
+            (with(r#""poller":"main""#), "poller"),
+            (with(r#""poller":1"#), "poller"),
+            (with(r#""poller":"singleton","membership":{"cluster":"c","admin_cluster":"a"}"#), "poller"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","models":"m1"}],"health_cluster":"h"}"#.into(), "nodes[0].models"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","models":[]}],"health_cluster":"h"}"#.into(), "nodes[0].models"),
             (format!(r#"{{"nodes":[{node},{{"address":"127.0.0.1:2","models":["a",""]}}],"health_cluster":"h"}}"#), "nodes[1].models[1]"),

@@ -2,7 +2,11 @@
 //!
 //! Root context (one per VM, i.e. per Envoy worker): reads the plugin configuration, polls every
 //! node's health endpoint on the tick timer with HTTP callouts (and, less often, its
-//! `/v1/models`), and owns the `Balancer`.
+//! `/v1/models`), and owns the `Balancer`. With `poller: singleton` a root plays one of two other
+//! roles (`Role`, told by its `plugin_root_id`): the poller service (a bootstrap extension, main
+//! thread) polls and publishes the fleet in shared data; a filter VM polls nothing, reads the
+//! fleet, and writes its dispatches, progress and releases into the shared books (see
+//! `shared`; the glue only moves their bytes through `HostStore`).
 //! HTTP context (one per request): strips any client-supplied routing header, pauses the
 //! headers, reads the body up to the limit, asks the balancer, writes the routing header and
 //! lets the request go (or, for a model no node serves and `unknown_model: reject`, answers
@@ -15,11 +19,14 @@
 
 use crate::admission::HoldQueue;
 use crate::balancer::{Balancer, HealthError, Outcome};
-use crate::config::{Config, UnknownModel};
+use crate::config::{Config, Poller, UnknownModel};
 use crate::membership;
 use crate::models::ListPoll;
 use crate::node::{Ticket, Transition};
 use crate::rng::SplitMix64;
+use crate::shared::{
+    self, Change, Ledger, SetError, Snapshot, Store, StoreFailed, Version, Written,
+};
 use crate::telemetry::Report;
 use crate::usage;
 use crate::weight::{self, Api, Weight};
@@ -43,6 +50,59 @@ const MAX_MEMBERS_BODY: usize = 16 * 1024 * 1024;
 /// Delay before the first poll, so a freshly started Envoy has data within a fraction of a
 /// second instead of a whole tick.
 const FIRST_POLL: Duration = Duration::from_millis(50);
+/// Output tokens a stream delivers between two writes of its progress to the shared books: a
+/// write is two host calls, and per token that would be most of a stream's cost.
+const SHARED_PROGRESS_STEP: u64 = 16;
+
+/// proxy-wasm shared data, which every VM with this plugin's `vm_id` sees (see `shared`).
+struct HostStore;
+
+impl Store for HostStore {
+    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreFailed> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(bytes), cas)) => Ok(Some((bytes, cas.unwrap_or(0)))),
+            Ok((None, _)) => Ok(None),
+            Err(_) => Err(StoreFailed),
+        }
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(proxy_wasm::types::Status::CasMismatch) => Err(SetError::CasMismatch),
+            Err(_) => Err(SetError::Failed),
+        }
+    }
+}
+
+/// What this root context is, from its configuration and its `root_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// `poller: vm`: polls for itself and keeps its own books (one per VM).
+    Vm,
+    /// The poller service (root_id `token_balancer_poller`): polls, publishes the fleet.
+    Service,
+    /// A filter VM with `poller: singleton`: reads the fleet, shares the books.
+    Reader,
+}
+
+/// The shared-data side of a VM in singleton mode.
+#[derive(Default)]
+struct Sharing {
+    /// Books key of each node, index for index with the balancer's nodes.
+    keys: Vec<String>,
+    ledger: Ledger,
+    /// The reader's last imported version; the service's last published.
+    version: Option<u64>,
+    /// Reader: the snapshot is there and the poller alive.
+    fleet_ok: bool,
+    /// Reader: the loss of the snapshot has been logged (once until it is back).
+    warned: bool,
+    /// Service: added to every node's report epoch (its start time, see `fleet_view`).
+    epoch_base: u64,
+    /// Service: the bytes last published, so the version moves only when something changed.
+    published: Vec<u8>,
+}
 
 pub fn start() {
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -172,6 +232,15 @@ struct Metrics {
     nodes_joined: u32,
     nodes_left: u32,
     members_now: u32,
+    fallback_no_fleet: u32,
+    shared_failed: u32,
+    shared_cas_retries: u32,
+    shared_cas_exhausted: u32,
+    shared_books_missing: u32,
+    shared_published: u32,
+    shared_imported: u32,
+    shared_inflight_requests: u32,
+    shared_inflight_tokens: u32,
     node_picks: Vec<u32>,
     node_health_failures: Vec<u32>,
 }
@@ -255,6 +324,23 @@ impl Metrics {
             nodes_left: counter(&format!("{p}.nodes_left")),
             members_now: hostcalls::define_metric(MetricType::Gauge, &format!("{p}.members_now"))
                 .unwrap_or(0),
+            fallback_no_fleet: counter(&format!("{p}.fallback.no_fleet")),
+            shared_failed: counter(&format!("{p}.shared.failed")),
+            shared_cas_retries: counter(&format!("{p}.shared.cas_retries")),
+            shared_cas_exhausted: counter(&format!("{p}.shared.cas_exhausted")),
+            shared_books_missing: counter(&format!("{p}.shared.books_missing")),
+            shared_published: counter(&format!("{p}.shared.published")),
+            shared_imported: counter(&format!("{p}.shared.imported")),
+            shared_inflight_requests: hostcalls::define_metric(
+                MetricType::Gauge,
+                &format!("{p}.shared.inflight_requests"),
+            )
+            .unwrap_or(0),
+            shared_inflight_tokens: hostcalls::define_metric(
+                MetricType::Gauge,
+                &format!("{p}.shared.inflight_tokens"),
+            )
+            .unwrap_or(0),
             node_picks: cfg
                 .nodes
                 .iter()
@@ -278,6 +364,188 @@ struct State {
     metrics: Metrics,
     /// Requests waiting for a node with VRAM room (see `admission`).
     held: HoldQueue<Slot>,
+    role: Role,
+    sharing: Sharing,
+}
+
+impl State {
+    /// Writes `change` to node `node`'s shared books (a reader's dispatch, progress, release)
+    /// and counts what became of it. Does nothing outside the reader role.
+    fn share(&mut self, node: usize, change: Change) {
+        if self.role != Role::Reader {
+            return;
+        }
+        let Some(key) = self.sharing.keys.get(node) else {
+            return;
+        };
+        let epoch = self.balancer.nodes().get(node).map_or(0, |n| n.epoch());
+        let written = self
+            .sharing
+            .ledger
+            .update(&mut HostStore, key, epoch, change);
+        self.count_written(written);
+    }
+
+    fn count_written(&self, written: Written) {
+        let m = &self.metrics;
+        match written {
+            Written::Yes { retries, .. } => {
+                if retries > 0 && m.shared_cas_retries != 0 {
+                    let _ = hostcalls::increment_metric(m.shared_cas_retries, i64::from(retries));
+                }
+            }
+            Written::Exhausted => {
+                bump(m.shared_cas_exhausted);
+                if m.shared_cas_retries != 0 {
+                    let _ = hostcalls::increment_metric(
+                        m.shared_cas_retries,
+                        i64::from(shared::MAX_CAS_RETRIES),
+                    );
+                }
+            }
+            Written::Missing => bump(m.shared_books_missing),
+            Written::Failed => bump(m.shared_failed),
+        }
+    }
+
+    /// Reader: takes a new fleet snapshot if the version moved, and says whether there is a
+    /// usable one (present, and the poller's heartbeat younger than `stale_after_ms`).
+    /// Returns (usable, a node got a new report). One host call when nothing changed.
+    fn sync_fleet(&mut self, now: u64) -> (bool, bool) {
+        let version = match HostStore.get(shared::VERSION_KEY) {
+            Ok(Some((bytes, _))) => Version::decode(&bytes),
+            Ok(None) => None,
+            Err(StoreFailed) => {
+                bump(self.metrics.shared_failed);
+                None
+            }
+        };
+        let alive =
+            version.filter(|v| now.saturating_sub(v.heartbeat_ms) <= self.config.stale_after_ms);
+        let mut new_reports = false;
+        let mut usable = false;
+        let mut why = "no fleet snapshot from the poller service";
+        if let Some(v) = alive {
+            if self.sharing.version == Some(v.version) {
+                usable = self.sharing.fleet_ok;
+            } else {
+                match HostStore.get(shared::FLEET_KEY) {
+                    Ok(Some((bytes, _))) => match Snapshot::decode(&bytes) {
+                        Ok(snapshot) => {
+                            bump(self.metrics.shared_imported);
+                            let imported = self.balancer.import_fleet(&snapshot);
+                            if imported.missing > 0 && !self.sharing.fleet_ok {
+                                warn!(
+                                    "the poller's snapshot lacks {} of this filter's nodes: give the poller service the filter's configuration",
+                                    imported.missing
+                                );
+                            }
+                            new_reports = imported.new_reports > 0;
+                            self.sharing.version = Some(v.version);
+                            usable = true;
+                        }
+                        Err(_) => {
+                            bump(self.metrics.shared_failed);
+                            why = "the fleet snapshot is unreadable";
+                        }
+                    },
+                    Ok(None) => {}
+                    Err(StoreFailed) => bump(self.metrics.shared_failed),
+                }
+            }
+        } else if version.is_some() {
+            why = "the poller service's heartbeat is stale (service gone?)";
+        }
+        if usable != self.sharing.fleet_ok || (!usable && !self.sharing.warned) {
+            if usable {
+                info!("fleet snapshot from the poller service in use");
+                self.sharing.warned = false;
+            } else if !self.sharing.warned {
+                warn!("{why}: requests go to Envoy's own balancer until it is back");
+                self.sharing.warned = true;
+            }
+        }
+        self.sharing.fleet_ok = usable;
+        (usable, new_reports)
+    }
+
+    /// Reader: loads every node's shared books into the balancer before a decision (one host
+    /// call per node). The one place to narrow when only some nodes are candidates.
+    fn refresh_books(&mut self) {
+        if self.role != Role::Reader {
+            return;
+        }
+        for (i, key) in self.sharing.keys.iter().enumerate() {
+            let epoch = self.balancer.nodes().get(i).map_or(0, |n| n.epoch());
+            match self.sharing.ledger.view(&mut HostStore, key, epoch) {
+                Some(books) => self.balancer.set_books(i, &books),
+                None => bump(self.metrics.shared_failed),
+            }
+        }
+    }
+
+    /// Reader: writes the changes kept for later (see `shared::Ledger`).
+    fn flush_books(&mut self) {
+        if self.role != Role::Reader || self.sharing.ledger.pending() == 0 {
+            return;
+        }
+        let keys = &self.sharing.keys;
+        let nodes = self.balancer.nodes();
+        let epoch_of = |k: &str| {
+            keys.iter()
+                .position(|x| x == k)
+                .and_then(|i| nodes.get(i))
+                .map_or(0, |n| n.epoch())
+        };
+        let results = self.sharing.ledger.flush(&mut HostStore, epoch_of);
+        for w in results {
+            self.count_written(w);
+        }
+    }
+
+    /// Service: publishes the fleet if it changed (and bumps the version), and the heartbeat.
+    fn publish(&mut self, now: u64) {
+        if self.role != Role::Service {
+            return;
+        }
+        let bytes = Snapshot {
+            nodes: self.balancer.fleet_view(self.sharing.epoch_base),
+        }
+        .encode();
+        let mut version = self.sharing.version.unwrap_or(self.sharing.epoch_base);
+        if bytes != self.sharing.published {
+            match HostStore.set(shared::FLEET_KEY, &bytes, None) {
+                Ok(()) => {
+                    version += 1;
+                    self.sharing.version = Some(version);
+                    self.sharing.published = bytes;
+                    bump(self.metrics.shared_published);
+                }
+                Err(_) => bump(self.metrics.shared_failed),
+            }
+        }
+        let record = Version {
+            version,
+            heartbeat_ms: now,
+        };
+        if HostStore
+            .set(shared::VERSION_KEY, &record.encode(), None)
+            .is_err()
+        {
+            bump(self.metrics.shared_failed);
+        }
+    }
+
+    /// Service: the totals of the shared books, as gauges.
+    fn report_books(&self) {
+        if self.role != Role::Service {
+            return;
+        }
+        let t = shared::totals(&mut HostStore, &self.sharing.keys);
+        let _ =
+            hostcalls::record_metric(self.metrics.shared_inflight_requests, t.inflight_requests);
+        let _ = hostcalls::record_metric(self.metrics.shared_inflight_tokens, t.inflight_tokens);
+    }
 }
 
 /// A routed request's booking and debug header value.
@@ -340,6 +608,7 @@ fn place(
                 return Placed::default();
             }
             bump(s.metrics.routed);
+            s.share(ticket.node, Change::dispatch(&ticket));
             shift(s.metrics.inflight_now, 1);
             bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
             if over_ceiling {
@@ -414,6 +683,7 @@ fn admit_held(state: &Shared, current: u32) {
         return;
     }
     let now = now_ms();
+    s.refresh_books();
     let admitted = s.held.admit(now, &mut s.balancer, &mut s.rng);
     if admitted.is_empty() {
         return;
@@ -500,6 +770,10 @@ impl Context for Root {
             let Some(s) = guard.as_mut() else { return };
             let result = s.balancer.on_health(node, body.as_deref(), now_ms());
             self.count_health(s, node, result, failure, status.as_deref());
+            // The round is complete: publish it now rather than a tick later.
+            if self.pending.is_empty() {
+                s.publish(now_ms());
+            }
         }
         // A fresh report may show room for held requests.
         admit_held(&self.state, self.context_id);
@@ -518,6 +792,26 @@ fn vm_memory_bytes() -> u64 {
 }
 
 impl Root {
+    fn role(&self) -> Option<Role> {
+        let guard = self.state.try_borrow().ok()?;
+        guard.as_ref().map(|s| s.role)
+    }
+
+    /// Reader's tick: the fleet snapshot if it moved, and the book changes kept for later.
+    /// The tick period is the configured one from the first tick (no polls to hurry).
+    fn read_fleet(&mut self) {
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let Some(s) = guard.as_mut() else { return };
+        if !self.first_tick_done {
+            self.first_tick_done = true;
+            let _ = hostcalls::set_tick_period(Duration::from_millis(s.config.tick_ms));
+        }
+        s.sync_fleet(now_ms());
+        s.flush_books();
+    }
+
     /// Moves the `vm_memory_bytes` gauge by this VM's growth since its last report, so the
     /// gauge is the total over every VM of the plugin (one per worker, one on the main thread).
     fn report_memory(&mut self) {
@@ -872,21 +1166,69 @@ impl RootContext for Root {
                 return false;
             }
         };
+        let is_poller = hostcalls::get_property(vec!["plugin_root_id"])
+            .ok()
+            .flatten()
+            .is_some_and(|id| id == shared::POLLER_ROOT_ID.as_bytes());
+        let role = match (is_poller, config.poller) {
+            (true, Poller::Singleton) => Role::Service,
+            (true, Poller::Vm) => {
+                error!(
+                    "invalid token-balancer configuration: `poller` must be \"singleton\" for the poller service (root_id {})",
+                    shared::POLLER_ROOT_ID
+                );
+                return false;
+            }
+            (false, Poller::Singleton) => Role::Reader,
+            (false, Poller::Vm) => Role::Vm,
+        };
+        let now = now_ms();
+        let sharing = Sharing {
+            keys: config
+                .nodes
+                .iter()
+                .map(|n| shared::books_key(&n.address))
+                .collect(),
+            epoch_base: now,
+            ..Sharing::default()
+        };
         // Each worker's VM gets its own sequence: time and this context's address differ.
-        let seed = now_ms() ^ ((self as *const Root as u64) << 20);
-        let state = State {
+        let seed = now ^ ((self as *const Root as u64) << 20);
+        let mut state = State {
+            role,
+            sharing,
             balancer: Balancer::new(&config),
             rng: SplitMix64::new(seed),
             metrics: Metrics::define(&config),
             held: HoldQueue::new(config.max_held_requests, config.max_hold_ms),
             config: Rc::new(config),
         };
-        info!(
-            "token-balancer configured: {} nodes, health via cluster {:?} every {} ms",
-            state.config.nodes.len(),
-            state.config.health_cluster,
-            state.config.tick_ms
-        );
+        match role {
+            Role::Reader => info!(
+                "token-balancer configured: {} nodes, read from the poller service's snapshot",
+                state.config.nodes.len()
+            ),
+            _ => info!(
+                "token-balancer {}configured: {} nodes, health via cluster {:?} every {} ms",
+                if role == Role::Service {
+                    "poller service "
+                } else {
+                    ""
+                },
+                state.config.nodes.len(),
+                state.config.health_cluster,
+                state.config.tick_ms
+            ),
+        }
+        if role == Role::Service {
+            // The books exist before any worker routes: workers never create them.
+            for key in &state.sharing.keys {
+                if shared::ensure_books(&mut HostStore, key).is_err() {
+                    bump(state.metrics.shared_failed);
+                }
+            }
+            state.publish(now);
+        }
         self.list_polls = state
             .config
             .nodes
@@ -917,10 +1259,23 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        self.poll_members();
-        self.poll();
+        let role = self.role();
+        if role == Some(Role::Reader) {
+            self.read_fleet();
+        } else {
+            self.poll_members();
+            self.poll();
+            self.poll_models();
+        }
         self.report_memory();
-        self.poll_models();
+        if role == Some(Role::Service) {
+            if let Ok(mut guard) = self.state.try_borrow_mut() {
+                if let Some(s) = guard.as_mut() {
+                    s.publish(now_ms());
+                    s.report_books();
+                }
+            }
+        }
         // Held requests past their limit leave on the tick, whatever else happens.
         admit_held(&self.state, self.context_id);
     }
@@ -936,6 +1291,7 @@ impl RootContext for Root {
             decided: false,
             received: 0,
             reported_output: None,
+            shared_received: 0,
             status_ok: false,
             completed: false,
         }))
@@ -961,6 +1317,8 @@ struct Request {
     /// reported, if it did.
     received: u64,
     reported_output: Option<u64>,
+    /// Output count last written to the shared books (reader role).
+    shared_received: u64,
     /// The response was a 200 and its body reached its end: a complete sample of output length.
     status_ok: bool,
     completed: bool,
@@ -994,6 +1352,25 @@ impl Request {
     }
 
     fn route(&mut self, weight: Weight, model: Option<String>) -> Action {
+        // A reader decides on the poller's fleet and every worker's books, or not at all.
+        let (usable, new_reports) = self
+            .with(|s| {
+                if s.role != Role::Reader {
+                    return (true, false);
+                }
+                let (usable, new_reports) = s.sync_fleet(now_ms());
+                if usable {
+                    s.refresh_books();
+                }
+                (usable, new_reports)
+            })
+            .unwrap_or((true, false));
+        if new_reports {
+            admit_held(&self.state, self.context_id);
+        }
+        if !usable {
+            return self.fallback("no_fleet", |m| m.fallback_no_fleet);
+        }
         self.decided = true;
         let id = self.context_id;
         let step = self.with(|s| {
@@ -1071,12 +1448,14 @@ impl Request {
             // The books are released by the count they were advanced by, so they balance
             // exactly; the server's own count, when it gave one, is the better sample.
             let progressed = self.received;
+            let written = self.shared_received;
             self.with(|s| {
                 if sample {
                     s.balancer
                         .observe_output(ticket.weight.prompt_tokens, output);
                 }
                 s.balancer.release(&ticket, progressed);
+                s.share(ticket.node, Change::release(&ticket, written));
                 shift(s.metrics.inflight_now, -1);
             });
         }
@@ -1173,7 +1552,25 @@ impl HttpContext for Request {
                         self.reported_output = Some(n);
                     }
                     if self.received > before {
-                        self.with(|s| s.balancer.progress(&ticket, before, self.received));
+                        let (received, written) = (self.received, self.shared_received);
+                        let wrote = self
+                            .with(|s| {
+                                s.balancer.progress(&ticket, before, received);
+                                let due = received.saturating_sub(written) >= SHARED_PROGRESS_STEP
+                                    || (received >= ticket.reserved_output
+                                        && written < ticket.reserved_output);
+                                if due && s.role == Role::Reader {
+                                    s.share(
+                                        ticket.node,
+                                        Change::progress(&ticket, written, received),
+                                    );
+                                }
+                                due
+                            })
+                            .unwrap_or(false);
+                        if wrote {
+                            self.shared_received = received;
+                        }
                     }
                 }
             }

@@ -3,7 +3,7 @@
 //!
 //! Everything that decides is plain Rust with no proxy-wasm dependency (`config`, `weight`,
 //! `telemetry`, `prometheus`, `engine`, `throughput`, `models`, `node`, `choice`, `balancer`,
-//! `admission`, `rng`): it takes time and randomness as arguments and is tested natively and
+//! `admission`, `rng`, `shared`): it takes time and randomness as arguments and is tested natively and
 //! compiled to wasm32-wasip1. The `filter` module is the thin glue that moves bytes between
 //! Envoy and that core; it holds no decision logic.
 
@@ -19,6 +19,7 @@ pub mod output;
 pub mod pool;
 pub mod prometheus;
 pub mod rng;
+pub mod shared;
 pub mod telemetry;
 pub mod throughput;
 pub mod usage;

@@ -194,6 +194,23 @@ impl NodeState {
         self.report.as_ref().map(|(_, at)| *at)
     }
 
+    /// The report epoch: grows with every report taken (and when the report is forgotten).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The last good report and when it was taken.
+    pub fn report_taken(&self) -> Option<(Report, u64)> {
+        self.report
+    }
+
+    /// Takes a report and its epoch from elsewhere (the fleet snapshot another VM publishes,
+    /// see `shared`): the node's state as the poller has it, without the polling.
+    pub fn adopt_report(&mut self, report: Option<(Report, u64)>, epoch: u64) {
+        self.report = report;
+        self.epoch = epoch;
+    }
+
     /// Books a request whose KV growth is reserved at its expected output.
     pub fn dispatch(&mut self, node: usize, weight: Weight) -> Ticket {
         self.dispatch_reserving(node, weight, weight.output_tokens)

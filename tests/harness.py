@@ -157,12 +157,20 @@ class MockCluster:
 
 
 def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int, plugin: dict | None = None,
-                 health_addresses: dict[str, str] | None = None) -> dict:
+                 health_addresses: dict[str, str] | None = None, poller: str | None = None) -> dict:
     """The shipped envoy/envoy.yaml with this run's ports, nodes and plugin settings.
 
     Starting from the shipped file (not a copy kept for tests) means the tests run the same
-    listener, clusters, retry policy and filter settings a user runs."""
+    listener, clusters, retry policy and filter settings a user runs. `poller` "singleton" keeps
+    the shipped poller service (bootstrap_extensions; it shares the filter's vm_config and
+    configuration objects through the YAML anchors, so every change below reaches both);
+    "vm" drops it and lets every VM poll. Unset, it is $TB_POLLER, else "vm" (the mode of the
+    tests written before the service), so `TB_POLLER=singleton pytest ...` runs a test file in
+    the other mode."""
+    poller = poller or os.environ.get("TB_POLLER") or "vm"
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    if poller == "vm":
+        cfg.pop("bootstrap_extensions", None)
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = cfg["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listener_port
@@ -178,6 +186,7 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
         conf["nodes"].append(node)
     # The tests read the filter's decisions from its debug header, off in the shipped file.
     conf["debug_header"] = "x-token-balancer"
+    conf["poller"] = poller
     conf.update(plugin or {})
     wasm["configuration"]["value"] = json.dumps(conf)
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
@@ -205,6 +214,7 @@ def without_filter(cfg: dict, lb_policy: str) -> dict:
     """The configuration with the token_balancer filter removed and the inference cluster on one
     of Envoy's own balancers (ROUND_ROBIN, LEAST_REQUEST): the baselines."""
     cfg = copy.deepcopy(cfg)
+    cfg.pop("bootstrap_extensions", None)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "token_balancer"]
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
@@ -257,6 +267,22 @@ class Envoy:
 
     def counter(self, name: str) -> int:
         return self.counters().get(name, 0)
+
+    def stats(self, prefix: str) -> dict[str, int]:
+        """Every Envoy stat whose name starts with `prefix` (counters and gauges)."""
+        r = request(self.admin_port, "GET", f"/stats?format=json&filter=^{prefix}")
+        return {s["name"]: s["value"] for s in r.json().get("stats", []) if "value" in s}
+
+    def worker_connections(self) -> dict[str, int]:
+        """Downstream connections each worker accepted on the inference listener."""
+        out = {}
+        for name, value in self.stats("listener.").items():
+            parts = name.split(".")
+            if name.endswith(".downstream_cx_total") and any(p.startswith("worker_") for p in parts):
+                worker = next(p for p in parts if p.startswith("worker_"))
+                if f"_{self.port}." in name:
+                    out[worker] = value
+        return out
 
     def post(self, path: str, body, headers=None, timeout=30.0) -> Response:
         return request(self.port, "POST", path, body=body, headers=headers, timeout=timeout)

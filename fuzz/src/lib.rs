@@ -18,7 +18,7 @@
 )]
 
 use serde_json::{json, Value};
-use token_balancer::config::{is_ip_port, Config};
+use token_balancer::config::{is_ip_port, Config, NodeConfig, Poller, UnknownModel};
 use token_balancer::engine::{self, Health, HealthFormat};
 use token_balancer::prometheus::parse_prometheus_samples;
 use token_balancer::telemetry::{parse_health, Report};
@@ -238,7 +238,10 @@ pub fn config(data: &[u8]) {
         }
     };
     // The invariants the README's configuration table documents.
-    assert!(!c.nodes.is_empty(), "no node");
+    assert!(
+        !c.nodes.is_empty() || c.membership.is_some(),
+        "no node and no membership"
+    );
     for (i, n) in c.nodes.iter().enumerate() {
         assert!(is_ip_port(&n.address), "{:?}", n.address);
         assert!(
@@ -274,6 +277,7 @@ pub fn config(data: &[u8]) {
         .unwrap_or_else(|e| panic!("{c:?} written out does not parse again: {e}"));
     assert_eq!(strip_floats(&again), strip_floats(&c));
     assert!(close(again.vram_ceiling, c.vram_ceiling));
+    assert!(close(again.hold_kv_ceiling, c.hold_kv_ceiling));
     for (a, b) in again.nodes.iter().zip(&c.nodes) {
         match (a.capacity_tokens_per_sec, b.capacity_tokens_per_sec) {
             (Some(x), Some(y)) => assert!(close(x, y), "{x} vs {y}"),
@@ -291,31 +295,46 @@ fn close(a: f64, b: f64) -> bool {
 fn strip_floats(c: &Config) -> Config {
     let mut c = c.clone();
     c.vram_ceiling = 0.0;
+    c.hold_kv_ceiling = 0.0;
+    if let Some(m) = &mut c.membership {
+        let d = &mut m.node_defaults;
+        d.capacity_tokens_per_sec = d.capacity_tokens_per_sec.map(|_| 0.0);
+    }
     for n in &mut c.nodes {
         n.capacity_tokens_per_sec = n.capacity_tokens_per_sec.map(|_| 0.0);
     }
     c
 }
 
+fn node_json(n: &NodeConfig) -> Value {
+    json!({
+        "address": n.address,
+        "health_path": n.health_path,
+        "health_address": n.health_address,
+        "capacity_tokens_per_sec": n.capacity_tokens_per_sec,
+        "kv_cache_tokens": n.kv_cache_tokens,
+        "format": n.format.name(),
+        "models": n.models,
+    })
+}
+
+/// The configuration with every field written out, so that a field left out here is a field
+/// whose value the round trip would silently reset to its default.
 fn to_json(c: &Config) -> Value {
-    let nodes: Vec<Value> = c
-        .nodes
-        .iter()
-        .map(|n| {
-            json!({
-                "address": n.address,
-                "health_path": n.health_path,
-                "health_address": n.health_address,
-                "capacity_tokens_per_sec": n.capacity_tokens_per_sec,
-                "kv_cache_tokens": n.kv_cache_tokens,
-            })
-        })
-        .collect();
+    let nodes: Vec<Value> = c.nodes.iter().map(node_json).collect();
     let policy = match c.policy {
         token_balancer::choice::Rule::TokenThroughput => "token_throughput",
         token_balancer::choice::Rule::LeastReportedLoad => "least_reported_load",
     };
-    json!({
+    let unknown_model = match c.unknown_model {
+        UnknownModel::Fallback => "fallback",
+        UnknownModel::Reject => "reject",
+    };
+    let poller = match c.poller {
+        Poller::Vm => "vm",
+        Poller::Singleton => "singleton",
+    };
+    let mut out = json!({
         "nodes": nodes,
         "health_cluster": c.health_cluster,
         "health_target_header": c.health_target_header,
@@ -328,9 +347,47 @@ fn to_json(c: &Config) -> Value {
         "default_max_tokens": c.default_max_tokens,
         "kv_bytes_per_token": c.kv_bytes_per_token,
         "max_hosts_in_header": c.max_hosts_in_header,
-        "debug_header": c.debug_header,
         "policy": policy,
-    })
+        "choices": c.choices,
+        "max_hold_ms": c.max_hold_ms,
+        "max_held_requests": c.max_held_requests,
+        "hold_kv_ceiling": c.hold_kv_ceiling,
+        "unhealthy_after_failures": c.unhealthy_after_failures,
+        "healthy_after_successes": c.healthy_after_successes,
+        "models_poll_ms": c.models_poll_ms,
+        "unknown_model": unknown_model,
+        "poller": poller,
+    });
+    // Optional fields are absent rather than null: the parser takes null as a wrong type.
+    if let Some(h) = &c.debug_header {
+        out["debug_header"] = json!(h);
+    }
+    if let Some(m) = &c.membership {
+        let mut d = node_json(&m.node_defaults);
+        if let Some(obj) = d.as_object_mut() {
+            obj.remove("address");
+            obj.remove("health_address");
+        }
+        out["membership"] = json!({
+            "cluster": m.cluster,
+            "admin_cluster": m.admin_cluster,
+            "poll_ms": m.poll_ms,
+            "node_defaults": d,
+        });
+    }
+    strip_nulls(&mut out);
+    out
+}
+
+fn strip_nulls(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            map.retain(|_, x| !x.is_null());
+            map.values_mut().for_each(strip_nulls);
+        }
+        Value::Array(list) => list.iter_mut().for_each(strip_nulls),
+        _ => {}
+    }
 }
 
 /// Response chunk scanning: content events and reported usage, on arbitrary bytes.

@@ -19,7 +19,7 @@
 //! known when it leaves (a list learned meanwhile counts), so it may also leave as
 //! `UnknownModel` if the last node serving its model stopped listing it.
 
-use crate::balancer::{Balancer, Outcome};
+use crate::balancer::{Balancer, BookSource, Outcome, OwnBooks};
 use crate::rng::Rng;
 use crate::weight::Weight;
 use std::collections::VecDeque;
@@ -111,10 +111,28 @@ impl<T> HoldQueue<T> {
         balancer: &mut Balancer,
         rng: &mut dyn Rng,
     ) -> Vec<(Held<T>, Outcome)> {
+        self.admit_with_books(now_ms, balancer, rng, &mut OwnBooks)
+    }
+
+    /// `admit`, deciding with the books `books` gives (see `Balancer::route_with_books`).
+    pub fn admit_with_books(
+        &mut self,
+        now_ms: u64,
+        balancer: &mut Balancer,
+        rng: &mut dyn Rng,
+        books: &mut dyn BookSource,
+    ) -> Vec<(Held<T>, Outcome)> {
         let mut out = Vec::new();
         while let Some(head) = self.entries.front() {
             let expired = now_ms.saturating_sub(head.since_ms) >= self.max_hold_ms;
-            let outcome = balancer.route(head.weight, head.model.as_deref(), now_ms, rng, !expired);
+            let outcome = balancer.route_with_books(
+                head.weight,
+                head.model.as_deref(),
+                now_ms,
+                rng,
+                !expired,
+                books,
+            );
             if matches!(outcome, Outcome::Saturated) {
                 break;
             }

@@ -348,6 +348,21 @@ impl Balancer {
         rng: &mut dyn Rng,
         may_hold: bool,
     ) -> Outcome {
+        self.route_with_books(weight, model, now_ms, rng, may_hold, &mut OwnBooks)
+    }
+
+    /// `route`, with each weighed node's books taken from `books` just before it is weighed
+    /// (the books every worker of the Envoy shares, see `shared`): the drawn candidates'
+    /// only, unless the draws fail and every candidate is compared.
+    pub fn route_with_books(
+        &mut self,
+        weight: Weight,
+        model: Option<&str>,
+        now_ms: u64,
+        rng: &mut dyn Rng,
+        may_hold: bool,
+        books: &mut dyn BookSource,
+    ) -> Outcome {
         let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
@@ -359,13 +374,14 @@ impl Balancer {
         let sampled = if self.params.choices > 0 {
             self.pool.refresh(&self.nodes, now_ms, &self.params);
             choice::sample(
-                &self.nodes,
+                &mut self.nodes,
                 &self.pool,
                 &ask,
                 mean,
                 now_ms,
                 &self.params,
                 rng,
+                &mut |i, n| load_books(books, i, n),
             )
         } else {
             None
@@ -375,19 +391,30 @@ impl Balancer {
         let (ranked, over_ceiling) = match sampled {
             Some(r) => (r, false),
             None if model.is_some_and(|m| self.model_unknown(m)) => return Outcome::UnknownModel,
-            None => match choice::decide(&self.nodes, &ask, mean, now_ms, &self.params, rng) {
-                Decision::Route(r) => (r, false),
-                Decision::AllOverCeiling(r)
-                    if may_hold
-                        && r.first()
-                            .and_then(|x| x.kv_fraction)
-                            .is_some_and(|f| f > self.hold_kv_ceiling) =>
-                {
-                    return Outcome::Saturated
+            None => {
+                // Every candidate is compared, so every candidate's books are read.
+                let stale_after_ms = self.params.stale_after_ms;
+                for (i, n) in self.nodes.iter_mut().enumerate() {
+                    if choice::may_serve(n, model)
+                        && n.fresh_report(now_ms, stale_after_ms).is_some()
+                    {
+                        load_books(books, i, n);
+                    }
                 }
-                Decision::AllOverCeiling(r) => (r, true),
-                Decision::NoFreshNodes => return Outcome::NoFreshNodes,
-            },
+                match choice::decide(&self.nodes, &ask, mean, now_ms, &self.params, rng) {
+                    Decision::Route(r) => (r, false),
+                    Decision::AllOverCeiling(r)
+                        if may_hold
+                            && r.first()
+                                .and_then(|x| x.kv_fraction)
+                                .is_some_and(|f| f > self.hold_kv_ceiling) =>
+                    {
+                        return Outcome::Saturated
+                    }
+                    Decision::AllOverCeiling(r) => (r, true),
+                    Decision::NoFreshNodes => return Outcome::NoFreshNodes,
+                }
+            }
         };
         let Some(first) = ranked.first().copied() else {
             return Outcome::NoFreshNodes;
@@ -514,16 +541,43 @@ impl Balancer {
     /// decision and dispatch start from them, and a ticket takes their epoch.
     pub fn set_books(&mut self, node: usize, b: &Books) {
         if let Some(n) = self.nodes.get_mut(node) {
-            n.inflight_requests = b.inflight_requests;
-            n.inflight_tokens = b.inflight_tokens;
-            n.unreflected_tokens = b.unreflected_tokens;
-            n.unreflected_requests = b.unreflected_requests;
-            n.unreflected_prompt_tokens = b.unreflected_prompt_tokens;
-            n.growth_tokens = b.growth_tokens;
-            let report = n.report_taken();
-            n.adopt_report(report, b.epoch.max(n.epoch()));
+            apply_books(n, b);
         }
     }
+}
+
+/// Where a decision takes a node's books from just before it weighs the node
+/// (`Balancer::route_with_books`).
+pub trait BookSource {
+    /// Node `node`'s current books, read under the epoch rule for `report_epoch` (the node's
+    /// report epoch as this balancer knows it); `None` keeps the balancer's own.
+    fn books(&mut self, node: usize, report_epoch: u64) -> Option<Books>;
+}
+
+/// The balancer's own books are the current ones: it is the only one dispatching.
+pub struct OwnBooks;
+
+impl BookSource for OwnBooks {
+    fn books(&mut self, _node: usize, _report_epoch: u64) -> Option<Books> {
+        None
+    }
+}
+
+fn load_books(source: &mut dyn BookSource, node: usize, n: &mut NodeState) {
+    if let Some(b) = source.books(node, n.epoch()) {
+        apply_books(n, &b);
+    }
+}
+
+fn apply_books(n: &mut NodeState, b: &Books) {
+    n.inflight_requests = b.inflight_requests;
+    n.inflight_tokens = b.inflight_tokens;
+    n.unreflected_tokens = b.unreflected_tokens;
+    n.unreflected_requests = b.unreflected_requests;
+    n.unreflected_prompt_tokens = b.unreflected_prompt_tokens;
+    n.growth_tokens = b.growth_tokens;
+    let report = n.report_taken();
+    n.adopt_report(report, b.epoch.max(n.epoch()));
 }
 
 /// Why a health answer did not update a node.
@@ -581,6 +635,79 @@ mod tests {
             o => panic!("{o:?}"),
         }
         assert_eq!(b.nodes()[1].inflight_requests, 1);
+    }
+
+    /// Books from elsewhere: every node but `light` carries a large unreflected backlog; the
+    /// nodes asked are recorded.
+    struct Recording {
+        asked: Vec<usize>,
+        light: usize,
+    }
+
+    impl BookSource for Recording {
+        fn books(&mut self, node: usize, report_epoch: u64) -> Option<Books> {
+            self.asked.push(node);
+            let backlog = if node == self.light { 0 } else { 1_000_000 };
+            Some(Books {
+                epoch: report_epoch,
+                unreflected_tokens: backlog,
+                unreflected_requests: u64::from(backlog > 0),
+                ..Books::default()
+            })
+        }
+    }
+
+    fn idle_fleet(n: usize, extra: &str) -> Balancer {
+        let mut b = Balancer::new(&cfg(n, extra));
+        for i in 0..n {
+            let body = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000}"#;
+            b.on_health(i, Some(body), 0).unwrap();
+        }
+        b
+    }
+
+    #[test]
+    fn a_decision_reads_the_books_of_the_nodes_it_weighs_only() {
+        // Two choices over 1,000 nodes: a handful of books read per decision, and the choice
+        // goes by them (a drawn node without backlog beats a drawn one with).
+        let mut b = idle_fleet(1000, r#","max_hosts_in_header":3"#);
+        let mut rng = SplitMix64::new(7);
+        let mut light_drawn = 0;
+        for round in 0..200 {
+            let mut books = Recording {
+                asked: vec![],
+                light: round * 5,
+            };
+            let first = match b.route_with_books(W, None, 10, &mut rng, false, &mut books) {
+                Outcome::Routed { ticket, .. } => ticket.node,
+                o => panic!("{o:?}"),
+            };
+            assert!(
+                (3..=20).contains(&books.asked.len()),
+                "{} books read",
+                books.asked.len()
+            );
+            assert!(books.asked.contains(&first));
+            // The two compared are the first two drawn.
+            if books.asked[..2].contains(&books.light) {
+                light_drawn += 1;
+                assert_eq!(first, books.light);
+            }
+        }
+        assert!(light_drawn > 0, "the light node was never among the first two drawn");
+
+        // Every node compared (choices: 0): every candidate's books are read.
+        let mut b = idle_fleet(10, r#","choices":0"#);
+        let mut books = Recording {
+            asked: vec![],
+            light: 6,
+        };
+        match b.route_with_books(W, None, 10, &mut rng, false, &mut books) {
+            Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 6),
+            o => panic!("{o:?}"),
+        }
+        books.asked.sort_unstable();
+        assert_eq!(books.asked, (0..10).collect::<Vec<_>>());
     }
 
     #[test]

@@ -362,14 +362,16 @@ pub fn decide(
 /// only a comparison of every node can tell apart from a saturated fleet (holding depends on
 /// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
 /// then the full comparison.
+#[allow(clippy::too_many_arguments)]
 pub fn sample(
-    nodes: &[NodeState],
+    nodes: &mut [NodeState],
     pool: &Pool,
     ask: &Ask,
     mean_request_tokens: f64,
     now_ms: u64,
     p: &Params,
     rng: &mut dyn Rng,
+    load_books: &mut dyn FnMut(usize, &mut NodeState),
 ) -> Option<Vec<Ranked>> {
     let d = p.choices;
     if d == 0 || pool.len() <= d || p.rule != Rule::TokenThroughput {
@@ -391,10 +393,14 @@ pub fn sample(
             continue;
         }
         drawn.push(i);
-        let Some(n) = nodes.get(i) else { continue };
-        if !may_serve(n, ask.model) {
+        let Some(n) = nodes.get_mut(i) else { continue };
+        if !may_serve(n, ask.model) || n.fresh_report(now_ms, p.stale_after_ms).is_none() {
             continue;
         }
+        // Only the drawn nodes' books are read: with books in shared data that is a host call
+        // each, and a decision must not cost one per node of the fleet.
+        load_books(i, n);
+        let n = &*n;
         let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
             continue;
         };

@@ -18,14 +18,14 @@
 //! degrades to the fail-open path, since a panic would trap the VM and fail the traffic.
 
 use crate::admission::HoldQueue;
-use crate::balancer::{Balancer, HealthError, Outcome};
+use crate::balancer::{Balancer, BookSource, HealthError, Outcome};
 use crate::config::{Config, Poller, UnknownModel};
 use crate::membership;
 use crate::models::ListPoll;
 use crate::node::{Ticket, Transition};
 use crate::rng::SplitMix64;
 use crate::shared::{
-    self, Change, Ledger, SetError, Snapshot, Store, StoreFailed, Version, Written,
+    self, Books, Change, Ledger, SetError, Snapshot, Store, StoreFailed, Version, Written,
 };
 use crate::telemetry::Report;
 use crate::usage;
@@ -469,21 +469,6 @@ impl State {
         (usable, new_reports)
     }
 
-    /// Reader: loads every node's shared books into the balancer before a decision (one host
-    /// call per node). The one place to narrow when only some nodes are candidates.
-    fn refresh_books(&mut self) {
-        if self.role != Role::Reader {
-            return;
-        }
-        for (i, key) in self.sharing.keys.iter().enumerate() {
-            let epoch = self.balancer.nodes().get(i).map_or(0, |n| n.epoch());
-            match self.sharing.ledger.view(&mut HostStore, key, epoch) {
-                Some(books) => self.balancer.set_books(i, &books),
-                None => bump(self.metrics.shared_failed),
-            }
-        }
-    }
-
     /// Reader: writes the changes kept for later (see `shared::Ledger`).
     fn flush_books(&mut self) {
         if self.role != Role::Reader || self.sharing.ledger.pending() == 0 {
@@ -545,6 +530,39 @@ impl State {
         let _ =
             hostcalls::record_metric(self.metrics.shared_inflight_requests, t.inflight_requests);
         let _ = hostcalls::record_metric(self.metrics.shared_inflight_tokens, t.inflight_tokens);
+    }
+}
+
+/// The books a decision weighs nodes by. A reader takes each weighed node's from shared data
+/// (every worker's dispatches), one host call per node weighed: the drawn candidates, not the
+/// fleet. Any other role decides alone and keeps its balancer's own.
+struct SharedBooks<'a> {
+    sharing: &'a Sharing,
+    role: Role,
+    failed: u32,
+}
+
+impl<'a> SharedBooks<'a> {
+    fn of(sharing: &'a Sharing, role: Role, metrics: &Metrics) -> Self {
+        SharedBooks {
+            sharing,
+            role,
+            failed: metrics.shared_failed,
+        }
+    }
+}
+
+impl BookSource for SharedBooks<'_> {
+    fn books(&mut self, node: usize, report_epoch: u64) -> Option<Books> {
+        if self.role != Role::Reader {
+            return None;
+        }
+        let key = self.sharing.keys.get(node)?;
+        let books = self.sharing.ledger.view(&mut HostStore, key, report_epoch);
+        if books.is_none() {
+            bump(self.failed);
+        }
+        books
     }
 }
 
@@ -683,8 +701,10 @@ fn admit_held(state: &Shared, current: u32) {
         return;
     }
     let now = now_ms();
-    s.refresh_books();
-    let admitted = s.held.admit(now, &mut s.balancer, &mut s.rng);
+    let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
+    let admitted = s
+        .held
+        .admit_with_books(now, &mut s.balancer, &mut s.rng, &mut books);
     if admitted.is_empty() {
         return;
     }
@@ -1358,11 +1378,7 @@ impl Request {
                 if s.role != Role::Reader {
                     return (true, false);
                 }
-                let (usable, new_reports) = s.sync_fleet(now_ms());
-                if usable {
-                    s.refresh_books();
-                }
-                (usable, new_reports)
+                s.sync_fleet(now_ms())
             })
             .unwrap_or((true, false));
         if new_reports {
@@ -1377,7 +1393,11 @@ impl Request {
             let now = now_ms();
             let may_hold = s.held.may_hold();
             let m = model.as_deref();
-            match s.balancer.route(weight, m, now, &mut s.rng, may_hold) {
+            let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
+            match s
+                .balancer
+                .route_with_books(weight, m, now, &mut s.rng, may_hold, &mut books)
+            {
                 Outcome::Saturated => {
                     let slot: Slot = Rc::new(RefCell::new(None));
                     // The queue keeps its own copy of the model: held requests are few.
@@ -1389,7 +1409,10 @@ impl Request {
                         }
                         // `may_hold` said there was room; route over the ceiling if not.
                         Err(_) => {
-                            let outcome = s.balancer.route(weight, m, now, &mut s.rng, false);
+                            let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
+                            let outcome = s
+                                .balancer
+                                .route_with_books(weight, m, now, &mut s.rng, false, &mut books);
                             Ok(place(s, outcome, weight, m, None))
                         }
                     }

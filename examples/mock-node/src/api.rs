@@ -279,6 +279,9 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         Err(msg) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &msg),
     };
     let prompt_tokens = prompt_ids.len() as u64;
+    if node.instant {
+        return instant(&node, kind, served.name, prompt_tokens, &body);
+    }
     let max_tokens = body
         .get("max_completion_tokens")
         .or_else(|| body.get("max_tokens"))
@@ -369,6 +372,40 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         h.insert(ORCA_HEADER, v);
     }
     h.insert(PREFIX_HIT_HEADER, HeaderValue::from(cached_at_arrival));
+    r
+}
+
+/// A completion answered at once with one token, without the engine: the upstream of the
+/// proxy-overhead benchmark, where the node's own time must be as close to nothing as a real
+/// HTTP server gets. Same shapes as an engine answer (whole, or the SSE events of a stream).
+fn instant(
+    node: &Node,
+    kind: Kind,
+    model: String,
+    prompt_tokens: u64,
+    body: &Value,
+) -> Response<BoxBody> {
+    let id = node.next_id.fetch_add(1, Ordering::Relaxed);
+    let c = Completion {
+        kind,
+        id: format!("instant-{}-{id}", node.name),
+        created: unix_now(),
+        model,
+        finish_reason: "length",
+        prompt_tokens,
+        completion_tokens: 1,
+        cached_tokens: 0,
+    };
+    if !body.get("stream").and_then(Value::as_bool).unwrap_or(false) {
+        return json_response(StatusCode::OK, &c.whole(token_text(0)));
+    }
+    let mut events = c.token_event(0).to_vec();
+    for e in c.closing_events() {
+        events.extend_from_slice(&e);
+    }
+    let mut r = full(StatusCode::OK, "text/event-stream", events);
+    r.headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     r
 }
 

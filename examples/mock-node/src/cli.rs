@@ -30,6 +30,9 @@ Serves one mock GPU inference node per --node, all in this process.
                           models=A|B|...       served model names (404 model_not_found for
                                                others); default: any name, listed as mock-model
                           loras=X|Y|...        LoRA adapters served as models too
+                          instant=1            answer every completion at once with one
+                                               token, bypassing the engine (a fast upstream
+                                               for measuring the proxy's own cost)
   --time-scale X        run the model X times faster than real time (default 1); reported
                         rates are per wall-clock second
   --bind ADDR           address to listen on (default 127.0.0.1)
@@ -48,6 +51,8 @@ pub struct NodeSpec {
     /// Served model names; empty: any name is served.
     pub models: Vec<String>,
     pub loras: Vec<String>,
+    /// Completions are answered at once, without the engine (`instant=1`).
+    pub instant: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -125,6 +130,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let mut capacity = None;
     let mut metrics = Flavour::Vllm;
     let (mut models, mut loras) = (vec![], vec![]);
+    let mut instant = false;
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -171,6 +177,13 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             }
             "models" => models = names(k, v)?,
             "loras" => loras = names(k, v)?,
+            "instant" => {
+                instant = match v {
+                    "1" | "true" => true,
+                    "0" | "false" => false,
+                    _ => return Err(err(format!("instant={v:?}: expected 1 or 0"))),
+                }
+            }
             _ => return Err(err(format!("unknown key {k:?}"))),
         }
     }
@@ -202,6 +215,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         metrics,
         models,
         loras,
+        instant,
     })
 }
 
@@ -274,6 +288,9 @@ mod tests {
         // The default cache size follows the KV size whatever the order of the keys.
         assert_eq!(small.config.prefix_capacity_blocks(), 1000 / 16);
         assert_eq!(small.metrics, Flavour::VllmV0);
+        assert!(!plain.instant && !custom.instant);
+        assert!(run("--node 1,instant=1").nodes[0].instant);
+        assert!(!run("--node 1,instant=0").nodes[0].instant);
     }
 
     #[test]
@@ -306,6 +323,7 @@ mod tests {
             ("--node 1,prefix_cache_blocks=-1", "whole number"),
             ("--node 1,models=a||b", "empty name"),
             ("--node 1,models=a|b,loras=b", "named twice"),
+            ("--node 1,instant=yes", "expected 1 or 0"),
             ("--node 1 --time-scale 0", "positive number"),
             ("--node 1 --time-scale fast", "positive number"),
             ("--node 1 --verbose", "unknown argument"),

@@ -100,6 +100,8 @@ pub struct Node {
     /// Served model names (empty: any) and adapters.
     pub models: Vec<String>,
     pub loras: Vec<String>,
+    /// Completions bypass the engine and answer at once (`instant=1`).
+    pub instant: bool,
     flavour: Flavour,
     stats: Mutex<Stats>,
     engine: Mutex<Engine>,
@@ -109,7 +111,7 @@ pub struct Node {
     capacity: Option<f64>,
     time_scale: f64,
     start: Instant,
-    next_id: AtomicU64,
+    pub next_id: AtomicU64,
     pub requests_total: AtomicU64,
     pub health_requests_total: AtomicU64,
     /// Model times at which requests finished, over the last window (for the ORCA report).
@@ -152,6 +154,7 @@ impl Node {
             name: spec.name.clone(),
             models: spec.models.clone(),
             loras: spec.loras.clone(),
+            instant: spec.instant,
             flavour: spec.metrics,
             stats: Mutex::new(Stats {
                 tracks: HashMap::new(),

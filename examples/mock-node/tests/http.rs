@@ -303,6 +303,44 @@ fn completions_on_one_keep_alive_connection() {
 }
 
 #[test]
+fn instant_nodes_answer_at_once_without_the_engine() {
+    // Real time on an L4: 500 tokens would take seconds through the engine.
+    let mock = start(&["name=fast,gpu=l4,instant=1"], &[]);
+    let mut c = Conn::open(mock.ports[0]);
+    let t0 = Instant::now();
+    let r = c.call("POST", "/v1/chat/completions", &[], &chat_body(500, false));
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-mock-node"), Some("fast"));
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], "tok0 ");
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        tokenize::count(PROMPT) + tokenize::PER_MESSAGE
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+
+    // A stream is the same one token as SSE events, ending in [DONE].
+    let r = c.call("POST", "/v1/chat/completions", &[], &chat_body(500, true));
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 1 + 3, "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+
+    // The model check and bad bodies behave as on an engine node; the engine saw nothing.
+    let r = c.call("POST", "/v1/chat/completions", &[], "{not json");
+    assert_eq!(r.status, 400);
+    let h = c.call("GET", "/health", &[], "").json();
+    assert_eq!(h["running_requests"], 0, "{h}");
+    assert_eq!(h["queue_depth"], 0, "{h}");
+}
+
+#[test]
 fn streaming_sends_one_event_per_token_as_produced() {
     // Real time: 10 tokens take at least 10 iterations of >= 7.6 ms on an H100.
     let mock = start(&["name=beta,gpu=h100"], &[]);

@@ -694,7 +694,10 @@ mod tests {
                 assert_eq!(first, books.light);
             }
         }
-        assert!(light_drawn > 0, "the light node was never among the first two drawn");
+        assert!(
+            light_drawn > 0,
+            "the light node was never among the first two drawn"
+        );
 
         // Every node compared (choices: 0): every candidate's books are read.
         let mut b = idle_fleet(10, r#","choices":0"#);

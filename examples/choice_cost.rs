@@ -10,13 +10,14 @@
 //! median of several batches. Prints one line per fleet size, for the default power-of-two
 //! choices (`choices: 2`) and for the comparison of every node (`choices: 0`), and for fleets
 //! where only one node in 10 or in 100 has VRAM room (draws then often find none, and the
-//! decision falls back to comparing every node).
+//! decision falls back to comparing every node). Then the other pure work of a request: reading
+//! the weight and model from a 4 KiB chat body.
 
 use std::time::Instant;
 use token_balancer::balancer::{Balancer, Outcome};
 use token_balancer::config::Config;
 use token_balancer::rng::SplitMix64;
-use token_balancer::weight::Weight;
+use token_balancer::weight::{self, Api, Weight};
 
 /// `n` nodes with fresh reports; every `full_every`-th has room under the VRAM ceiling and the
 /// others would overflow (1: all have room).
@@ -93,4 +94,32 @@ fn main() {
         let room = format!("1/{full_every}");
         println!("{choices:7}  {n:5}  {room:>9}  {median:8.2} ({min:.2})");
     }
+    body_cost();
+}
+
+/// The other pure work of a request: reading the weight and model from a 4 KiB chat body.
+fn body_cost() {
+    let words = "the quick brown fox jumps over the lazy dog ".repeat(100);
+    let content = words.get(..3990).unwrap_or(&words);
+    let body = format!(
+        r#"{{"model":"mock-model","max_tokens":16,"messages":[{{"role":"user","content":"{content}"}}]}}"#
+    );
+    let mut batches = Vec::new();
+    let mut tokens = 0;
+    for _ in 0..15 {
+        let start = Instant::now();
+        for _ in 0..1000 {
+            tokens +=
+                weight::read(Api::Chat, body.as_bytes(), 256).map_or(0, |e| e.weight.prompt_tokens);
+        }
+        batches.push(start.elapsed().as_secs_f64() * 1e6 / 1000.0);
+    }
+    batches.sort_by(f64::total_cmp);
+    let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
+    let min = batches.first().copied().unwrap_or(f64::NAN);
+    println!(
+        "weight::read of a {}-byte chat body: {median:.2} us median ({min:.2} min; {} tokens)",
+        body.len(),
+        tokens / 15_000
+    );
 }

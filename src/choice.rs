@@ -397,9 +397,12 @@ pub fn sample(
         if !may_serve(n, ask.model) || n.fresh_report(now_ms, p.stale_after_ms).is_none() {
             continue;
         }
-        // Only the drawn nodes' books are read: with books in shared data that is a host call
-        // each, and a decision must not cost one per node of the fleet.
-        load_books(i, n);
+        // Only the compared nodes' books are read: with books in shared data that is a host
+        // call each, and a decision must not cost one per node of the fleet. The nodes drawn
+        // past the `d` compared only fill the retry list, where this VM's own books will do.
+        if admitted.len() < d {
+            load_books(i, n);
+        }
         let n = &*n;
         let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
             continue;

@@ -69,6 +69,9 @@ pub enum SetError {
 }
 
 /// proxy-wasm shared data, as this module needs it.
+/// A value read from the store, with the CAS token it was read at.
+pub type Read = (Vec<u8>, u32);
+
 pub trait Store {
     /// The value under `key` with its CAS token; `Ok(None)` when there is none.
     fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreFailed>;
@@ -549,11 +552,26 @@ impl Ledger {
         report_epoch: u64,
         change: Change,
     ) -> Written {
+        self.update_known(store, key, report_epoch, change, None)
+    }
+
+    /// `update`, starting from `known`, a read of `key` (value and CAS token) this VM has just
+    /// made, instead of reading it again: a decision has read the chosen node's books already,
+    /// and the dispatch then costs one host call, not two. If another worker wrote since, the
+    /// CAS token no longer matches and the write starts over from a fresh read.
+    pub fn update_known<S: Store>(
+        &mut self,
+        store: &mut S,
+        key: &str,
+        report_epoch: u64,
+        change: Change,
+        known: Option<Read>,
+    ) -> Written {
         let change = match self.pending.remove(key) {
             Some(p) => p.merge(change),
             None => change,
         };
-        let written = write(store, key, report_epoch, &change);
+        let written = write(store, key, report_epoch, &change, known);
         if !matches!(written, Written::Yes { .. }) && !change.is_empty() {
             self.pending.insert(key.to_string(), change);
         }
@@ -576,16 +594,32 @@ impl Ledger {
     /// The books of `key` as this VM should see them: the shared ones under the epoch rule,
     /// plus what this VM has not written yet. `None` when the store has none or cannot say.
     pub fn view<S: Store>(&self, store: &mut S, key: &str, report_epoch: u64) -> Option<Books> {
-        let shared = match store.get(key) {
-            Ok(Some((bytes, _))) => Books::decode(&bytes)?,
-            Ok(None) => Books::default(),
+        self.view_read(store, key, report_epoch)
+            .map(|(books, _)| books)
+    }
+
+    /// `view`, with the read it was made from (value and CAS token, `None` when the store had
+    /// no books), for `update_known`.
+    pub fn view_read<S: Store>(
+        &self,
+        store: &mut S,
+        key: &str,
+        report_epoch: u64,
+    ) -> Option<(Books, Option<Read>)> {
+        let read = match store.get(key) {
+            Ok(r) => r,
             Err(StoreFailed) => return None,
+        };
+        let shared = match &read {
+            Some((bytes, _)) => Books::decode(bytes)?,
+            None => Books::default(),
         }
         .at_epoch(report_epoch);
-        Some(match self.pending.get(key) {
+        let books = match self.pending.get(key) {
             Some(p) => shared.apply(p),
             None => shared,
-        })
+        };
+        Some((books, read))
     }
 
     /// Changes not written yet (nodes).
@@ -625,9 +659,19 @@ pub fn totals<S: Store>(store: &mut S, keys: &[String]) -> Books {
     sum
 }
 
-fn write<S: Store>(store: &mut S, key: &str, report_epoch: u64, change: &Change) -> Written {
+fn write<S: Store>(
+    store: &mut S,
+    key: &str,
+    report_epoch: u64,
+    change: &Change,
+    mut known: Option<Read>,
+) -> Written {
     for retries in 0..=MAX_CAS_RETRIES {
-        let (books, cas) = match store.get(key) {
+        let read = match known.take() {
+            Some(k) => Ok(Some(k)),
+            None => store.get(key),
+        };
+        let (books, cas) = match read {
             Ok(Some((bytes, cas))) => match Books::decode(&bytes) {
                 Some(b) => (b, cas),
                 None => return Written::Failed,
@@ -865,6 +909,31 @@ mod tests {
         assert_eq!(shared(&mut s, K).unreflected_tokens, 2, "c's stays");
         l.update(&mut s, K, 2, Change::release(&c, 0));
         assert!(shared(&mut s, K).is_zero());
+    }
+
+    /// A dispatch written from the read its decision made costs one host call; a read that
+    /// another worker's write made stale costs the retry, and nothing is lost.
+    #[test]
+    fn a_write_from_a_known_read_skips_the_second_read() {
+        let cases: &[(bool, usize, u32)] = &[(false, 1, 0), (true, 3, 1)];
+        for &(stale, calls, retries) in cases {
+            let mut s = store_with_books();
+            let mut l = Ledger::default();
+            let (books, read) = l.view_read(&mut s, K, 0).unwrap();
+            assert!(books.is_zero());
+            if stale {
+                l.update(&mut s, K, 0, Change::dispatch(&ticket(0, 1, 1)));
+            }
+            s.calls = 0;
+            let w = l.update_known(&mut s, K, 0, Change::dispatch(&ticket(0, 10, 10)), read);
+            assert!(
+                matches!(w, Written::Yes { retries: r, .. } if r == retries),
+                "{stale}: {w:?}"
+            );
+            assert_eq!(s.calls, calls, "{stale}");
+            let b = shared(&mut s, K);
+            assert_eq!(b.inflight_requests, 1 + u64::from(stale), "{stale}");
+        }
     }
 
     /// Two workers interleave read-modify-writes on one node: every write whose CAS token is

@@ -23,6 +23,7 @@ use crate::config::{Config, Poller, UnknownModel};
 use crate::membership;
 use crate::models::ListPoll;
 use crate::node::{Ticket, Transition};
+use crate::polling::{self, Schedule};
 use crate::rng::SplitMix64;
 use crate::shared::{
     self, Books, Change, Ledger, Read, SetError, Snapshot, Store, StoreFailed, Version, Written,
@@ -35,7 +36,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -809,6 +810,9 @@ struct Root {
     pending_members: Option<u32>,
     members_due_ms: u64,
     first_tick_done: bool,
+    /// Which slices of the fleet to poll when (see `polling`), and the timer period set.
+    schedule: Schedule,
+    period_ms: u64,
     /// What this VM last added to the memory gauge.
     memory_reported: u64,
 }
@@ -842,7 +846,7 @@ impl Context for Root {
             let result = s.balancer.on_health(node, body.as_deref(), now_ms());
             self.count_health(s, node, result, failure, status.as_deref());
             // The round is complete: publish it now rather than a tick later.
-            if self.pending.is_empty() {
+            if self.pending.is_empty() && self.round_polled() {
                 s.publish(now_ms());
             }
         }
@@ -863,6 +867,11 @@ fn vm_memory_bytes() -> u64 {
 }
 
 impl Root {
+    /// The last slice of the round has been polled (always, with one slice).
+    fn round_polled(&self) -> bool {
+        self.schedule.round_polled()
+    }
+
     fn role(&self) -> Option<Role> {
         let guard = self.state.try_borrow().ok()?;
         guard.as_ref().map(|s| s.role)
@@ -960,10 +969,10 @@ impl Root {
         }
     }
 
-    /// Asks every node whose model list is due, and not configured, for its `/v1/models`. The
-    /// list lives where requests are served, so the callout goes to `address`, not to a
-    /// `health_address` (a metrics sidecar serves no model list).
-    fn poll_models(&mut self) {
+    /// Asks every node of the slices `due` whose model list is due, and not configured, for its
+    /// `/v1/models`. The list lives where requests are served, so the callout goes to
+    /// `address`, not to a `health_address` (a metrics sidecar serves no model list).
+    fn poll_models(&mut self, due: &[usize]) {
         let Ok(guard) = self.state.try_borrow() else {
             return;
         };
@@ -971,8 +980,10 @@ impl Root {
         if s.config.models_poll_ms == 0 {
             return;
         }
+        let slices = self.schedule.slices();
         let now = now_ms();
         let timeout = Duration::from_millis(s.config.health_timeout_ms);
+        let outstanding: HashSet<usize> = self.pending_models.values().copied().collect();
         for (i, state) in s.balancer.nodes().iter().enumerate() {
             let Some(node) = s.balancer.node_config(i) else {
                 continue;
@@ -980,10 +991,13 @@ impl Root {
             let Some(p) = self.list_polls.get_mut(i) else {
                 continue;
             };
+            // Lists are asked in the slice their node's health is: a thousand nodes due at
+            // once (at start) are asked a slice at a time too.
             if !state.member
                 || !s.balancer.learns_models(i)
                 || !p.due(now)
-                || self.pending_models.values().any(|&n| n == i)
+                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
+                || outstanding.contains(&i)
             {
                 continue;
             }
@@ -1115,24 +1129,40 @@ impl Root {
         let _ = hostcalls::record_metric(s.metrics.members_now, members.addresses.len() as u64);
     }
 
-    /// Sends one health callout to every node that has none outstanding.
-    fn poll(&mut self) {
+    /// Sends one health callout to every node of the slices now due (see `polling`) that has
+    /// none outstanding. Returns the slices polled.
+    fn poll(&mut self) -> Vec<usize> {
         let Ok(guard) = self.state.try_borrow() else {
-            return;
+            return Vec::new();
         };
-        let Some(s) = guard.as_ref() else { return };
-        if !self.first_tick_done {
+        let Some(s) = guard.as_ref() else {
+            return Vec::new();
+        };
+        // The fleet may grow or shrink (membership): the slices follow it.
+        let due = self
+            .schedule
+            .due(s.balancer.nodes().len(), s.config.tick_ms, now_ms());
+        let slices = self.schedule.slices();
+        let period = self.schedule.period_ms();
+        if !self.first_tick_done || period != self.period_ms {
             self.first_tick_done = true;
-            let _ = hostcalls::set_tick_period(Duration::from_millis(s.config.tick_ms));
+            self.period_ms = period;
+            let _ = hostcalls::set_tick_period(Duration::from_millis(period));
         }
         let timeout = Duration::from_millis(s.config.health_timeout_ms);
+        // A set, not a scan of the outstanding calls per node: with a thousand nodes slow to
+        // answer, that scan alone is a million comparisons a tick.
+        let outstanding: HashSet<usize> = self.pending.values().copied().collect();
         for (i, state) in s.balancer.nodes().iter().enumerate() {
             let Some(node) = s.balancer.node_config(i) else {
                 continue;
             };
             // A node whose last poll is still outstanding is not polled again: slow nodes must
             // not pile up callouts. A node out of the cluster is not polled at all.
-            if !state.member || self.pending.values().any(|&n| n == i) {
+            if !state.member
+                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
+                || outstanding.contains(&i)
+            {
                 continue;
             }
             let target = node.health_target();
@@ -1149,6 +1179,7 @@ impl Root {
                 }
             }
         }
+        due
     }
 
     fn count_health(
@@ -1325,6 +1356,7 @@ impl RootContext for Root {
         self.pending_members = None;
         self.members_due_ms = 0;
         self.first_tick_done = false;
+        self.schedule = Schedule::default();
         let _ = hostcalls::set_tick_period(FIRST_POLL);
         true
     }
@@ -1335,11 +1367,13 @@ impl RootContext for Root {
             self.read_fleet();
         } else {
             self.poll_members();
-            self.poll();
-            self.poll_models();
+            let due = self.poll();
+            self.poll_models(&due);
         }
         self.report_memory();
-        if role == Some(Role::Service) {
+        // The service publishes once a round, when the last slice has been polled: the workers
+        // then decode a new snapshot once a tick, however many slices there are.
+        if role == Some(Role::Service) && self.round_polled() {
             if let Ok(mut guard) = self.state.try_borrow_mut() {
                 if let Some(s) = guard.as_mut() {
                     s.publish(now_ms());

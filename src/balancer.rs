@@ -60,6 +60,8 @@ pub struct Balancer {
     configs: Vec<NodeConfig>,
     /// How many of `configs` come from the configuration's `nodes`.
     listed: usize,
+    /// The configuration's `nodes`, for `mirror_fleet`, whose slots may hold them elsewhere.
+    listed_configs: Vec<NodeConfig>,
     /// The settings of a member the configuration does not list; `None` when the nodes do not
     /// follow a cluster.
     defaults: Option<NodeConfig>,
@@ -116,6 +118,7 @@ impl Balancer {
                 .collect(),
             configs: cfg.nodes.clone(),
             listed: cfg.nodes.len(),
+            listed_configs: cfg.nodes.clone(),
             defaults: cfg.membership.as_ref().map(|m| m.node_defaults.clone()),
             hysteresis: (cfg.unhealthy_after_failures, cfg.healthy_after_successes),
             params: Params {
@@ -151,6 +154,17 @@ impl Balancer {
     /// requests end, but it is never chosen, and its report is dropped, so that a node coming
     /// back is trusted only on a new report. Without `membership` configured this does nothing.
     pub fn set_members(&mut self, addresses: &[String]) -> MemberChange {
+        self.set_members_with(addresses, |_| false)
+    }
+
+    /// `set_members`, where `busy(i)` says whether departed node `i` still has requests in
+    /// flight that this balancer's own books do not show (the poller service routes nothing
+    /// itself: the shared books know), so its slot is not reused yet.
+    pub fn set_members_with(
+        &mut self,
+        addresses: &[String],
+        busy: impl Fn(usize) -> bool,
+    ) -> MemberChange {
         let mut change = MemberChange::default();
         let Some(defaults) = self.defaults.clone() else {
             return change;
@@ -183,6 +197,7 @@ impl Balancer {
                 self.nodes
                     .get(i)
                     .is_some_and(|n| !n.member && n.inflight_requests == 0)
+                    && !busy(i)
             });
             let slot = match reusable {
                 Some(i) => i,
@@ -442,7 +457,12 @@ impl Balancer {
 
     /// The request's stream has delivered `after` output tokens (it had `before`).
     pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
-        if let Some(state) = self.nodes.get_mut(ticket.node) {
+        // A slot given to another address since the dispatch no longer holds this booking.
+        if let Some(state) = self
+            .nodes
+            .get_mut(ticket.node)
+            .filter(|n| n.tenant == ticket.tenant)
+        {
             state.progress(ticket, before, after);
         }
     }
@@ -450,7 +470,11 @@ impl Balancer {
     /// The request's stream ended (completed, failed, reset or timed out) after `received`
     /// output tokens.
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
-        if let Some(state) = self.nodes.get_mut(ticket.node) {
+        if let Some(state) = self
+            .nodes
+            .get_mut(ticket.node)
+            .filter(|n| n.tenant == ticket.tenant)
+        {
             state.release(ticket, received);
         }
     }
@@ -524,10 +548,83 @@ impl Balancer {
         imported
     }
 
+    /// A filter VM following a cluster with `poller: singleton` takes the poller's node slots
+    /// as its own: its node `i` is the snapshot's node `i`, so a node's books key (per slot,
+    /// see `shared::books_key`) is the same in every VM, and the VM follows the members the
+    /// poller follows without asking Envoy's admin itself. A slot now holding another address
+    /// starts afresh with that address's settings (from `nodes` when listed there, else the
+    /// defaults); `import_fleet` then brings the reports. Returns what changed, as
+    /// `set_members` does. Without `membership` configured this does nothing: the nodes are
+    /// the configured ones, matched to the snapshot by address.
+    pub fn mirror_fleet(&mut self, snapshot: &Snapshot) -> MemberChange {
+        let mut change = MemberChange::default();
+        let Some(defaults) = self.defaults.clone() else {
+            return change;
+        };
+        for (i, v) in snapshot.nodes.iter().enumerate() {
+            if i >= MAX_NODES {
+                change.over_limit += 1;
+                continue;
+            }
+            if let Some(n) = self.nodes.get_mut(i).filter(|n| n.address == v.address) {
+                if n.member != v.member {
+                    n.member = v.member;
+                    if v.member {
+                        change.joined.push(i);
+                    } else {
+                        n.forget_report();
+                        change.left.push(i);
+                    }
+                }
+                continue;
+            }
+            let config = self
+                .listed_configs
+                .iter()
+                .find(|c| c.address == v.address)
+                .cloned()
+                .unwrap_or_else(|| NodeConfig {
+                    address: v.address.clone(),
+                    ..defaults.clone()
+                });
+            let mut state = node_state(&config, self.hysteresis);
+            state.member = v.member;
+            match (self.nodes.get_mut(i), self.configs.get_mut(i)) {
+                (Some(n), Some(c)) => {
+                    if n.member && !v.member {
+                        change.left.push(i);
+                    }
+                    *n = state;
+                    *c = config;
+                }
+                _ => {
+                    self.nodes.push(state);
+                    self.configs.push(config);
+                }
+            }
+            if v.member {
+                change.joined.push(i);
+            }
+        }
+        // Slots past the snapshot's (a poller restarted with fewer) are out of the cluster.
+        for i in snapshot.nodes.len()..self.nodes.len() {
+            if let Some(n) = self.nodes.get_mut(i).filter(|n| n.member) {
+                n.member = false;
+                n.forget_report();
+                change.left.push(i);
+            }
+        }
+        if !change.joined.is_empty() || !change.left.is_empty() {
+            self.pool.invalidate();
+        }
+        change
+    }
+
     /// Node `node`'s books as this balancer holds them.
     pub fn books(&self, node: usize) -> Option<Books> {
         self.nodes.get(node).map(|n| Books {
             epoch: n.epoch(),
+            tenant: n.tenant,
             inflight_requests: n.inflight_requests,
             inflight_tokens: n.inflight_tokens,
             unreflected_tokens: n.unreflected_tokens,
@@ -1285,11 +1382,11 @@ mod tests {
         );
     }
 
-    fn members(list: &[&str]) -> Vec<String> {
+    pub(super) fn members(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
     }
 
-    fn following(extra: &str) -> Balancer {
+    pub(super) fn following(extra: &str) -> Balancer {
         Balancer::new(
             &Config::parse(
                 format!(
@@ -1302,7 +1399,7 @@ mod tests {
         )
     }
 
-    const IDLE: &[u8] = br#"{"tokens_per_sec_load":1,"tokens_per_sec_capacity":1000}"#;
+    pub(super) const IDLE: &[u8] = br#"{"tokens_per_sec_load":1,"tokens_per_sec_capacity":1000}"#;
 
     #[test]
     fn members_join_and_leave_and_only_members_are_chosen() {
@@ -1408,6 +1505,7 @@ mod tests {
 
 #[cfg(test)]
 mod shared_tests {
+    use super::tests::{following, members, IDLE};
     use super::*;
     use crate::rng::SplitMix64;
 
@@ -1500,5 +1598,73 @@ mod shared_tests {
         b.epoch = base + 50;
         reader.set_books(0, &b);
         assert_eq!(reader.books(0).unwrap().epoch, base + 50);
+    }
+
+    /// With `membership`, a reader follows the poller's slots: its node `i` is the snapshot's
+    /// node `i`, a slot the poller reused starts afresh with the new address's settings, and
+    /// a release booked for the slot's former address does not touch the new one.
+    #[test]
+    fn a_reader_following_a_cluster_mirrors_the_pollers_slots() {
+        let listed = r#","nodes":[{"address":"10.0.0.9:80","kv_cache_tokens":5}]"#;
+        let mut poller = following(listed);
+        let mut reader = following(listed);
+        let mut rng = SplitMix64::new(3);
+        let snap = |p: &Balancer| Snapshot {
+            nodes: p.fleet_view(1_000),
+        };
+        poller.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]));
+        for i in 0..3 {
+            poller.on_health(i, Some(IDLE), 0).unwrap();
+        }
+        let c = reader.mirror_fleet(&snap(&poller));
+        assert_eq!((c.joined, c.left), (vec![1, 2], vec![0]));
+        assert_eq!(reader.import_fleet(&snap(&poller)).missing, 0);
+        let addresses =
+            |b: &Balancer| -> Vec<String> { b.nodes().iter().map(|n| n.address.clone()).collect() };
+        assert_eq!(addresses(&reader), addresses(&poller));
+        assert_eq!(reader.node_config(1).unwrap().kv_cache_tokens, Some(777));
+        assert_eq!(reader.mirror_fleet(&snap(&poller)), MemberChange::default());
+        // The reader routes a request to node 2, then the poller reuses node 2's slot (its
+        // shared books are empty: the busy check says so) for a new address.
+        let on_2 = loop {
+            let t = routed(&reader.route(W, None, 10, &mut rng, false)).unwrap();
+            if t.node == 2 {
+                break t;
+            }
+            reader.release(&t, 0);
+        };
+        poller.set_members(&members(&["10.0.0.1:80"]));
+        let busy = poller.set_members_with(&members(&["10.0.0.1:80", "10.0.0.3:80"]), |i| i == 2);
+        assert_eq!(busy.joined, vec![3], "a busy slot is not reused");
+        poller.set_members(&members(&["10.0.0.1:80"]));
+        let c = poller.set_members(&members(&["10.0.0.1:80", "10.0.0.4:80", "10.0.0.9:80"]));
+        assert_eq!(c.joined, vec![0, 2]);
+        poller.on_health(2, Some(IDLE), 20).unwrap();
+        let c = reader.mirror_fleet(&snap(&poller));
+        assert_eq!((c.joined, c.left), (vec![0, 2], Vec::<usize>::new()));
+        reader.import_fleet(&snap(&poller));
+        assert_eq!(addresses(&reader), addresses(&poller));
+        assert_eq!(
+            reader.node_config(0).unwrap().kv_cache_tokens,
+            Some(5),
+            "listed"
+        );
+        // The old address's release finds a new tenant in the slot: nothing is taken away.
+        let on_new = routed(&reader.route(W, Some("x"), 30, &mut rng, false));
+        let before = reader.nodes()[2].inflight_requests;
+        reader.release(&on_2, 0);
+        assert_eq!(reader.nodes()[2].inflight_requests, before);
+        if let Some(t) = on_new {
+            reader.release(&t, 0);
+        }
+        // A poller restarted with fewer slots: the reader's extra ones leave.
+        let c = reader.mirror_fleet(&Snapshot {
+            nodes: snap(&poller).nodes[..2].to_vec(),
+        });
+        assert_eq!(c.left, vec![2]);
+        // Without `membership` the nodes are the configured ones, whatever the snapshot.
+        let mut fixed = Balancer::new(&cfg(&[8001]));
+        assert_eq!(fixed.mirror_fleet(&snap(&poller)), MemberChange::default());
+        assert_eq!(fixed.nodes().len(), 1);
     }
 }

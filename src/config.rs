@@ -604,14 +604,6 @@ impl Config {
                 ))
             }
         };
-        if poller == Poller::Singleton && membership.is_some() {
-            // The shared books are one key per configured node; members learned at runtime
-            // would need keys that come and go, and slots the poller and the workers agree on.
-            return Err(err(
-                "poller",
-                "\"singleton\" does not follow `membership` yet: list the `nodes`, or use \"vm\"",
-            ));
-        }
         Ok(Config {
             poller,
             membership,
@@ -818,7 +810,6 @@ mod tests {
             (with(r#""unknown_model":true"#), "unknown_model"),
             (with(r#""poller":"main""#), "poller"),
             (with(r#""poller":1"#), "poller"),
-            (with(r#""poller":"singleton","membership":{"cluster":"c","admin_cluster":"a"}"#), "poller"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","models":"m1"}],"health_cluster":"h"}"#.into(), "nodes[0].models"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","models":[]}],"health_cluster":"h"}"#.into(), "nodes[0].models"),
             (format!(r#"{{"nodes":[{node},{{"address":"127.0.0.1:2","models":["a",""]}}],"health_cluster":"h"}}"#), "nodes[1].models[1]"),

@@ -18,11 +18,11 @@
 //! degrades to the fail-open path, since a panic would trap the VM and fail the traffic.
 
 use crate::admission::HoldQueue;
-use crate::balancer::{Balancer, BookSource, HealthError, Outcome};
+use crate::balancer::{Balancer, BookSource, HealthError, MemberChange, Outcome};
 use crate::config::{Config, Poller, UnknownModel};
 use crate::membership;
 use crate::models::ListPoll;
-use crate::node::{Ticket, Transition};
+use crate::node::{tenant_of, Ticket, Transition};
 use crate::polling::{self, Schedule};
 use crate::rng::SplitMix64;
 use crate::shared::{
@@ -93,13 +93,32 @@ enum Role {
 /// most this much later.
 const VERSION_RECHECK_MS: u64 = 10;
 
+/// Where a node's shared books are: its slot in the poller's fleet, and who it is.
+struct BookKey {
+    slot: usize,
+    tenant: u64,
+    /// `shared::books_key(slot)`, made once.
+    key: String,
+}
+
+impl BookKey {
+    fn new(slot: usize, tenant: u64) -> BookKey {
+        BookKey {
+            slot,
+            tenant,
+            key: shared::books_key(slot),
+        }
+    }
+}
+
 /// The shared-data side of a VM in singleton mode.
 #[derive(Default)]
 struct Sharing {
     /// Reader: when the version record was last read.
     version_checked_ms: Option<u64>,
-    /// Books key of each node, index for index with the balancer's nodes.
-    keys: Vec<String>,
+    /// Books key of each node, index for index with the balancer's nodes (`None`: a reader's
+    /// node the poller's snapshot does not have).
+    keys: Vec<Option<BookKey>>,
     ledger: Ledger,
     /// The reader's last imported version; the service's last published.
     version: Option<u64>,
@@ -246,6 +265,7 @@ struct Metrics {
     shared_cas_retries: u32,
     shared_cas_exhausted: u32,
     shared_books_missing: u32,
+    shared_books_gone: u32,
     shared_published: u32,
     shared_imported: u32,
     shared_inflight_requests: u32,
@@ -338,6 +358,7 @@ impl Metrics {
             shared_cas_retries: counter(&format!("{p}.shared.cas_retries")),
             shared_cas_exhausted: counter(&format!("{p}.shared.cas_exhausted")),
             shared_books_missing: counter(&format!("{p}.shared.books_missing")),
+            shared_books_gone: counter(&format!("{p}.shared.books_gone")),
             shared_published: counter(&format!("{p}.shared.published")),
             shared_imported: counter(&format!("{p}.shared.imported")),
             shared_inflight_requests: hostcalls::define_metric(
@@ -378,27 +399,96 @@ struct State {
 }
 
 impl State {
-    /// Writes `change` to node `node`'s shared books (a reader's dispatch, progress, release)
-    /// and counts what became of it. Does nothing outside the reader role.
-    fn share(&mut self, node: usize, change: Change) {
-        self.share_known(node, change, None);
+    /// Writes `change` to the shared books of `ticket`'s node (a reader's dispatch, progress,
+    /// release) and counts what became of it. Does nothing outside the reader role. The
+    /// change counts for the ticket's tenant: if its node's slot has gone to another address
+    /// since, the change is dropped (`Written::Gone`).
+    fn share(&mut self, ticket: &Ticket, change: Change) {
+        self.share_known(ticket, change, None);
     }
 
     /// `share`, writing from `known`, a read of the node's books just made (see
     /// `Ledger::update_known`).
-    fn share_known(&mut self, node: usize, change: Change, known: Option<Read>) {
+    fn share_known(&mut self, ticket: &Ticket, change: Change, known: Option<Read>) {
         if self.role != Role::Reader {
             return;
         }
-        let Some(key) = self.sharing.keys.get(node) else {
+        let Some(Some(book)) = self.sharing.keys.get(ticket.node) else {
             return;
         };
-        let epoch = self.balancer.nodes().get(node).map_or(0, |n| n.epoch());
-        let written = self
-            .sharing
-            .ledger
-            .update_known(&mut HostStore, key, epoch, change, known);
+        let epoch = self
+            .balancer
+            .nodes()
+            .get(ticket.node)
+            .map_or(0, |n| n.epoch());
+        let written = self.sharing.ledger.update_known(
+            &mut HostStore,
+            &book.key,
+            ticket.tenant,
+            epoch,
+            change,
+            known,
+        );
         self.count_written(written);
+    }
+
+    /// Reader: its nodes followed the poller's (`Balancer::mirror_fleet`). The per-node
+    /// counters of a new node are named after it; the service counts and logs the joins and
+    /// departures, once for the process.
+    fn note_members(&mut self, change: &MemberChange) {
+        for &i in &change.joined {
+            if let Some(address) = self.balancer.nodes().get(i).map(|n| n.address.clone()) {
+                self.metrics.name_node(i, &address);
+                debug!("node {address} followed from the poller's fleet");
+            }
+        }
+    }
+
+    /// Service: the books of the slots `joined` count for the addresses now holding them
+    /// (kept when they already do: a node back in its slot finds its requests still there).
+    /// Written before the snapshot that shows the new nodes, so no worker routes to a node
+    /// whose books are missing or still count for the slot's former address.
+    fn claim_books(&mut self, joined: &[usize]) {
+        for &i in joined {
+            let Some(tenant) = self.balancer.nodes().get(i).map(|n| n.tenant) else {
+                continue;
+            };
+            if self.sharing.keys.len() <= i {
+                self.sharing.keys.resize_with(i + 1, || None);
+            }
+            let book = BookKey::new(i, tenant);
+            if shared::ensure_books(&mut HostStore, &book.key, tenant).is_err() {
+                bump(self.metrics.shared_failed);
+            }
+            if let Some(k) = self.sharing.keys.get_mut(i) {
+                *k = Some(book);
+            }
+        }
+    }
+
+    /// Reader: the books key of each of its nodes, from the slots of `snapshot`, matched by
+    /// address. A key is made again only when its node's slot or address changed.
+    fn map_books(&mut self, snapshot: &Snapshot) {
+        let slots: HashMap<&str, usize> = snapshot
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.address.as_str(), i))
+            .collect();
+        let nodes = self.balancer.nodes();
+        self.sharing.keys.resize_with(nodes.len(), || None);
+        for (n, book) in nodes.iter().zip(self.sharing.keys.iter_mut()) {
+            let Some(&slot) = slots.get(n.address.as_str()) else {
+                *book = None;
+                continue;
+            };
+            if !book
+                .as_ref()
+                .is_some_and(|b| b.slot == slot && b.tenant == n.tenant)
+            {
+                *book = Some(BookKey::new(slot, n.tenant));
+            }
+        }
     }
 
     fn count_written(&self, written: Written) {
@@ -419,6 +509,7 @@ impl State {
                 }
             }
             Written::Missing => bump(m.shared_books_missing),
+            Written::Gone => bump(m.shared_books_gone),
             Written::Failed => bump(m.shared_failed),
         }
     }
@@ -458,7 +549,10 @@ impl State {
                     Ok(Some((bytes, _))) => match Snapshot::decode(&bytes) {
                         Ok(snapshot) => {
                             bump(self.metrics.shared_imported);
+                            let change = self.balancer.mirror_fleet(&snapshot);
+                            self.note_members(&change);
                             let imported = self.balancer.import_fleet(&snapshot);
+                            self.map_books(&snapshot);
                             if imported.missing > 0 && !self.sharing.fleet_ok {
                                 warn!(
                                     "the poller's snapshot lacks {} of this filter's nodes: give the poller service the filter's configuration",
@@ -503,7 +597,7 @@ impl State {
         let nodes = self.balancer.nodes();
         let epoch_of = |k: &str| {
             keys.iter()
-                .position(|x| x == k)
+                .position(|x| x.as_ref().is_some_and(|b| b.key == k))
                 .and_then(|i| nodes.get(i))
                 .map_or(0, |n| n.epoch())
         };
@@ -551,7 +645,14 @@ impl State {
         if self.role != Role::Service {
             return;
         }
-        let t = shared::totals(&mut HostStore, &self.sharing.keys);
+        let keys: Vec<String> = self
+            .sharing
+            .keys
+            .iter()
+            .flatten()
+            .map(|b| b.key.clone())
+            .collect();
+        let t = shared::totals(&mut HostStore, &keys);
         let _ =
             hostcalls::record_metric(self.metrics.shared_inflight_requests, t.inflight_requests);
         let _ = hostcalls::record_metric(self.metrics.shared_inflight_tokens, t.inflight_tokens);
@@ -594,11 +695,11 @@ impl BookSource for SharedBooks<'_> {
         if self.role != Role::Reader {
             return None;
         }
-        let key = self.sharing.keys.get(node)?;
+        let book = self.sharing.keys.get(node)?.as_ref()?;
         match self
             .sharing
             .ledger
-            .view_read(&mut HostStore, key, report_epoch)
+            .view_read(&mut HostStore, &book.key, book.tenant, report_epoch)
         {
             Some((books, read)) => {
                 if let Some(read) = read {
@@ -677,7 +778,7 @@ fn place(
             }
             bump(s.metrics.routed);
             let known = SharedBooks::read_of(reads, ticket.node);
-            s.share_known(ticket.node, Change::dispatch(&ticket), known);
+            s.share_known(&ticket, Change::dispatch(&ticket), known);
             shift(s.metrics.inflight_now, 1);
             bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
             if over_ceiling {
@@ -1079,7 +1180,28 @@ impl Root {
             }
         };
         bump(s.metrics.members_ok);
-        let change = s.balancer.set_members(&members.addresses);
+        let change = if s.role == Role::Service {
+            // The service routes nothing: whether a departed node's requests have ended is in
+            // the shared books, and its slot (and books key) is not reused before they have.
+            let keys = &s.sharing.keys;
+            let busy = |i: usize| {
+                keys.get(i)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|b| match HostStore.get(&b.key) {
+                        Ok(Some((bytes, _))) => {
+                            shared::Books::decode(&bytes).map_or(true, |x| x.inflight_requests > 0)
+                        }
+                        Ok(None) => false,
+                        Err(StoreFailed) => true,
+                    })
+            };
+            s.balancer.set_members_with(&members.addresses, busy)
+        } else {
+            s.balancer.set_members(&members.addresses)
+        };
+        if s.role == Role::Service {
+            s.claim_books(&change.joined);
+        }
         for &i in &change.left {
             bump(s.metrics.nodes_left);
             let address = s.balancer.nodes().get(i).map(|n| n.address.as_str());
@@ -1105,7 +1227,7 @@ impl Root {
             } else if let Some(p) = self.list_polls.get_mut(i) {
                 *p = ListPoll::new(tick_ms, s.config.models_poll_ms);
             }
-            info!("node {address} joined cluster {:?}", m.cluster);
+            info!("node {address} joined cluster {:?} (slot {i})", m.cluster);
         }
         if change.over_limit > 0 {
             warn!(
@@ -1281,12 +1403,18 @@ impl RootContext for Root {
             (false, Poller::Vm) => Role::Vm,
         };
         let now = now_ms();
-        let sharing = Sharing {
-            keys: config
+        // The service's slots are the books' keys; a reader learns them from the snapshot.
+        let keys = match role {
+            Role::Service => config
                 .nodes
                 .iter()
-                .map(|n| shared::books_key(&n.address))
+                .enumerate()
+                .map(|(i, n)| Some(BookKey::new(i, tenant_of(&n.address))))
                 .collect(),
+            _ => Vec::new(),
+        };
+        let sharing = Sharing {
+            keys,
             epoch_base: now,
             ..Sharing::default()
         };
@@ -1320,8 +1448,8 @@ impl RootContext for Root {
         }
         if role == Role::Service {
             // The books exist before any worker routes: workers never create them.
-            for key in &state.sharing.keys {
-                if shared::ensure_books(&mut HostStore, key).is_err() {
+            for book in state.sharing.keys.iter().flatten() {
+                if shared::ensure_books(&mut HostStore, &book.key, book.tenant).is_err() {
                     bump(state.metrics.shared_failed);
                 }
             }
@@ -1561,7 +1689,7 @@ impl Request {
                         .observe_output(ticket.weight.prompt_tokens, output);
                 }
                 s.balancer.release(&ticket, progressed);
-                s.share(ticket.node, Change::release(&ticket, written));
+                s.share(&ticket, Change::release(&ticket, written));
                 shift(s.metrics.inflight_now, -1);
             });
         }
@@ -1669,10 +1797,7 @@ impl HttpContext for Request {
                                     || (received >= ticket.reserved_output
                                         && written < ticket.reserved_output);
                                 if due && s.role == Role::Reader {
-                                    s.share(
-                                        ticket.node,
-                                        Change::progress(&ticket, written, received),
-                                    );
+                                    s.share(&ticket, Change::progress(&ticket, written, received));
                                 }
                                 due
                             })

@@ -30,10 +30,23 @@ use crate::telemetry::Report;
 use crate::throughput::Tracker;
 use crate::weight::Weight;
 
+/// A node's identity where slots are reused for other addresses (the balancer's node slots,
+/// the shared books' keys): FNV-1a, 64 bits, of the address. Two addresses of one fleet
+/// colliding is a 1 in 2^64 event per pair; a collision would only let one node's stale release
+/// reach the other's books.
+pub fn tenant_of(address: &str) -> u64 {
+    address.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Proof of one dispatch, handed back at release so the books balance exactly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
     pub node: usize,
+    /// Who held the node's slot at dispatch (`tenant_of` its address): a slot reused for
+    /// another address (membership churn) must not take the old one's release.
+    pub tenant: u64,
     /// The node's report epoch at dispatch: if no report has arrived since, the request's work
     /// is still counted as unreflected and must be taken out of that sum too.
     pub epoch: u64,
@@ -47,6 +60,8 @@ pub struct Ticket {
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeState {
     pub address: String,
+    /// `tenant_of(address)`, kept so a ticket can be matched to the node that issued it.
+    pub tenant: u64,
     /// Configured capacity, which wins over a reported one.
     pub capacity_override: Option<f64>,
     /// Configured KV-cache size in tokens.
@@ -99,6 +114,7 @@ impl NodeState {
     ) -> Self {
         NodeState {
             address: address.to_string(),
+            tenant: tenant_of(address),
             capacity_override,
             kv_cache_tokens,
             format: HealthFormat::Auto,
@@ -234,6 +250,7 @@ impl NodeState {
         self.growth_tokens = self.growth_tokens.saturating_add(reserved_output);
         Ticket {
             node,
+            tenant: self.tenant,
             epoch: self.epoch,
             weight,
             reserved_output,

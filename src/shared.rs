@@ -18,11 +18,17 @@
 //!   The encoding is a compact binary layout (about 120 bytes a node): decoding 1,000 nodes
 //!   (120 KB) takes about 0.16 ms natively and 0.67 ms as wasm32-wasip1 under Node's V8,
 //!   release builds (`decode_cost_of_a_thousand_nodes`, run with `--ignored`).
-//! - **The books** (`Books`, one key per configured node, `books_key`): in-flight requests and
-//!   tokens, the unreflected part (dispatched since the report of `epoch`) and the KV growth
-//!   still to come. Every VM read-modify-writes them with CAS (`Ledger::update`), retrying up
-//!   to `MAX_CAS_RETRIES` times. The set of keys is fixed by the configuration: no key per
-//!   request, nothing to collect.
+//! - **The books** (`Books`, one key per slot of the poller's fleet, `books_key`): in-flight
+//!   requests and tokens, the unreflected part (dispatched since the report of `epoch`) and
+//!   the KV growth still to come. Every VM read-modify-writes them with CAS (`Ledger::update`),
+//!   retrying up to `MAX_CAS_RETRIES` times. No key per request or per address: a slot is a
+//!   node's index in the snapshot, at most `balancer::MAX_NODES` of them, and a slot freed by a
+//!   node that left the cluster is reused for the next new one once its books are empty.
+//! - **The tenant rule**: books carry the address they count for (`node::tenant_of`), and
+//!   the poller claims a reused slot's books for the new address (`ensure_books`) before it
+//!   publishes the snapshot showing it. A change booked for the former address (a release
+//!   that was kept for later, a worker whose snapshot is older) finds another tenant and is
+//!   dropped (`Written::Gone`): it can never land on the new node's books.
 //! - **The epoch rule**: a node's report epoch grows with every report the poller takes. When
 //!   an update finds the snapshot's epoch newer than the books', the unreflected part resets
 //!   (that report now reflects that work) before the change applies; a change's unreflected
@@ -51,9 +57,12 @@ pub const VERSION_KEY: &str = "token_balancer.fleet.version";
 /// Compare-and-swap attempts after the first before a change is kept for later.
 pub const MAX_CAS_RETRIES: u32 = 8;
 
-/// The books of the node at `address` live under this key.
-pub fn books_key(address: &str) -> String {
-    format!("token_balancer.books.{address}")
+/// The books of the node in slot `slot` of the poller's fleet (its index in the snapshot) live
+/// under this key. Keys are per slot, not per address: Envoy's shared data cannot delete a key,
+/// so keys named after addresses would grow with every pod ever replaced, while slots are
+/// reused (`Balancer::set_members`) and bounded by `balancer::MAX_NODES`.
+pub fn books_key(slot: usize) -> String {
+    format!("token_balancer.books.{slot}")
 }
 
 /// A host call to the store failed (not a CAS mismatch).
@@ -338,6 +347,9 @@ impl Snapshot {
 pub struct Books {
     /// The report epoch the unreflected part belongs to.
     pub epoch: u64,
+    /// The address these books count for (`node::tenant_of`): a change booked for another
+    /// tenant of the slot is dropped, since its node has left and its work with it.
+    pub tenant: u64,
     pub inflight_requests: u64,
     pub inflight_tokens: u64,
     pub unreflected_tokens: u64,
@@ -347,7 +359,7 @@ pub struct Books {
 }
 
 /// Bytes of encoded books.
-pub const BOOKS_LEN: usize = 56;
+pub const BOOKS_LEN: usize = 64;
 
 fn add(v: u64, d: i64) -> u64 {
     if d >= 0 {
@@ -366,9 +378,10 @@ impl Books {
         out
     }
 
-    fn fields(&self) -> [u64; 7] {
+    fn fields(&self) -> [u64; 8] {
         [
             self.epoch,
+            self.tenant,
             self.inflight_requests,
             self.inflight_tokens,
             self.unreflected_tokens,
@@ -382,6 +395,7 @@ impl Books {
         let mut r = Reader::new(bytes);
         let b = Books {
             epoch: r.u64()?,
+            tenant: r.u64()?,
             inflight_requests: r.u64()?,
             inflight_tokens: r.u64()?,
             unreflected_tokens: r.u64()?,
@@ -419,8 +433,17 @@ impl Books {
         self
     }
 
+    /// Nothing in flight, nothing unreflected (the epoch and tenant aside).
     pub fn is_zero(&self) -> bool {
-        self.fields().iter().skip(1).all(|&v| v == 0)
+        self.fields().iter().skip(2).all(|&v| v == 0)
+    }
+
+    /// Empty books of `tenant`.
+    pub fn of(tenant: u64) -> Books {
+        Books {
+            tenant,
+            ..Books::default()
+        }
     }
 }
 
@@ -532,14 +555,18 @@ pub enum Written {
     Exhausted,
     /// The node has no books yet (the poller creates them): kept for later.
     Missing,
+    /// The slot now counts for another address: the change's node has left, and the change
+    /// is dropped with it.
+    Gone,
     /// A host call failed, or the stored books are unreadable: kept for later.
     Failed,
 }
 
-/// One VM's side of the books: the changes it could not write yet, per key.
+/// One VM's side of the books: the changes it could not write yet, per key, with the tenant
+/// they were booked for.
 #[derive(Debug, Clone, Default)]
 pub struct Ledger {
-    pending: HashMap<String, Change>,
+    pending: HashMap<String, (u64, Change)>,
 }
 
 impl Ledger {
@@ -549,10 +576,11 @@ impl Ledger {
         &mut self,
         store: &mut S,
         key: &str,
+        tenant: u64,
         report_epoch: u64,
         change: Change,
     ) -> Written {
-        self.update_known(store, key, report_epoch, change, None)
+        self.update_known(store, key, tenant, report_epoch, change, None)
     }
 
     /// `update`, starting from `known`, a read of `key` (value and CAS token) this VM has just
@@ -563,17 +591,19 @@ impl Ledger {
         &mut self,
         store: &mut S,
         key: &str,
+        tenant: u64,
         report_epoch: u64,
         change: Change,
         known: Option<Read>,
     ) -> Written {
+        // What is still owed to a former tenant of the slot left with it.
         let change = match self.pending.remove(key) {
-            Some(p) => p.merge(change),
-            None => change,
+            Some((t, p)) if t == tenant => p.merge(change),
+            _ => change,
         };
-        let written = write(store, key, report_epoch, &change, known);
-        if !matches!(written, Written::Yes { .. }) && !change.is_empty() {
-            self.pending.insert(key.to_string(), change);
+        let written = write(store, key, tenant, report_epoch, &change, known);
+        if !matches!(written, Written::Yes { .. } | Written::Gone) && !change.is_empty() {
+            self.pending.insert(key.to_string(), (tenant, change));
         }
         written
     }
@@ -585,39 +615,57 @@ impl Ledger {
         store: &mut S,
         epoch_of: impl Fn(&str) -> u64,
     ) -> Vec<Written> {
-        let keys: Vec<String> = self.pending.keys().cloned().collect();
+        let keys: Vec<(String, u64)> = self
+            .pending
+            .iter()
+            .map(|(k, (t, _))| (k.clone(), *t))
+            .collect();
         keys.iter()
-            .map(|k| self.update(store, k, epoch_of(k), Change::default()))
+            .map(|(k, t)| self.update(store, k, *t, epoch_of(k), Change::default()))
             .collect()
     }
 
     /// The books of `key` as this VM should see them: the shared ones under the epoch rule,
     /// plus what this VM has not written yet. `None` when the store has none or cannot say.
-    pub fn view<S: Store>(&self, store: &mut S, key: &str, report_epoch: u64) -> Option<Books> {
-        self.view_read(store, key, report_epoch)
+    pub fn view<S: Store>(
+        &self,
+        store: &mut S,
+        key: &str,
+        tenant: u64,
+        report_epoch: u64,
+    ) -> Option<Books> {
+        self.view_read(store, key, tenant, report_epoch)
             .map(|(books, _)| books)
     }
 
     /// `view`, with the read it was made from (value and CAS token, `None` when the store had
-    /// no books), for `update_known`.
+    /// no books or they count for another tenant), for `update_known`. Books of another
+    /// tenant (this VM's snapshot is older than the slot's reuse) count as empty: the node
+    /// this VM means has left, and nothing of it was in flight when its slot was reused.
     pub fn view_read<S: Store>(
         &self,
         store: &mut S,
         key: &str,
+        tenant: u64,
         report_epoch: u64,
     ) -> Option<(Books, Option<Read>)> {
-        let read = match store.get(key) {
+        let mut read = match store.get(key) {
             Ok(r) => r,
             Err(StoreFailed) => return None,
         };
         let shared = match &read {
             Some((bytes, _)) => Books::decode(bytes)?,
-            None => Books::default(),
-        }
-        .at_epoch(report_epoch);
+            None => Books::of(tenant),
+        };
+        let shared = if shared.tenant == tenant {
+            shared.at_epoch(report_epoch)
+        } else {
+            read = None;
+            Books::of(tenant).at_epoch(report_epoch)
+        };
         let books = match self.pending.get(key) {
-            Some(p) => shared.apply(p),
-            None => shared,
+            Some((t, p)) if *t == tenant => shared.apply(p),
+            _ => shared,
         };
         Some((books, read))
     }
@@ -628,17 +676,30 @@ impl Ledger {
     }
 }
 
-/// Creates the books of `key`, empty, unless they exist. The poller does this for every node
-/// before any worker routes; workers never create books (two creating at once could each
+/// Makes the books of `key` count for `tenant`: kept if they already do, else (absent, of
+/// another address, unreadable) replaced by empty books of `tenant`. Returns whether it wrote.
+/// The poller does this for every node before any worker routes to it, and again when a slot
+/// is reused for a new address; workers never create books (two creating at once could each
 /// overwrite the other's first change).
-pub fn ensure_books<S: Store>(store: &mut S, key: &str) -> Result<bool, StoreFailed> {
-    match store.get(key)? {
-        Some(_) => Ok(false),
-        None => store
-            .set(key, &Books::default().encode(), None)
-            .map(|()| true)
-            .map_err(|_| StoreFailed),
+pub fn ensure_books<S: Store>(store: &mut S, key: &str, tenant: u64) -> Result<bool, StoreFailed> {
+    for _ in 0..=MAX_CAS_RETRIES {
+        let cas = match store.get(key)? {
+            Some((bytes, cas)) => {
+                if Books::decode(&bytes).is_some_and(|b| b.tenant == tenant) {
+                    return Ok(false);
+                }
+                Some(cas)
+            }
+            None => None,
+        };
+        match store.set(key, &Books::of(tenant).encode(), cas) {
+            Ok(()) => return Ok(true),
+            // A worker's last write for the former tenant came in between: read again.
+            Err(SetError::CasMismatch) => continue,
+            Err(SetError::Failed) => return Err(StoreFailed),
+        }
     }
+    Err(StoreFailed)
 }
 
 /// Sums of every node's books (for the gauges the poller publishes).
@@ -662,6 +723,7 @@ pub fn totals<S: Store>(store: &mut S, keys: &[String]) -> Books {
 fn write<S: Store>(
     store: &mut S,
     key: &str,
+    tenant: u64,
     report_epoch: u64,
     change: &Change,
     mut known: Option<Read>,
@@ -673,6 +735,7 @@ fn write<S: Store>(
         };
         let (books, cas) = match read {
             Ok(Some((bytes, cas))) => match Books::decode(&bytes) {
+                Some(b) if b.tenant != tenant => return Written::Gone,
                 Some(b) => (b, cas),
                 None => return Written::Failed,
             },
@@ -751,6 +814,7 @@ mod tests {
     fn ticket(epoch: u64, p: u64, o: u64) -> Ticket {
         Ticket {
             node: 0,
+            tenant: T,
             epoch,
             weight: Weight {
                 prompt_tokens: p,
@@ -760,12 +824,14 @@ mod tests {
         }
     }
 
-    const K: &str = "token_balancer.books.10.0.0.1:80";
+    const K: &str = "token_balancer.books.0";
+    /// The tenant of slot 0 in these tests.
+    const T: u64 = 7;
 
     fn store_with_books() -> FakeStore {
         let mut s = FakeStore::default();
-        assert_eq!(ensure_books(&mut s, K), Ok(true));
-        assert_eq!(ensure_books(&mut s, K), Ok(false), "never overwritten");
+        assert_eq!(ensure_books(&mut s, K, T), Ok(true));
+        assert_eq!(ensure_books(&mut s, K, T), Ok(false), "never overwritten");
         s
     }
 
@@ -773,6 +839,7 @@ mod tests {
     fn encodings_round_trip() {
         let b = Books {
             epoch: 7,
+            tenant: 99,
             inflight_requests: 1,
             inflight_tokens: 2,
             unreflected_tokens: 3,
@@ -781,7 +848,7 @@ mod tests {
             growth_tokens: u64::MAX,
         };
         assert_eq!(Books::decode(&b.encode()), Some(b));
-        assert_eq!(Books::decode(&b.encode()[..55]), None);
+        assert_eq!(Books::decode(&b.encode()[..BOOKS_LEN - 1]), None);
         let v = Version {
             version: 3,
             heartbeat_ms: 99,
@@ -866,6 +933,7 @@ mod tests {
             let mut s = store_with_books();
             let start = Books {
                 epoch: *books_epoch,
+                tenant: T,
                 inflight_requests: 2,
                 unreflected_requests: 2,
                 unreflected_tokens: 20,
@@ -876,6 +944,7 @@ mod tests {
             let w = l.update(
                 &mut s,
                 K,
+                T,
                 *report_epoch,
                 Change::dispatch(&ticket(*booked_at, 5, 5)),
             );
@@ -896,18 +965,18 @@ mod tests {
         let mut l = Ledger::default();
         let a = ticket(1, 100, 50);
         let b = ticket(1, 10, 5);
-        l.update(&mut s, K, 1, Change::dispatch(&a));
-        l.update(&mut s, K, 1, Change::dispatch(&b));
+        l.update(&mut s, K, T, 1, Change::dispatch(&a));
+        l.update(&mut s, K, T, 1, Change::dispatch(&b));
         assert_eq!(shared(&mut s, K).unreflected_tokens, 165);
         // A report (epoch 2) covers both; a is released after it, b before any new one.
-        l.update(&mut s, K, 2, Change::release(&a, 0));
+        l.update(&mut s, K, T, 2, Change::release(&a, 0));
         let now = shared(&mut s, K);
         assert_eq!((now.unreflected_tokens, now.inflight_tokens), (0, 15));
         let c = ticket(2, 1, 1);
-        l.update(&mut s, K, 2, Change::dispatch(&c));
-        l.update(&mut s, K, 2, Change::release(&b, 0));
+        l.update(&mut s, K, T, 2, Change::dispatch(&c));
+        l.update(&mut s, K, T, 2, Change::release(&b, 0));
         assert_eq!(shared(&mut s, K).unreflected_tokens, 2, "c's stays");
-        l.update(&mut s, K, 2, Change::release(&c, 0));
+        l.update(&mut s, K, T, 2, Change::release(&c, 0));
         assert!(shared(&mut s, K).is_zero());
     }
 
@@ -919,13 +988,13 @@ mod tests {
         for &(stale, calls, retries) in cases {
             let mut s = store_with_books();
             let mut l = Ledger::default();
-            let (books, read) = l.view_read(&mut s, K, 0).unwrap();
+            let (books, read) = l.view_read(&mut s, K, T, 0).unwrap();
             assert!(books.is_zero());
             if stale {
-                l.update(&mut s, K, 0, Change::dispatch(&ticket(0, 1, 1)));
+                l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 1, 1)));
             }
             s.calls = 0;
-            let w = l.update_known(&mut s, K, 0, Change::dispatch(&ticket(0, 10, 10)), read);
+            let w = l.update_known(&mut s, K, T, 0, Change::dispatch(&ticket(0, 10, 10)), read);
             assert!(
                 matches!(w, Written::Yes { retries: r, .. } if r == retries),
                 "{stale}: {w:?}"
@@ -960,7 +1029,7 @@ mod tests {
                 }
             }));
             let mut l = Ledger::default();
-            let w = l.update(&mut s, K, 0, Change::dispatch(&ticket(0, 10, 10)));
+            let w = l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 10, 10)));
             match w {
                 Written::Yes { retries, .. } => {
                     assert!(written, "{slips}");
@@ -971,7 +1040,7 @@ mod tests {
             }
             assert_eq!(l.pending(), usize::from(!written));
             // Our view counts the kept change; a flush writes it once the contention is over.
-            let view = l.view(&mut s, K, 0).unwrap();
+            let view = l.view(&mut s, K, T, 0).unwrap();
             assert_eq!(view.inflight_requests, u64::from(slips) + 1, "{slips}");
             s.interfere = None;
             let flushed = l.flush(&mut s, |_| 0);
@@ -989,20 +1058,20 @@ mod tests {
         let mut l = Ledger::default();
         let t = ticket(0, 10, 10);
         assert_eq!(
-            l.update(&mut s, K, 0, Change::dispatch(&t)),
+            l.update(&mut s, K, T, 0, Change::dispatch(&t)),
             Written::Missing
         );
-        assert_eq!(l.view(&mut s, K, 0).unwrap().inflight_requests, 1);
+        assert_eq!(l.view(&mut s, K, T, 0).unwrap().inflight_requests, 1);
         s.fail = true;
         assert_eq!(
-            l.update(&mut s, K, 0, Change::progress(&t, 0, 4)),
+            l.update(&mut s, K, T, 0, Change::progress(&t, 0, 4)),
             Written::Failed
         );
-        assert_eq!(l.view(&mut s, K, 0), None);
+        assert_eq!(l.view(&mut s, K, T, 0), None);
         s.fail = false;
-        ensure_books(&mut s, K).unwrap();
+        ensure_books(&mut s, K, T).unwrap();
         // The release merges with the kept dispatch and progress: they cancel out.
-        let w = l.update(&mut s, K, 0, Change::release(&t, 4));
+        let w = l.update(&mut s, K, T, 0, Change::release(&t, 4));
         assert!(
             matches!(w, Written::Yes { books, .. } if books.is_zero()),
             "{w:?}"
@@ -1011,7 +1080,7 @@ mod tests {
         // Unreadable books are not overwritten.
         s.set(K, b"junk", None).unwrap();
         assert_eq!(
-            l.update(&mut s, K, 0, Change::dispatch(&t)),
+            l.update(&mut s, K, T, 0, Change::dispatch(&t)),
             Written::Failed
         );
         assert_eq!(s.data[K].0, b"junk");
@@ -1053,10 +1122,10 @@ mod tests {
             }
             let ledger = &mut workers[w];
             let result = if roll < 45 || open.is_empty() {
-                let epoch = ledger.view(&mut s, K, report_epoch).unwrap().epoch;
+                let epoch = ledger.view(&mut s, K, T, report_epoch).unwrap().epoch;
                 let t = ticket(epoch, rng.next_u64() % 1000, rng.next_u64() % 300);
                 open.push((w, t, 0));
-                ledger.update(&mut s, K, report_epoch, Change::dispatch(&t))
+                ledger.update(&mut s, K, T, report_epoch, Change::dispatch(&t))
             } else {
                 let i = (rng.next_u64() as usize) % open.len();
                 let (owner, t, got) = open[i];
@@ -1064,10 +1133,10 @@ mod tests {
                 if roll < 75 {
                     let after = got + rng.next_u64() % 50;
                     open[i].2 = after;
-                    ledger.update(&mut s, K, report_epoch, Change::progress(&t, got, after))
+                    ledger.update(&mut s, K, T, report_epoch, Change::progress(&t, got, after))
                 } else {
                     open.swap_remove(i);
-                    ledger.update(&mut s, K, report_epoch, Change::release(&t, got))
+                    ledger.update(&mut s, K, T, report_epoch, Change::release(&t, got))
                 }
             };
             if result == Written::Exhausted {
@@ -1081,7 +1150,7 @@ mod tests {
         }
         assert!(exhausted > 0, "the test must exercise kept changes");
         for (w, t, got) in std::mem::take(&mut open) {
-            workers[w].update(&mut s, K, report_epoch, Change::release(&t, got));
+            workers[w].update(&mut s, K, T, report_epoch, Change::release(&t, got));
         }
         contention.set(0);
         for l in &mut workers {
@@ -1092,16 +1161,90 @@ mod tests {
         assert!(b.is_zero(), "{b:?}");
     }
 
+    /// A slot reused for another address (membership churn): the poller claims its books for
+    /// the new tenant, and whatever the old tenant's workers still write, read or owe is
+    /// dropped instead of landing on the new node's books.
+    #[test]
+    fn a_slot_given_to_another_address_drops_the_former_tenants_changes() {
+        const NEW: u64 = 8;
+        let mut s = store_with_books();
+        let mut l = Ledger::default();
+        let a = ticket(0, 10, 10);
+        s.fail = true;
+        assert_eq!(
+            l.update(&mut s, K, T, 0, Change::dispatch(&a)),
+            Written::Failed
+        );
+        s.fail = false;
+        assert_eq!(l.pending(), 1, "kept for later");
+        // The poller gives slot 0 to another address: fresh books of the new tenant.
+        assert_eq!(ensure_books(&mut s, K, NEW), Ok(true));
+        assert_eq!(ensure_books(&mut s, K, NEW), Ok(false), "kept once claimed");
+        assert_eq!(shared(&mut s, K), Books::of(NEW));
+        // The old tenant's release (and its kept dispatch) are dropped, not written.
+        assert_eq!(
+            l.update(&mut s, K, T, 0, Change::release(&a, 0)),
+            Written::Gone
+        );
+        assert_eq!(l.pending(), 0);
+        assert_eq!(shared(&mut s, K), Books::of(NEW));
+        // A VM whose snapshot still shows the old tenant sees empty books and no read to
+        // reuse; the new tenant's own changes are written.
+        let (books, read) = l.view_read(&mut s, K, T, 0).unwrap();
+        assert_eq!((books, read), (Books::of(T), None));
+        let b = Ticket {
+            tenant: NEW,
+            ..ticket(0, 3, 3)
+        };
+        assert!(matches!(
+            l.update(&mut s, K, NEW, 0, Change::dispatch(&b)),
+            Written::Yes { .. }
+        ));
+        assert_eq!(shared(&mut s, K).inflight_requests, 1);
+        // A change kept for one tenant is not merged into another's.
+        s.fail = true;
+        l.update(&mut s, K, NEW, 0, Change::release(&b, 0));
+        s.fail = false;
+        assert_eq!(
+            l.update(&mut s, K, T, 0, Change::dispatch(&a)),
+            Written::Gone
+        );
+        assert_eq!(
+            l.pending(),
+            0,
+            "the new tenant's kept release left with the switch"
+        );
+    }
+
+    /// The poller claims a slot while a worker writes the former tenant's last change: the
+    /// claim reads again and wins; it never overwrites a write it did not see.
+    #[test]
+    fn a_claim_retries_a_concurrent_write() {
+        let mut s = store_with_books();
+        let hits = std::rc::Rc::new(std::cell::Cell::new(1));
+        let h = hits.clone();
+        s.interfere = Some(Box::new(move |data, cas| {
+            if h.get() > 0 {
+                h.set(0);
+                *cas += 1;
+                if let Some(v) = data.get_mut(K) {
+                    v.1 = *cas;
+                }
+            }
+        }));
+        assert_eq!(ensure_books(&mut s, K, 8), Ok(true));
+        assert_eq!(shared(&mut s, K), Books::of(8));
+        assert_eq!(hits.get(), 0);
+    }
+
     #[test]
     fn totals_add_up_every_node() {
         let mut s = FakeStore::default();
-        let keys: Vec<String> = (0..3)
-            .map(|i| books_key(&format!("10.0.0.{i}:80")))
-            .collect();
+        let keys: Vec<String> = (0..3).map(books_key).collect();
         let mut l = Ledger::default();
         for k in &keys {
-            ensure_books(&mut s, k).unwrap();
-            l.update(&mut s, k, 0, Change::dispatch(&ticket(0, 10, 5)));
+            ensure_books(&mut s, k, T).unwrap();
+            l.update(&mut s, k, T, 0, Change::dispatch(&ticket(0, 10, 5)));
         }
         let t = totals(&mut s, &keys);
         assert_eq!((t.inflight_requests, t.inflight_tokens), (3, 45));
@@ -1110,6 +1253,7 @@ mod tests {
         l.update(
             &mut s,
             &keys[0],
+            T,
             0,
             Change::progress(&ticket(0, 10, 5), 0, 1),
         );

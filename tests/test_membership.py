@@ -10,13 +10,18 @@ chosen, although it is up and looks the best.
 from __future__ import annotations
 
 import collections
+import http.client
+import json
 import os
+import time
 
+import pytest
 import yaml
 
 from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
 
 TICK_MS = 100
+WORKERS = 4
 
 
 def eds_file(addresses: list[str]) -> str:
@@ -37,19 +42,18 @@ def push(path, content: str):
     os.replace(tmp, path)
 
 
-def test_nodes_follow_the_cluster_members(tmp_path):
-    nodes = MockCluster([("node-a", "gpu=h100"), ("node-b", "gpu=h100"), ("node-c", "gpu=h100")])
-    a, b, c = (n.address for n in nodes.nodes)
+def following_envoy(tmp_path, members: list[str], plugin: dict, poller: str, concurrency: int):
+    """Envoy whose gpu_nodes cluster comes from a file-based EDS source (returned, to push new
+    members to) and whose filter follows it through the admin cluster."""
     admin_port = free_port()
-    cfg = envoy_config([a, b], free_port(), admin_port, plugin={
+    cfg = envoy_config(members, free_port(), admin_port, poller=poller, plugin={
         "tick_ms": TICK_MS,
         "stale_after_ms": 1000,
-        # node-c is listed (with its settings) but not a member until the cluster says so.
-        "nodes": [{"address": c, "kv_cache_tokens": 100000}],
         "membership": {"cluster": "gpu_nodes", "admin_cluster": "envoy_admin", "poll_ms": 200},
+        **plugin,
     })
     eds = tmp_path / "eds.yaml"
-    push(eds, eds_file([a, b]))
+    push(eds, eds_file(members))
     gpu = next(cl for cl in cfg["static_resources"]["clusters"] if cl["name"] == "gpu_nodes")
     del gpu["load_assignment"]
     gpu["type"] = "EDS"
@@ -61,7 +65,19 @@ def test_nodes_follow_the_cluster_members(tmp_path):
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
                                                          "port_value": admin_port}}}}]}]}})
     cfg["node"] = {"id": "token-balancer-test", "cluster": "token-balancer-test"}
-    envoy = Envoy(cfg)
+    return Envoy(cfg, concurrency=concurrency), eds
+
+
+# With the poller service, one poller per process follows the cluster and the four workers'
+# filter VMs follow the poller's fleet: the same behaviour, seen from every worker.
+@pytest.mark.parametrize("poller,concurrency", [("vm", 1), ("singleton", WORKERS)])
+def test_nodes_follow_the_cluster_members(tmp_path, poller, concurrency):
+    nodes = MockCluster([("node-a", "gpu=h100"), ("node-b", "gpu=h100"), ("node-c", "gpu=h100")])
+    a, b, c = (n.address for n in nodes.nodes)
+    # node-c is listed (with its settings) but not a member until the cluster says so.
+    envoy, eds = following_envoy(tmp_path, [a, b], {
+        "nodes": [{"address": c, "kv_cache_tokens": 100000}],
+    }, poller, concurrency)
     # node-c looks the best: the others report most of their capacity in use.
     for n in nodes.nodes[:2]:
         n.set_health(tokens_per_sec_load=n.health()["tokens_per_sec_capacity"] * 0.7)
@@ -108,5 +124,108 @@ def test_nodes_follow_the_cluster_members(tmp_path):
         assert got["node-a"] == 0 and got["node-b"] + got["node-c"] == 30, got
         assert envoy.counter("token_balancer.members_now") == 2
     finally:
+        envoy.stop()
+        nodes.stop()
+
+
+def open_stream(envoy, prompt: str, max_tokens: int):
+    """A streaming request on a new connection (so they spread over the workers), returned
+    once its headers are in, with the node the filter chose."""
+    conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(chat(prompt, max_tokens, stream=True)),
+                 headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.status
+    debug = dict(p.split("=", 1) for p in r.getheader("x-token-balancer").split("; "))
+    return conn, r, debug["node"].split(",")[0]
+
+
+def finish(streams):
+    for conn, r, _ in streams:
+        assert b"[DONE]" in r.read()
+        conn.close()
+
+
+def shared_inflight(envoy) -> int:
+    return envoy.counters().get("token_balancer.shared.inflight_requests", -1)
+
+
+def test_one_poller_follows_churn_and_the_shared_books_stay_exact(tmp_path):
+    """Singleton mode, four workers, pods replaced under new addresses: one health poll per
+    member per tick; a node that leaves with requests in flight keeps their books until they
+    end (its slot is not given away); a new node then takes the freed slot; and the shared
+    books, summed over every slot, equal the streams open at each step and end at zero."""
+    # 30 ms a token: a 100-token stream stays open for about 3 s.
+    nodes = MockCluster([(f"node-{x}", "gpu=h100,floor_ms=30,kv_tokens=200000") for x in "abcd"])
+    a, b, c, d = (n.address for n in nodes.nodes)
+    by_address = {n.address: n for n in nodes.nodes}
+    envoy, eds = following_envoy(tmp_path, [a, b], {"nodes": []}, "singleton", WORKERS)
+
+    def routed_to(address: str) -> bool:
+        r = envoy.post("/v1/chat/completions", chat("hi", 2))
+        return r.headers.get("x-token-balancer", "").startswith(f"node={address}")
+
+    def polls_per_tick(members: list[str], polls: int = 10) -> dict[str, float]:
+        start = {m: by_address[m].stats()["health_requests_total"] for m in members}
+        t0 = time.monotonic()
+        first = members[0]
+        wait_until(lambda: by_address[first].stats()["health_requests_total"] >= start[first] + polls,
+                   20, f"{polls} polls at {first}")
+        ticks = (time.monotonic() - t0) * 1000 / TICK_MS
+        return {m: (by_address[m].stats()["health_requests_total"] - start[m]) / ticks for m in members}
+
+    streams = []
+    try:
+        wait_until(lambda: routed_to(a) or routed_to(b), 10,
+                   lambda: f"routing from the poller's fleet: {envoy.tail()}")
+        rates = polls_per_tick([a, b])
+        assert all(0.8 <= r <= 1.25 for r in rates.values()), rates
+        assert by_address[c].stats()["health_requests_total"] == 0, "not a member: not polled"
+
+        streams = [open_stream(envoy, f"request {i} " + "word " * i, 100) for i in range(12)]
+        on_a = sum(1 for *_, node in streams if node == a)
+        assert 0 < on_a < 12, [node for *_, node in streams]
+        wait_until(lambda: shared_inflight(envoy) == 12, 5,
+                   lambda: f"12 streams in the shared books, not {shared_inflight(envoy)}")
+
+        # node-a is replaced by node-c while its streams run: both are followed at once, and
+        # node-a's books still hold its streams (the gauge sums every slot).
+        joined = envoy.counter("token_balancer.nodes_joined")
+        push(eds, eds_file([b, c]))
+        wait_until(lambda: envoy.counter("token_balancer.nodes_joined") > joined, 10, "node-c to join")
+        wait_until(lambda: routed_to(c), 10, "node-c to be chosen")
+        polls_a = by_address[a].stats()["health_requests_total"]
+        assert shared_inflight(envoy) == 12
+        finish(streams)
+        streams = []
+        wait_until(lambda: shared_inflight(envoy) == 0, 5,
+                   lambda: f"the books back to zero, not {shared_inflight(envoy)}")
+
+        # node-d joins when node-a's books are empty: it takes node-a's slot (the slot count
+        # stays at three: a, b, c), and its books count from zero.
+        push(eds, eds_file([b, c, d]))
+        wait_until(lambda: routed_to(d), 10, "node-d to be chosen")
+        rates = polls_per_tick([b, c, d])
+        assert all(0.8 <= r <= 1.25 for r in rates.values()), rates
+        # node-a, gone, is no longer polled (one poll may have been on its way as it left).
+        assert by_address[a].stats()["health_requests_total"] <= polls_a + 1
+        log = envoy.log_text()
+        assert f'node {c} joined cluster "gpu_nodes" (slot 2)' in log, log[-3000:]
+        assert f'node {d} joined cluster "gpu_nodes" (slot 0)' in log, log[-3000:]
+        streams = [open_stream(envoy, f"again {i} " + "word " * i, 100) for i in range(12)]
+        assert {node for *_, node in streams} <= {b, c, d}
+        wait_until(lambda: shared_inflight(envoy) == 12, 5,
+                   lambda: f"12 streams in the shared books, not {shared_inflight(envoy)}")
+        finish(streams)
+        streams = []
+        wait_until(lambda: shared_inflight(envoy) == 0, 5,
+                   lambda: f"the books back to zero, not {shared_inflight(envoy)}")
+        c_ = envoy.counters()
+        assert c_.get("token_balancer.fallback.no_fleet", 0) == 0, c_
+        assert c_.get("token_balancer.shared.cas_exhausted", 0) == 0, c_
+        assert c_.get("token_balancer.members_now") == 3, c_
+    finally:
+        for conn, _, _ in streams:
+            conn.close()
         envoy.stop()
         nodes.stop()

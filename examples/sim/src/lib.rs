@@ -13,6 +13,9 @@
 //!   holds requests under saturation as the filter's glue does (`admission`). Replicas know
 //!   nothing of each other: between two polls each sees only its own dispatches, which is
 //!   where herding comes from.
+//! - **The same traffic for every policy**: arrival times, sizes, the replica each request
+//!   enters and the poll phases come from their own generator, apart from the policies'
+//!   random draws, so the policies of one run are compared on identical requests.
 //! - **Requests**: sizes (prompt, true output) drawn from the Azure LLM inference trace
 //!   (Splitwise, ISCA'24) when it is available, else from a log-normal fit; Poisson arrivals at
 //!   a rate set as a share of the fleet's token capacity; each replica gets a uniform share.
@@ -199,6 +202,10 @@ struct Sim<'a> {
     requests: Vec<Req>,
     replicas: Vec<Replica>,
     exact: Vec<Exact>,
+    /// The traffic (arrival times, request sizes, replica, poll phases) and the policies'
+    /// draws come from two generators, so every policy of a run sees the same requests at the
+    /// same times: a policy that draws more random numbers does not change the traffic.
+    traffic: SplitMix64,
     rng: SplitMix64,
     served: Vec<u64>,
     out: Outcome,
@@ -334,7 +341,8 @@ pub fn run(setup: &Setup, sizes: &[(u64, u64)]) -> Result<Outcome, String> {
         requests: Vec::new(),
         replicas,
         exact: vec![Exact::default(); n],
-        rng: SplitMix64::new(setup.seed),
+        traffic: SplitMix64::new(setup.seed),
+        rng: SplitMix64::new(setup.seed ^ 0x9e37_79b9_7f4a_7c15),
         served: vec![0; n],
         out: Outcome::default(),
         max_hold_ms,
@@ -352,7 +360,7 @@ pub fn run(setup: &Setup, sizes: &[(u64, u64)]) -> Result<Outcome, String> {
     }
     sim.schedule(0.0, Kind::Arrive);
     for r in 0..setup.replicas {
-        let phase = uniform(&mut sim.rng) * setup.tick_ms as f64;
+        let phase = uniform(&mut sim.traffic) * setup.tick_ms as f64;
         sim.schedule(phase, Kind::Poll(r));
     }
     // Arrivals stop at the duration; the rest drains, up to a limit.
@@ -367,7 +375,7 @@ pub fn run(setup: &Setup, sizes: &[(u64, u64)]) -> Result<Outcome, String> {
             Kind::Arrive => {
                 if t < setup.duration_ms {
                     sim.arrive(sizes, books);
-                    let gap = -(1.0 - uniform(&mut sim.rng)).ln() / rate_per_ms;
+                    let gap = -(1.0 - uniform(&mut sim.traffic)).ln() / rate_per_ms;
                     sim.schedule(t + gap, Kind::Arrive);
                 }
             }
@@ -392,9 +400,9 @@ impl Sim<'_> {
     }
 
     fn arrive(&mut self, sizes: &[(u64, u64)], books: bool) {
-        let pick = (self.rng.next_u64() % sizes.len() as u64) as usize;
+        let pick = (self.traffic.next_u64() % sizes.len() as u64) as usize;
         let (prompt, output) = sizes.get(pick).copied().unwrap_or((1, 1));
-        let replica = (self.rng.next_u64() % self.setup.replicas as u64) as usize;
+        let replica = (self.traffic.next_u64() % self.setup.replicas as u64) as usize;
         let id = self.requests.len();
         self.outstanding += 1;
         self.requests.push(Req {

@@ -645,14 +645,8 @@ impl State {
         if self.role != Role::Service {
             return;
         }
-        let keys: Vec<String> = self
-            .sharing
-            .keys
-            .iter()
-            .flatten()
-            .map(|b| b.key.clone())
-            .collect();
-        let t = shared::totals(&mut HostStore, &keys);
+        let keys = self.sharing.keys.iter().flatten().map(|b| b.key.as_str());
+        let t = shared::totals(&mut HostStore, keys);
         let _ =
             hostcalls::record_metric(self.metrics.shared_inflight_requests, t.inflight_requests);
         let _ = hostcalls::record_metric(self.metrics.shared_inflight_tokens, t.inflight_tokens);

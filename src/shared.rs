@@ -703,7 +703,7 @@ pub fn ensure_books<S: Store>(store: &mut S, key: &str, tenant: u64) -> Result<b
 }
 
 /// Sums of every node's books (for the gauges the poller publishes).
-pub fn totals<S: Store>(store: &mut S, keys: &[String]) -> Books {
+pub fn totals<'k, S: Store>(store: &mut S, keys: impl IntoIterator<Item = &'k str>) -> Books {
     let mut sum = Books::default();
     for k in keys {
         if let Ok(Some((bytes, _))) = store.get(k) {
@@ -1246,7 +1246,7 @@ mod tests {
             ensure_books(&mut s, k, T).unwrap();
             l.update(&mut s, k, T, 0, Change::dispatch(&ticket(0, 10, 5)));
         }
-        let t = totals(&mut s, &keys);
+        let t = totals(&mut s, keys.iter().map(String::as_str));
         assert_eq!((t.inflight_requests, t.inflight_tokens), (3, 45));
         // Host calls: one get and one set per uncontended update.
         let before = s.calls;

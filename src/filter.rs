@@ -1721,7 +1721,7 @@ impl HttpContext for Request {
         // body callbacks to see it pass the limit is not enough: a body that arrives faster
         // than the worker reads can land in one large read, buffered on top of what the pause
         // already holds, and past the listener's buffer limit Envoy answers 413 and resets the
-        // client (seen under CPU contention with a 10 MiB body).
+        // client (seen in CI with a 10 MiB body).
         if let Ok(Some(length)) =
             hostcalls::get_map_value(MapType::HttpRequestHeaders, "content-length")
         {

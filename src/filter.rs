@@ -111,6 +111,16 @@ impl BookKey {
     }
 }
 
+/// Whether the shared books under `key` have requests in flight (or cannot be read, which
+/// counts as busy: a slot is never reused on a guess).
+fn books_busy(key: &str) -> bool {
+    match HostStore.get(key) {
+        Ok(Some((bytes, _))) => Books::decode(&bytes).map_or(true, |b| b.inflight_requests > 0),
+        Ok(None) => false,
+        Err(StoreFailed) => true,
+    }
+}
+
 /// The shared-data side of a VM in singleton mode.
 #[derive(Default)]
 struct Sharing {
@@ -442,6 +452,25 @@ impl State {
                 debug!("node {address} followed from the poller's fleet");
             }
         }
+    }
+
+    /// The cluster's members are now `addresses` (`Balancer::set_members`). The service routes
+    /// nothing itself: whether a departed node's requests have ended is in the shared books,
+    /// so a slot (and its books key) is not reused before they have, and a slot taken by a new
+    /// address has its books claimed for it.
+    fn follow_members(&mut self, addresses: &[String]) -> MemberChange {
+        if self.role != Role::Service {
+            return self.balancer.set_members(addresses);
+        }
+        let keys = &self.sharing.keys;
+        let busy = |i: usize| {
+            keys.get(i)
+                .and_then(Option::as_ref)
+                .is_some_and(|b| books_busy(&b.key))
+        };
+        let change = self.balancer.set_members_with(addresses, busy);
+        self.claim_books(&change.joined);
+        change
     }
 
     /// Service: the books of the slots `joined` count for the addresses now holding them
@@ -1174,28 +1203,7 @@ impl Root {
             }
         };
         bump(s.metrics.members_ok);
-        let change = if s.role == Role::Service {
-            // The service routes nothing: whether a departed node's requests have ended is in
-            // the shared books, and its slot (and books key) is not reused before they have.
-            let keys = &s.sharing.keys;
-            let busy = |i: usize| {
-                keys.get(i)
-                    .and_then(Option::as_ref)
-                    .is_some_and(|b| match HostStore.get(&b.key) {
-                        Ok(Some((bytes, _))) => {
-                            shared::Books::decode(&bytes).map_or(true, |x| x.inflight_requests > 0)
-                        }
-                        Ok(None) => false,
-                        Err(StoreFailed) => true,
-                    })
-            };
-            s.balancer.set_members_with(&members.addresses, busy)
-        } else {
-            s.balancer.set_members(&members.addresses)
-        };
-        if s.role == Role::Service {
-            s.claim_books(&change.joined);
-        }
+        let change = s.follow_members(&members.addresses);
         for &i in &change.left {
             bump(s.metrics.nodes_left);
             let address = s.balancer.nodes().get(i).map(|n| n.address.as_str());

@@ -150,6 +150,12 @@ def shared_inflight(envoy) -> int:
     return envoy.counters().get("token_balancer.shared.inflight_requests", -1)
 
 
+def books_hold(envoy, n: int, what: str):
+    """Waits for the shared books, summed by the service each tick, to hold `n` requests."""
+    wait_until(lambda: shared_inflight(envoy) == n, 5,
+               lambda: f"{what}: the shared books hold {shared_inflight(envoy)}, not {n}")
+
+
 def test_one_poller_follows_churn_and_the_shared_books_stay_exact(tmp_path):
     """Singleton mode, four workers, pods replaced under new addresses: one health poll per
     member per tick; a node that leaves with requests in flight keeps their books until they
@@ -186,8 +192,7 @@ def test_one_poller_follows_churn_and_the_shared_books_stay_exact(tmp_path):
         streams = [open_stream(envoy, f"request {i} " + "word " * i, 300) for i in range(12)]
         on_a = sum(1 for *_, node in streams if node == a)
         assert 0 < on_a < 12, [node for *_, node in streams]
-        wait_until(lambda: shared_inflight(envoy) == 12, 5,
-                   lambda: f"12 streams in the shared books, not {shared_inflight(envoy)}")
+        books_hold(envoy, 12, "12 streams open")
 
         # node-a is replaced by node-c while its streams run: both are followed at once, and
         # node-a's books still hold its streams (the gauge sums every slot).
@@ -197,12 +202,10 @@ def test_one_poller_follows_churn_and_the_shared_books_stay_exact(tmp_path):
         wait_until(lambda: routed_to(c), 10, "node-c to be chosen")
         polls_a = by_address[a].stats()["health_requests_total"]
         # The gauge is the service's sum at its last tick: the probes above may still be in it.
-        wait_until(lambda: shared_inflight(envoy) == 12, 5,
-                   lambda: f"the 12 streams still in the shared books, not {shared_inflight(envoy)}")
+        books_hold(envoy, 12, "node-a's streams still open")
         finish(streams)
         streams = []
-        wait_until(lambda: shared_inflight(envoy) == 0, 5,
-                   lambda: f"the books back to zero, not {shared_inflight(envoy)}")
+        books_hold(envoy, 0, "every stream ended")
 
         # node-d joins when node-a's books are empty: it takes node-a's slot (the slot count
         # stays at three: a, b, c), and its books count from zero.
@@ -217,12 +220,10 @@ def test_one_poller_follows_churn_and_the_shared_books_stay_exact(tmp_path):
         assert f'node {d} joined cluster "gpu_nodes" (slot 0)' in log, log[-3000:]
         streams = [open_stream(envoy, f"again {i} " + "word " * i, 100) for i in range(12)]
         assert {node for *_, node in streams} <= {b, c, d}
-        wait_until(lambda: shared_inflight(envoy) == 12, 5,
-                   lambda: f"12 streams in the shared books, not {shared_inflight(envoy)}")
+        books_hold(envoy, 12, "12 streams open")
         finish(streams)
         streams = []
-        wait_until(lambda: shared_inflight(envoy) == 0, 5,
-                   lambda: f"the books back to zero, not {shared_inflight(envoy)}")
+        books_hold(envoy, 0, "every stream ended")
         c_ = envoy.counters()
         assert c_.get("token_balancer.fallback.no_fleet", 0) == 0, c_
         assert c_.get("token_balancer.shared.cas_exhausted", 0) == 0, c_

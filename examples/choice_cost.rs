@@ -14,10 +14,10 @@
 //! the weight and model from a 4 KiB chat body.
 
 use std::time::Instant;
-use token_balancer::balancer::{Balancer, Outcome};
-use token_balancer::config::Config;
-use token_balancer::rng::SplitMix64;
-use token_balancer::weight::{self, Api, Weight};
+use token_balancer_core::config::Config;
+use token_balancer_core::ingest::request::{self, Api, Weight};
+use token_balancer_core::rng::SplitMix64;
+use token_balancer_core::route::balancer::{Balancer, Outcome};
 
 /// `n` nodes with fresh reports; every `full_every`-th has room under the VRAM ceiling and the
 /// others would overflow (1: all have room).
@@ -109,8 +109,8 @@ fn body_cost() {
     for _ in 0..15 {
         let start = Instant::now();
         for _ in 0..1000 {
-            tokens +=
-                weight::read(Api::Chat, body.as_bytes(), 256).map_or(0, |e| e.weight.prompt_tokens);
+            tokens += request::read(Api::Chat, body.as_bytes(), 256)
+                .map_or(0, |e| e.weight.prompt_tokens);
         }
         batches.push(start.elapsed().as_secs_f64() * 1e6 / 1000.0);
     }
@@ -118,7 +118,7 @@ fn body_cost() {
     let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
     let min = batches.first().copied().unwrap_or(f64::NAN);
     println!(
-        "weight::read of a {}-byte chat body: {median:.2} us median ({min:.2} min; {} tokens)",
+        "request::read of a {}-byte chat body: {median:.2} us median ({min:.2} min; {} tokens)",
         body.len(),
         tokens / 15_000
     );

@@ -37,6 +37,6 @@ if ! command -v cargo-fuzz >/dev/null 2>&1; then
 fi
 
 echo "setup: building the filter (wasm32-wasip1), the mock GPU node and the load generator"
-cargo build --quiet --release --target wasm32-wasip1
+cargo build --quiet --release --target wasm32-wasip1 -p token-balancer
 cargo build --quiet --release -p mock-gpu-node -p loadgen
 echo "setup: ready: target/wasm32-wasip1/release/token_balancer.wasm, target/release/mock-gpu-node, .venv/bin/envoy"

@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 
+echo "== the decision core links no proxy-wasm (everything but the glue is testable without a host)"
+if cargo tree --quiet -p token-balancer-core -e normal,build | grep -q proxy-wasm; then
+  echo "token-balancer-core depends on proxy-wasm: keep host calls in the glue crate (src/)" >&2
+  exit 1
+fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
@@ -19,6 +24,6 @@ echo "== fuzz smoke: each libFuzzer target for ${FUZZ_SECONDS:-10} s on stable (
 FUZZ_SANITIZER=none scripts/fuzz.sh "${FUZZ_SECONDS:-10}"
 echo "== the pure core compiled to wasm32-wasip1, run under WASI"
 CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $PWD/scripts/wasi-run.mjs" \
-  cargo test --quiet --target wasm32-wasip1 --lib
+  cargo test --quiet --target wasm32-wasip1 -p token-balancer-core --lib
 echo "== integration tests: real Envoy + token_balancer.wasm + mock GPU nodes"
 .venv/bin/python -m pytest -q tests

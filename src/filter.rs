@@ -17,20 +17,6 @@
 //! errors instead of panicking like the SDK's convenience trait methods do; an error from Envoy
 //! degrades to the fail-open path, since a panic would trap the VM and fail the traffic.
 
-use crate::admission::HoldQueue;
-use crate::balancer::{Balancer, BookSource, HealthError, MemberChange, Outcome};
-use crate::config::{Config, Poller, UnknownModel};
-use crate::membership;
-use crate::models::ListPoll;
-use crate::node::{tenant_of, Ticket, Transition};
-use crate::polling::{self, Schedule};
-use crate::rng::SplitMix64;
-use crate::shared::{
-    self, Books, Change, Ledger, Read, SetError, Snapshot, Store, StoreFailed, Version, Written,
-};
-use crate::telemetry::Report;
-use crate::usage;
-use crate::weight::{self, Api, Weight};
 use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -39,6 +25,22 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
+use token_balancer_core::config::{Config, Poller, UnknownModel};
+use token_balancer_core::fleet::models::ListPoll;
+use token_balancer_core::fleet::node::{tenant_of, Ticket, Transition};
+use token_balancer_core::fleet::polling::{self, Schedule};
+use token_balancer_core::ingest::members;
+use token_balancer_core::ingest::request::{self, Api, Weight};
+use token_balancer_core::ingest::response;
+use token_balancer_core::ingest::telemetry::Report;
+use token_balancer_core::rng::SplitMix64;
+use token_balancer_core::route::admission::HoldQueue;
+use token_balancer_core::route::balancer::{
+    Balancer, BookSource, HealthError, MemberChange, Outcome,
+};
+use token_balancer_core::share::{
+    self, Books, Change, Ledger, Read, SetError, Snapshot, Store, StoreFailed, Version, Written,
+};
 
 /// Largest health answer read; a larger one is a broken node, not telemetry. Engines' Prometheus
 /// text is far larger than the seed JSON: one vLLM engine's `/metrics` is about 35 KB with its
@@ -97,7 +99,7 @@ const VERSION_RECHECK_MS: u64 = 10;
 struct BookKey {
     slot: usize,
     tenant: u64,
-    /// `shared::books_key(slot)`, made once.
+    /// `share::books_key(slot)`, made once.
     key: String,
 }
 
@@ -106,7 +108,7 @@ impl BookKey {
         BookKey {
             slot,
             tenant,
-            key: shared::books_key(slot),
+            key: share::books_key(slot),
         }
     }
 }
@@ -486,7 +488,7 @@ impl State {
                 self.sharing.keys.resize_with(i + 1, || None);
             }
             let book = BookKey::new(i, tenant);
-            if shared::ensure_books(&mut HostStore, &book.key, tenant).is_err() {
+            if share::ensure_books(&mut HostStore, &book.key, tenant).is_err() {
                 bump(self.metrics.shared_failed);
             }
             if let Some(k) = self.sharing.keys.get_mut(i) {
@@ -533,7 +535,7 @@ impl State {
                 if m.shared_cas_retries != 0 {
                     let _ = hostcalls::increment_metric(
                         m.shared_cas_retries,
-                        i64::from(shared::MAX_CAS_RETRIES),
+                        i64::from(share::MAX_CAS_RETRIES),
                     );
                 }
             }
@@ -557,7 +559,7 @@ impl State {
             return (true, false);
         }
         self.sharing.version_checked_ms = Some(now);
-        let version = match HostStore.get(shared::VERSION_KEY) {
+        let version = match HostStore.get(share::VERSION_KEY) {
             Ok(Some((bytes, _))) => Version::decode(&bytes),
             Ok(None) => None,
             Err(StoreFailed) => {
@@ -574,7 +576,7 @@ impl State {
             if self.sharing.version == Some(v.version) {
                 usable = self.sharing.fleet_ok;
             } else {
-                match HostStore.get(shared::FLEET_KEY) {
+                match HostStore.get(share::FLEET_KEY) {
                     Ok(Some((bytes, _))) => match Snapshot::decode(&bytes) {
                         Ok(snapshot) => {
                             bump(self.metrics.shared_imported);
@@ -647,7 +649,7 @@ impl State {
         .encode();
         let mut version = self.sharing.version.unwrap_or(self.sharing.epoch_base);
         if bytes != self.sharing.published {
-            match HostStore.set(shared::FLEET_KEY, &bytes, None) {
+            match HostStore.set(share::FLEET_KEY, &bytes, None) {
                 Ok(()) => {
                     version += 1;
                     self.sharing.version = Some(version);
@@ -662,7 +664,7 @@ impl State {
             heartbeat_ms: now,
         };
         if HostStore
-            .set(shared::VERSION_KEY, &record.encode(), None)
+            .set(share::VERSION_KEY, &record.encode(), None)
             .is_err()
         {
             bump(self.metrics.shared_failed);
@@ -675,7 +677,7 @@ impl State {
             return;
         }
         let keys = self.sharing.keys.iter().flatten().map(|b| b.key.as_str());
-        let t = shared::totals(&mut HostStore, keys);
+        let t = share::totals(&mut HostStore, keys);
         let _ =
             hostcalls::record_metric(self.metrics.shared_inflight_requests, t.inflight_requests);
         let _ = hostcalls::record_metric(self.metrics.shared_inflight_tokens, t.inflight_tokens);
@@ -1194,7 +1196,7 @@ impl Root {
             );
             return;
         };
-        let members = match membership::parse_members(&body, &m.cluster) {
+        let members = match members::parse_members(&body, &m.cluster) {
             Ok(members) => members,
             Err(e) => {
                 bump(s.metrics.members_failed);
@@ -1235,7 +1237,7 @@ impl Root {
             warn!(
                 "cluster {:?} has more members than the {} followed: {} not followed",
                 m.cluster,
-                crate::balancer::MAX_NODES,
+                token_balancer_core::route::balancer::MAX_NODES,
                 change.over_limit
             );
         }
@@ -1391,13 +1393,13 @@ impl RootContext for Root {
         let is_poller = hostcalls::get_property(vec!["plugin_root_id"])
             .ok()
             .flatten()
-            .is_some_and(|id| id == shared::POLLER_ROOT_ID.as_bytes());
+            .is_some_and(|id| id == share::POLLER_ROOT_ID.as_bytes());
         let role = match (is_poller, config.poller) {
             (true, Poller::Singleton) => Role::Service,
             (true, Poller::Vm) => {
                 error!(
                     "invalid token-balancer configuration: `poller` must be \"singleton\" for the poller service (root_id {})",
-                    shared::POLLER_ROOT_ID
+                    share::POLLER_ROOT_ID
                 );
                 return false;
             }
@@ -1451,7 +1453,7 @@ impl RootContext for Root {
         if role == Role::Service {
             // The books exist before any worker routes: workers never create them.
             for book in state.sharing.keys.iter().flatten() {
-                if shared::ensure_books(&mut HostStore, &book.key, book.tenant).is_err() {
+                if share::ensure_books(&mut HostStore, &book.key, book.tenant).is_err() {
                     bump(state.metrics.shared_failed);
                 }
             }
@@ -1774,7 +1776,7 @@ impl HttpContext for Request {
             .ok()
             .flatten()
             .unwrap_or_default();
-        match weight::read(self.api, &body, default_max_tokens) {
+        match request::read(self.api, &body, default_max_tokens) {
             Some(e) => self.route(e.weight, e.model),
             None => self.fallback("body_unusable", |m| m.fallback_body_unusable),
         }
@@ -1802,8 +1804,8 @@ impl HttpContext for Request {
                     hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
                 {
                     let before = self.received;
-                    self.received = before.saturating_add(usage::output_events(&chunk));
-                    if let Some(n) = usage::reported_output_tokens(&chunk) {
+                    self.received = before.saturating_add(response::output_events(&chunk));
+                    if let Some(n) = response::reported_output_tokens(&chunk) {
                         self.reported_output = Some(n);
                     }
                     if self.received > before {

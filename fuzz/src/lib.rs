@@ -18,13 +18,13 @@
 )]
 
 use serde_json::{json, Value};
-use token_balancer::config::{is_ip_port, Config, NodeConfig, Poller, UnknownModel};
-use token_balancer::engine::{self, Health, HealthFormat};
-use token_balancer::prometheus::parse_prometheus_samples;
-use token_balancer::telemetry::{parse_health, Report};
-use token_balancer::throughput::Tracker;
-use token_balancer::usage::{output_events, reported_output_tokens};
-use token_balancer::weight::{estimate, Api, Weight};
+use token_balancer_core::config::{is_ip_port, Config, NodeConfig, Poller, UnknownModel};
+use token_balancer_core::ingest::engine::{self, Health, HealthFormat};
+use token_balancer_core::ingest::prometheus::parse_prometheus_samples;
+use token_balancer_core::ingest::rates::Tracker;
+use token_balancer_core::ingest::request::{estimate, Api, Weight};
+use token_balancer_core::ingest::response::{output_events, reported_output_tokens};
+use token_balancer_core::ingest::telemetry::{parse_health, Report};
 
 /// A fuzz target: takes any bytes, panics when an invariant breaks.
 pub type Target = fn(&[u8]);
@@ -55,11 +55,11 @@ const PATHS: [&str; 8] = [
 /// u64, including 0 and the maximum).
 const DEFAULT_MAX_TOKENS: [u64; 4] = [256, 0, 1, u64::MAX];
 
-/// `weight::MAX_OUTPUT_TOKENS` (src/weight.rs): the clamp on any output cap taken from a body.
+/// `request::MAX_OUTPUT_TOKENS` (core/src/ingest/request.rs): the clamp on any output cap taken from a body.
 const MAX_OUTPUT_TOKENS: u64 = 1 << 24;
-/// `weight::MAX_N` (src/weight.rs): the clamp on `n`.
+/// `request::MAX_N` (core/src/ingest/request.rs): the clamp on `n`.
 const MAX_N: u64 = 128;
-/// `weight::PER_MESSAGE_OVERHEAD` (src/weight.rs): template tokens added per message.
+/// `request::PER_MESSAGE_OVERHEAD` (core/src/ingest/request.rs): template tokens added per message.
 const PER_MESSAGE_OVERHEAD: u64 = 4;
 
 /// Request body estimation. Input: one byte that chooses the request path (low 3 bits) and the
@@ -323,8 +323,8 @@ fn node_json(n: &NodeConfig) -> Value {
 fn to_json(c: &Config) -> Value {
     let nodes: Vec<Value> = c.nodes.iter().map(node_json).collect();
     let policy = match c.policy {
-        token_balancer::choice::Rule::TokenThroughput => "token_throughput",
-        token_balancer::choice::Rule::LeastReportedLoad => "least_reported_load",
+        token_balancer_core::config::Rule::TokenThroughput => "token_throughput",
+        token_balancer_core::config::Rule::LeastReportedLoad => "least_reported_load",
     };
     let unknown_model = match c.unknown_model {
         UnknownModel::Fallback => "fallback",

@@ -6,7 +6,7 @@
 //!   recomputation as vLLM does), advanced on a virtual clock: `Engine::step(now)` plans one
 //!   iteration and the simulator delivers its tokens when it ends. No threads, no wall clock,
 //!   deterministic for a seed.
-//! - **Envoy replicas**: each holds its own `token_balancer::balancer::Balancer`, the filter's
+//! - **Envoy replicas**: each holds its own `token_balancer_core::route::balancer::Balancer`, the filter's
 //!   decision core itself, built from the same JSON configuration the filter takes. Every
 //!   replica polls every node's health each `tick_ms` (at its own phase) in the seed JSON the
 //!   mock node serves, routes its share of the requests, reports stream progress and ends, and
@@ -33,11 +33,11 @@
 use mock_gpu_node::engine::{Engine, EngineConfig, Event as EngineEvent};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-use token_balancer::balancer::{Balancer, Outcome as Routed};
-use token_balancer::config::Config;
-use token_balancer::node::Ticket;
-use token_balancer::rng::{Rng, SplitMix64};
-use token_balancer::weight::Weight;
+use token_balancer_core::config::Config;
+use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::request::Weight;
+use token_balancer_core::rng::{Rng, SplitMix64};
+use token_balancer_core::route::balancer::{Balancer, Outcome as Routed};
 
 /// KV bytes per token the simulated nodes report (Llama-2-7B fp16), as the mock does.
 pub const KV_BYTES_PER_TOKEN: u64 = 512 * 1024;

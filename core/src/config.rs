@@ -6,11 +6,20 @@
 //! something its operator did not ask for. Every error names the offending field and says why,
 //! and the glue refuses to start the plugin (one log line) rather than run half-configured.
 
-use crate::choice::Rule;
-use crate::engine::HealthFormat;
-use crate::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
+use crate::fleet::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
+use crate::ingest::engine::HealthFormat;
 use serde_json::{Map, Value};
 use std::fmt;
+
+/// Which rule ranks the nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// Predicted time to serve with the VRAM guard (see `route::choice`).
+    TokenThroughput,
+    /// The seed article's naive rule, kept as a baseline for the benchmarks: the lowest
+    /// reported `tokens_per_sec_load` wins; no capacity, queue, in-flight or VRAM awareness.
+    LeastReportedLoad,
+}
 
 /// One GPU node, as a member of the Envoy cluster that serves inference traffic.
 #[derive(Debug, Clone, PartialEq)]

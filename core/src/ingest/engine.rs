@@ -62,9 +62,9 @@
 //! value to the time, so only the series with the largest value is the present; older series
 //! name adapters that may have been unloaded since. Other engines are not read for models.
 
-use crate::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
-use crate::prometheus::{parse_prometheus_samples, Labels, Sample};
-use crate::telemetry::{self, Report, ReportError};
+use crate::fleet::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
+use crate::ingest::prometheus::{parse_prometheus_samples, Labels, Sample};
+use crate::ingest::telemetry::{self, Report, ReportError};
 use std::fmt;
 
 /// What a node's health endpoint serves, from `nodes[].format`.
@@ -559,17 +559,17 @@ pub fn read(format: HealthFormat, body: &[u8]) -> Result<Health, FormatError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ingest::rates::Tracker;
     use crate::rng::{Rng, SplitMix64};
-    use crate::throughput::Tracker;
 
-    const VLLM_V1: &str = include_str!("../tests/data/metrics/vllm_v1.prom");
-    const VLLM_V1_DP2: &str = include_str!("../tests/data/metrics/vllm_v1_dp2.prom");
-    const VLLM_V0: &str = include_str!("../tests/data/metrics/vllm_v0.prom");
-    const SGLANG: &str = include_str!("../tests/data/metrics/sglang.prom");
-    const TGI: &str = include_str!("../tests/data/metrics/tgi.prom");
-    const TRTLLM: &str = include_str!("../tests/data/metrics/trtllm.prom");
-    const TRTLLM_1_1: &str = include_str!("../tests/data/metrics/trtllm_1_1.prom");
-    const LLAMACPP: &str = include_str!("../tests/data/metrics/llamacpp.prom");
+    const VLLM_V1: &str = include_str!("../../tests/data/metrics/vllm_v1.prom");
+    const VLLM_V1_DP2: &str = include_str!("../../tests/data/metrics/vllm_v1_dp2.prom");
+    const VLLM_V0: &str = include_str!("../../tests/data/metrics/vllm_v0.prom");
+    const SGLANG: &str = include_str!("../../tests/data/metrics/sglang.prom");
+    const TGI: &str = include_str!("../../tests/data/metrics/tgi.prom");
+    const TRTLLM: &str = include_str!("../../tests/data/metrics/trtllm.prom");
+    const TRTLLM_1_1: &str = include_str!("../../tests/data/metrics/trtllm_1_1.prom");
+    const LLAMACPP: &str = include_str!("../../tests/data/metrics/llamacpp.prom");
 
     /// The fields a test compares: running, waiting, KV use, KV tokens in use, KV size,
     /// prompt counter, generation counter.

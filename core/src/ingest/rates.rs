@@ -47,8 +47,8 @@
 //! publishes no geometry, a configured `kv_cache_tokens` sizes it, as it does for the seed
 //! format's `kv_cache_usage`.
 
-use crate::engine::{Counter, Engine, Scrape};
-use crate::telemetry::Report;
+use crate::ingest::engine::{Counter, Engine, Scrape};
+use crate::ingest::telemetry::Report;
 
 /// Scrapes closer than this keep the baseline: the window would measure batching, not rate.
 pub const MIN_WINDOW_MS: u64 = 500;

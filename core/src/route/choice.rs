@@ -59,22 +59,12 @@
 //! not. The capacity assumed for nodes that report none is still the fleet's: which nodes serve
 //! a model says nothing about how fast an unreported one is.
 
-use crate::models::Serves;
-use crate::node::NodeState;
-use crate::pool::Pool;
+use crate::config::Rule;
+use crate::fleet::models::Serves;
+use crate::fleet::node::NodeState;
+use crate::ingest::request::Weight;
+use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
-use crate::telemetry::Report;
-use crate::weight::Weight;
-
-/// Which rule ranks the nodes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rule {
-    /// The rule this module describes.
-    TokenThroughput,
-    /// The seed article's naive rule, kept as a baseline for the benchmarks: the lowest
-    /// reported `tokens_per_sec_load` wins; no capacity, queue, in-flight or VRAM awareness.
-    LeastReportedLoad,
-}
 
 /// Knobs of the rule, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -354,85 +344,10 @@ pub fn decide(
     Decision::Route(admitted.items.into_iter().map(|(r, _)| r).collect())
 }
 
-/// Power-of-d choices (see `pool`): draws candidates in proportion to their capacity and
-/// keeps the best of the first `p.choices` with room under the VRAM ceiling; the other nodes
-/// drawn with room follow, best first, as the retry hosts of the routing header. `None` when
-/// sampling has nothing to add or cannot decide: the pool is no larger than the number of
-/// choices (then every node is compared anyway), or the draws found no node with room, which
-/// only a comparison of every node can tell apart from a saturated fleet (holding depends on
-/// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
-/// then the full comparison. `load_books` brings a drawn node's in-flight books up to date
-/// just before it is weighed, for the nodes compared (the retry hosts are weighed on the
-/// books at hand).
-#[allow(clippy::too_many_arguments)]
-pub fn sample(
-    nodes: &mut [NodeState],
-    pool: &Pool,
-    ask: &Ask,
-    mean_request_tokens: f64,
-    now_ms: u64,
-    p: &Params,
-    rng: &mut dyn Rng,
-    load_books: &mut dyn FnMut(usize, &mut NodeState),
-) -> Option<Vec<Ranked>> {
-    let d = p.choices;
-    if d == 0 || pool.len() <= d || p.rule != Rule::TokenThroughput {
-        return None;
-    }
-    let want = d.max(p.keep.min(pool.len()));
-    let fleet = Fleet {
-        assumed_capacity: pool.assumed_capacity(),
-        mean_request_tokens,
-    };
-    let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
-    let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
-    for _ in 0..(4 * want + 8) {
-        if admitted.len() >= want {
-            break;
-        }
-        let Some(i) = pool.draw(rng) else { break };
-        if drawn.contains(&i) {
-            continue;
-        }
-        drawn.push(i);
-        let Some(n) = nodes.get_mut(i) else { continue };
-        if !may_serve(n, ask.model) || n.fresh_report(now_ms, p.stale_after_ms).is_none() {
-            continue;
-        }
-        // Only the compared nodes' books are read: with books in shared data that is a host
-        // call each, and a decision must not cost one per node of the fleet. The nodes drawn
-        // past the `d` compared only fill the retry list, where this VM's own books will do.
-        if admitted.len() < d {
-            load_books(i, n);
-        }
-        let n = &*n;
-        let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
-            continue;
-        };
-        let (ranked, over) = evaluate(i, n, r, ask, &fleet, p);
-        if !over {
-            admitted.push(ranked);
-        }
-    }
-    let compared = d.min(admitted.len());
-    let winner = admitted
-        .iter()
-        .take(compared)
-        .enumerate()
-        .min_by(|(_, a), (_, b)| a.seconds.total_cmp(&b.seconds))
-        .map(|(at, _)| at)?;
-    admitted.swap(0, winner);
-    if let Some(rest) = admitted.get_mut(1..) {
-        rest.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
-    }
-    admitted.truncate(p.keep.max(1));
-    Some(admitted)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::ServedModels;
+    use crate::fleet::models::ServedModels;
     use crate::rng::SplitMix64;
 
     const P: Params = Params {

@@ -24,11 +24,11 @@
 //! The node also carries the models it serves (`models`), which the choice uses to keep a
 //! request off nodes that would answer it 404 `model_not_found`.
 
-use crate::engine::HealthFormat;
-use crate::models::ServedModels;
-use crate::telemetry::Report;
-use crate::throughput::Tracker;
-use crate::weight::Weight;
+use crate::fleet::models::ServedModels;
+use crate::ingest::engine::HealthFormat;
+use crate::ingest::rates::Tracker;
+use crate::ingest::request::Weight;
+use crate::ingest::telemetry::Report;
 
 /// A node's identity where slots are reused for other addresses (the balancer's node slots,
 /// the shared books' keys): FNV-1a, 64 bits, of the address. Two addresses of one fleet

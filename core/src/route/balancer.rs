@@ -9,17 +9,17 @@
 //! `now_ms` and randomness as a `Rng`, so every behaviour is tested natively and, compiled to
 //! wasm32-wasip1, in the same instruction set the filter ships in.
 
-use crate::choice::{self, Ask, Decision, Growth, Params};
 use crate::config::{Config, NodeConfig};
-use crate::engine::{self, FormatError, Health};
-use crate::models::{self, ListError, ServedModels, Serves};
-use crate::node::{NodeState, Ticket, Transition};
-use crate::output::OutputModel;
-use crate::pool::Pool;
+use crate::fleet::models::{self, ListError, ServedModels, Serves};
+use crate::fleet::node::{NodeState, Ticket, Transition};
+use crate::ingest::engine::{self, FormatError, Health};
+use crate::ingest::request::Weight;
+use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
-use crate::shared::{Books, NodeView, Snapshot};
-use crate::telemetry::Report;
-use crate::weight::Weight;
+use crate::route::candidates::{self, Pool};
+use crate::route::choice::{self, Ask, Decision, Growth, Params};
+use crate::route::outputs::OutputModel;
+use crate::share::{Books, NodeView, Snapshot};
 
 /// Weight of the newest request in the running mean of request size (used to turn a reported
 /// queue depth into tokens). An exponentially weighted mean forgets old traffic mixes in about
@@ -387,8 +387,9 @@ impl Balancer {
             model,
         };
         let sampled = if self.params.choices > 0 {
-            self.pool.refresh(&self.nodes, now_ms, &self.params);
-            choice::sample(
+            self.pool
+                .refresh(&self.nodes, now_ms, self.params.stale_after_ms);
+            candidates::sample(
                 &mut self.nodes,
                 &self.pool,
                 &ask,
@@ -894,7 +895,7 @@ mod tests {
             prompt_tokens: 10,
             output_tokens: 1024,
         };
-        for i in 0..crate::output::MIN_SAMPLES {
+        for i in 0..crate::route::outputs::MIN_SAMPLES {
             assert_eq!(
                 b.expected(capped),
                 capped,
@@ -941,7 +942,7 @@ mod tests {
         );
     }
 
-    const VLLM_V1: &str = include_str!("../tests/data/metrics/vllm_v1.prom");
+    const VLLM_V1: &str = include_str!("../../tests/data/metrics/vllm_v1.prom");
 
     fn engine_cfg(nodes: &[&str]) -> Config {
         let nodes: Vec<String> = nodes
@@ -1038,7 +1039,7 @@ mod tests {
         assert_eq!(
             b.on_health(1, Some(VLLM_V1.as_bytes()), 0),
             Err(HealthError::Unparsable(FormatError::Seed(
-                crate::telemetry::ReportError::NotJson
+                crate::ingest::telemetry::ReportError::NotJson
             )))
         );
         assert_eq!(
@@ -1051,7 +1052,7 @@ mod tests {
             b.on_health(3, Some(VLLM_V1.as_bytes()), 0),
             Err(HealthError::Unparsable(FormatError::NothingUsable { .. }))
         ));
-        let sglang = include_bytes!("../tests/data/metrics/sglang.prom");
+        let sglang = include_bytes!("../../tests/data/metrics/sglang.prom");
         let r = b.on_health(3, Some(sglang), 0).unwrap();
         assert_eq!(
             r.capacity_tokens_per_sec,

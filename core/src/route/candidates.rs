@@ -19,9 +19,10 @@
 //! chosen; a node that became a candidate since the last rebuild is only missed until the next
 //! one.
 
-use crate::choice::Params;
-use crate::node::NodeState;
+use crate::config::Rule;
+use crate::fleet::node::NodeState;
 use crate::rng::Rng;
+use crate::route::choice::{evaluate, may_serve, Ask, Fleet, Params, Ranked};
 
 /// Longest the pool's weights go without a rebuild.
 pub const REBUILD_MS: u64 = 1000;
@@ -46,7 +47,7 @@ impl Pool {
     }
 
     /// Rebuilds the pool if it may be out of date at `now_ms`.
-    pub fn refresh(&mut self, nodes: &[NodeState], now_ms: u64, p: &Params) {
+    pub fn refresh(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {
         let due = match self.built_at {
             None => true,
             Some(at) => {
@@ -54,18 +55,18 @@ impl Pool {
             }
         };
         if due {
-            self.rebuild(nodes, now_ms, p);
+            self.rebuild(nodes, now_ms, stale_after_ms);
         }
     }
 
-    fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, p: &Params) {
+    fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {
         self.members.clear();
         self.cumulative.clear();
         let mut known_capacity: Option<f64> = None;
         let mut max_load = 0.0_f64;
         let mut valid_until = u64::MAX;
         for n in nodes {
-            let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+            let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
             if let Some(c) = n.capacity_override.or(r.capacity_tokens_per_sec) {
@@ -73,14 +74,13 @@ impl Pool {
             }
             max_load = max_load.max(r.load_tokens_per_sec);
             if let Some(at) = n.reported_at() {
-                valid_until =
-                    valid_until.min(at.saturating_add(p.stale_after_ms).saturating_add(1));
+                valid_until = valid_until.min(at.saturating_add(stale_after_ms).saturating_add(1));
             }
         }
         self.assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
         let mut total = 0.0;
         for (i, n) in nodes.iter().enumerate() {
-            let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+            let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
             let c = n
@@ -130,12 +130,87 @@ impl Pool {
     }
 }
 
+/// Power-of-d choices (see this module): draws candidates in proportion to their capacity and
+/// keeps the best of the first `p.choices` with room under the VRAM ceiling; the other nodes
+/// drawn with room follow, best first, as the retry hosts of the routing header. `None` when
+/// sampling has nothing to add or cannot decide: the pool is no larger than the number of
+/// choices (then every node is compared anyway), or the draws found no node with room, which
+/// only a comparison of every node can tell apart from a saturated fleet (holding depends on
+/// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
+/// then the full comparison. `load_books` brings a drawn node's in-flight books up to date
+/// just before it is weighed, for the nodes compared (the retry hosts are weighed on the
+/// books at hand).
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    nodes: &mut [NodeState],
+    pool: &Pool,
+    ask: &Ask,
+    mean_request_tokens: f64,
+    now_ms: u64,
+    p: &Params,
+    rng: &mut dyn Rng,
+    load_books: &mut dyn FnMut(usize, &mut NodeState),
+) -> Option<Vec<Ranked>> {
+    let d = p.choices;
+    if d == 0 || pool.len() <= d || p.rule != Rule::TokenThroughput {
+        return None;
+    }
+    let want = d.max(p.keep.min(pool.len()));
+    let fleet = Fleet {
+        assumed_capacity: pool.assumed_capacity(),
+        mean_request_tokens,
+    };
+    let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
+    let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
+    for _ in 0..(4 * want + 8) {
+        if admitted.len() >= want {
+            break;
+        }
+        let Some(i) = pool.draw(rng) else { break };
+        if drawn.contains(&i) {
+            continue;
+        }
+        drawn.push(i);
+        let Some(n) = nodes.get_mut(i) else { continue };
+        if !may_serve(n, ask.model) || n.fresh_report(now_ms, p.stale_after_ms).is_none() {
+            continue;
+        }
+        // Only the compared nodes' books are read: with books in shared data that is a host
+        // call each, and a decision must not cost one per node of the fleet. The nodes drawn
+        // past the `d` compared only fill the retry list, where this VM's own books will do.
+        if admitted.len() < d {
+            load_books(i, n);
+        }
+        let n = &*n;
+        let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
+            continue;
+        };
+        let (ranked, over) = evaluate(i, n, r, ask, &fleet, p);
+        if !over {
+            admitted.push(ranked);
+        }
+    }
+    let compared = d.min(admitted.len());
+    let winner = admitted
+        .iter()
+        .take(compared)
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.seconds.total_cmp(&b.seconds))
+        .map(|(at, _)| at)?;
+    admitted.swap(0, winner);
+    if let Some(rest) = admitted.get_mut(1..) {
+        rest.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+    }
+    admitted.truncate(p.keep.max(1));
+    Some(admitted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::choice::Rule;
+    use crate::config::Rule;
+    use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
-    use crate::telemetry::Report;
 
     const P: Params = Params {
         rule: Rule::TokenThroughput,
@@ -174,12 +249,12 @@ mod tests {
             node(Some(100.0), Some(500)),
         ];
         let mut pool = Pool::default();
-        pool.refresh(&nodes, 600, &P);
+        pool.refresh(&nodes, 600, P.stale_after_ms);
         assert_eq!(pool.members, vec![0, 3]);
         // Node 0's report goes stale after 1000 ms: the pool rebuilds without it.
-        pool.refresh(&nodes, 1001, &P);
+        pool.refresh(&nodes, 1001, P.stale_after_ms);
         assert_eq!(pool.members, vec![3]);
-        pool.refresh(&nodes, 1501, &P);
+        pool.refresh(&nodes, 1501, P.stale_after_ms);
         assert!(pool.is_empty());
         let mut rng = SplitMix64::new(1);
         assert_eq!(pool.draw(&mut rng), None);
@@ -197,7 +272,7 @@ mod tests {
         for (caps, shares) in cases {
             let nodes: Vec<_> = caps.iter().map(|c| node(*c, Some(0))).collect();
             let mut pool = Pool::default();
-            pool.refresh(&nodes, 1, &P);
+            pool.refresh(&nodes, 1, P.stale_after_ms);
             let mut rng = SplitMix64::new(7);
             let mut counts = vec![0u32; nodes.len()];
             let draws = 40_000;
@@ -222,19 +297,19 @@ mod tests {
         };
         let mut nodes = vec![node(Some(100.0), Some(0))];
         let mut pool = Pool::default();
-        pool.refresh(&nodes, 10, &p);
+        pool.refresh(&nodes, 10, p.stale_after_ms);
         assert_eq!(pool.members, vec![0]);
         // A new candidate is not seen until the pool is invalidated or its rebuild is due.
         nodes.push(node(Some(100.0), Some(20)));
-        pool.refresh(&nodes, 30, &p);
+        pool.refresh(&nodes, 30, p.stale_after_ms);
         assert_eq!(pool.members, vec![0]);
         pool.invalidate();
-        pool.refresh(&nodes, 30, &p);
+        pool.refresh(&nodes, 30, p.stale_after_ms);
         assert_eq!(pool.members, vec![0, 1]);
         nodes.push(node(Some(100.0), Some(40)));
-        pool.refresh(&nodes, 40, &p);
+        pool.refresh(&nodes, 40, p.stale_after_ms);
         assert_eq!(pool.members, vec![0, 1]);
-        pool.refresh(&nodes, 30 + REBUILD_MS, &p);
+        pool.refresh(&nodes, 30 + REBUILD_MS, p.stale_after_ms);
         assert_eq!(pool.members, vec![0, 1, 2]);
     }
 }

@@ -19,9 +19,9 @@
 //! known when it leaves (a list learned meanwhile counts), so it may also leave as
 //! `UnknownModel` if the last node serving its model stopped listing it.
 
-use crate::balancer::{Balancer, BookSource, Outcome, OwnBooks};
+use crate::ingest::request::Weight;
 use crate::rng::Rng;
-use crate::weight::Weight;
+use crate::route::balancer::{Balancer, BookSource, Outcome, OwnBooks};
 use std::collections::VecDeque;
 
 /// One request waiting for a node.
@@ -149,8 +149,8 @@ impl<T> HoldQueue<T> {
 mod tests {
     use super::*;
     use crate::config::Config;
+    use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
-    use crate::telemetry::Report;
 
     /// One node with a 1,000-token cache and a 0.9 ceiling.
     fn balancer() -> Balancer {

@@ -43,8 +43,8 @@
 //! every VM did before shared books), and this VM sees it only in its own view (`view` adds
 //! its pending changes).
 
-use crate::node::Ticket;
-use crate::telemetry::Report;
+use crate::fleet::node::Ticket;
+use crate::ingest::telemetry::Report;
 use std::collections::HashMap;
 
 /// Root id of the poller service: the bootstrap extension loads the same `.wasm` with this
@@ -760,7 +760,7 @@ fn write<S: Store>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weight::Weight;
+    use crate::ingest::request::Weight;
 
     /// Envoy's shared data, as the host implements it: a CAS token per key that changes on
     /// every write. `interfere` runs before a write and may change the store behind the

@@ -6,7 +6,7 @@
 // Test code: a failed read or assertion is the test failing.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
-#[path = "../fuzz/src/lib.rs"]
+#[path = "../../fuzz/src/lib.rs"]
 mod targets;
 
 use std::fs;
@@ -26,7 +26,7 @@ fn files(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn every_corpus_file_passes_its_target() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
     let mut total = 0;
     for (name, target) in targets::TARGETS {
         let corpus = files(&root.join("corpus").join(name));

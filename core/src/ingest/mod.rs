@@ -1,0 +1,10 @@
+//! Bytes from outside, read into typed values: nothing here decides, and every reader is total
+//! (any input gives a value or an error, never a panic), which the fuzz targets check.
+
+pub mod engine;
+pub mod members;
+pub mod prometheus;
+pub mod rates;
+pub mod request;
+pub mod response;
+pub mod telemetry;

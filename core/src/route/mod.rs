@@ -1,0 +1,8 @@
+//! The decision: what a request costs on each node, which nodes are compared, what outputs
+//! are expected, and whether the request goes now or waits for room.
+
+pub mod admission;
+pub mod balancer;
+pub mod candidates;
+pub mod choice;
+pub mod outputs;

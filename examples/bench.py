@@ -4,6 +4,7 @@ the same heterogeneous mock GPU cluster, once per balancing policy, side by side
     .venv/bin/python examples/bench.py                      # the documented run (docs/BENCHMARKS.md)
     .venv/bin/python examples/bench.py --sweep 3,5,7,9      # SLO capacity per policy
     .venv/bin/python examples/bench.py --smoke              # seconds-long check of the pipeline (CI)
+    .venv/bin/python examples/bench.py --previous-wasm old.wasm  # this build beside another one
 
 Policies: Envoy's round_robin and least_request (the filter removed), the seed article's naive
 rule (the filter with policy least_reported_load) and token-balancer (envoy/envoy.yaml as
@@ -42,7 +43,10 @@ POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_b
 VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             "tb_hold_at_ceiling": {"hold_kv_ceiling": 0.9},
             # Every node compared on every request (argmin), against the shipped two choices.
-            "tb_argmin": {"choices": 0}}
+            "tb_argmin": {"choices": 0},
+            # The shipped configuration on another build of the filter (--previous-wasm): two
+            # commits side by side in one run.
+            "tb_previous": {}}
 # Envoy's client_side_weighted_round_robin, weighing nodes by the ORCA load reports the mock
 # sends in its `endpoint-load-metrics` response header (qps / utilization).
 CSWRR = {"policies": [{"typed_extension_config": {
@@ -51,6 +55,8 @@ CSWRR = {"policies": [{"typed_extension_config": {
         "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
                  "client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin",
         "blackout_period": "1s", "weight_update_period": "1s", "weight_expiration_period": "60s"}}}]}
+# Another build of the filter for the `tb_previous` policy (--previous-wasm).
+PREVIOUS_WASM: Path | None = None
 SLO_TTFT_MS = 2000.0
 SLO_TPOT_MS = 100.0
 
@@ -61,7 +67,8 @@ def envoy_for(policy: str, nodes: list[str]) -> dict:
     if policy == "naive_seed":
         plugin["policy"] = "least_reported_load"
     plugin.update(VARIANTS.get(policy, {}))
-    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin)
+    wasm = PREVIOUS_WASM if policy == "tb_previous" else None
+    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm)
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())
     elif policy == "cswrr_orca":
@@ -155,7 +162,7 @@ def ratios(results: dict[str, dict]) -> str:
         return ""
     tb = results["token_balancer"]["summary"]
     out = []
-    for base in ("least_request", "round_robin", "cswrr_orca", "naive_seed"):
+    for base in ("least_request", "round_robin", "cswrr_orca", "naive_seed", "tb_previous"):
         if base not in results:
             continue
         b = results[base]["summary"]
@@ -260,12 +267,24 @@ def main():
     ap.add_argument("--name", default="")
     ap.add_argument("--sweep", default="", help="comma-separated rates: report the SLO capacity per policy")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
+    ap.add_argument("--previous-wasm", type=Path, default=None,
+                    help="another build of token_balancer.wasm, run as policy tb_previous beside this one "
+                         "(compare two commits in one run)")
     args = ap.parse_args()
+    if args.previous_wasm:
+        global PREVIOUS_WASM
+        if not args.previous_wasm.is_file():
+            ap.error(f"--previous-wasm {args.previous_wasm}: no such file")
+        PREVIOUS_WASM = args.previous_wasm.resolve()
     if args.cluster:
         global CLUSTER
         presets = [g for g in args.cluster.split(",") if g]
         CLUSTER = [(f"{g}-{i + 1}", f"gpu={g}") for i, g in enumerate(presets)]
     policies = [p for p in args.policies.split(",") if p]
+    if args.previous_wasm and "tb_previous" not in policies:
+        policies.append("tb_previous")
+    if "tb_previous" in policies and not args.previous_wasm:
+        ap.error("policy tb_previous needs --previous-wasm")
     unknown = set(policies) - set(POLICIES) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown policies {sorted(unknown)}; known: {POLICIES + sorted(VARIANTS)}")

@@ -185,10 +185,11 @@ def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int
         cfg = with_wasm(cfg, FLOOR_WASM)
     else:
         cfg = envoy_config(nodes, free_port(), free_port(),
-                           plugin={"debug_header": None, **PLUGIN}, poller="singleton")
+                           plugin={"debug_header": None, **PLUGIN}, poller="singleton",
+                           wasm_file=PREVIOUS_WASM if kind == "tb_previous" else None)
     e = Envoy(cfg, concurrency=concurrency)
     pin(e.proc.pid, envoy_cpus)
-    if kind != "token_balancer":
+    if kind not in FILTERS:
         r = e.post("/v1/chat/completions", body, headers=POST)
         assert r.status == 200, r
         return e
@@ -210,13 +211,13 @@ def measure(kind: str, wrk: Wrk, nodes: list[str], body: bytes, args, envoy_cpus
         # Warm-up, not measured: V8 compiles the hot Wasm functions with its optimizing tier
         # only after they have run a while.
         wrk.run(e.port, args.connections, args.warmup)
-        routed0 = e.counter("token_balancer.routed") if kind == "token_balancer" else 0
+        routed0 = e.counter("token_balancer.routed") if kind in FILTERS else 0
         lat = wrk.run(e.port, 1, args.seconds)
         cpu0 = cpu_seconds(e.proc.pid)
         thr = wrk.run(e.port, args.connections, args.seconds)
         cpu_us = (cpu_seconds(e.proc.pid) - cpu0) / thr["requests"] * 1e6
         m = {"latency": lat, "throughput": thr, "cpu_us_per_request": cpu_us}
-        if kind == "token_balancer":
+        if kind in FILTERS:
             routed = e.counter("token_balancer.routed") - routed0
             sent = lat["requests"] + thr["requests"]
             # wrk counts completed requests only; the few cut at the end were routed too.
@@ -237,6 +238,9 @@ def median(rows: list[dict], *path: str) -> float:
 
 
 KINDS = ["plain", "floor", "token_balancer"]
+# The kinds that run token-balancer: this build, and another one (--previous-wasm) beside it.
+FILTERS = ("token_balancer", "tb_previous")
+PREVIOUS_WASM: Path | None = None
 
 
 def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
@@ -248,7 +252,7 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
         runs = {k: [] for k in KINDS}
         for rnd in range(args.rounds):
             # The order turns every round, so a slow stretch of the machine hits each in turn.
-            order = KINDS[rnd % 3:] + KINDS[:rnd % 3]
+            order = KINDS[rnd % len(KINDS):] + KINDS[:rnd % len(KINDS)]
             for kind in order:
                 m = measure(kind, wrk, nodes, body, args, envoy_cpus)
                 runs[kind].append(m)
@@ -283,7 +287,7 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
     out["routed_share"] = min(r["routed_share"] for r in tb)
     out["vm_memory_bytes"] = {"1_worker": one, "4_workers": four, "per_added_worker": (four - one) // 3}
     # Ratios within each round (the same stretch of machine time), then their median.
-    for kind in ("floor", "token_balancer"):
+    for kind in KINDS[1:]:
         out[kind]["p50_added_us"] = statistics.median(
             r["latency"]["p50_us"] - p["latency"]["p50_us"] for r, p in zip(runs[kind], runs["plain"]))
         out[kind]["p99_added_us"] = statistics.median(
@@ -341,11 +345,20 @@ def table(results: list[dict], args, pinned: str) -> str:
             f"{name} {'met' if ok else 'MISSED'}" for name, ok in verdict)
             + f" (the floor filter alone: p50 added {r['floor']['p50_added_us']:.0f} us, "
               f"req/s kept {r['floor']['rps_kept']:.2f})")
+    if "tb_previous" in KINDS:
+        lines += ["", "This build against the previous one (--previous-wasm), measured in the same rounds:"]
+        for r in results:
+            a, b = r["token_balancer"], r["tb_previous"]
+            lines.append(
+                f"- {r['nodes']} nodes: p50 added {a['p50_added_us']:.0f} us vs {b['p50_added_us']:.0f} us, "
+                f"p99 added {a['p99_added_us']:.0f} us vs {b['p99_added_us']:.0f} us, req/s kept "
+                f"{a['rps_kept']:.2f} vs {b['rps_kept']:.2f}, CPU added {a['cpu_added_us']:.0f} us vs "
+                f"{b['cpu_added_us']:.0f} us")
     return "\n".join(lines) + "\n"
 
 
 LABELS = {"plain": "no filter (least_request)", "floor": "floor filter (reads the body)",
-          "token_balancer": "token-balancer"}
+          "token_balancer": "token-balancer", "tb_previous": "token-balancer, previous build"}
 
 
 def main():
@@ -362,8 +375,17 @@ def main():
                     help="JSON object of filter settings over the shipped ones, e.g. "
                          "'{\"tick_ms\": 1000}' (default: as shipped)")
     ap.add_argument("--name", default="overhead", help="results/<name>/ (default overhead)")
+    ap.add_argument("--previous-wasm", type=Path, default=None,
+                    help="another build of token_balancer.wasm, measured beside this one in every round "
+                         "(compare two commits in one run)")
     args = ap.parse_args()
     PLUGIN.update(json.loads(args.plugin))
+    if args.previous_wasm:
+        global PREVIOUS_WASM
+        if not args.previous_wasm.is_file():
+            ap.error(f"--previous-wasm {args.previous_wasm}: no such file")
+        PREVIOUS_WASM = args.previous_wasm.resolve()
+        KINDS.append("tb_previous")
 
     wrk_path = ensure_wrk()
     print("overhead: building the floor filter", flush=True)

@@ -157,7 +157,8 @@ class MockCluster:
 
 
 def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int, plugin: dict | None = None,
-                 health_addresses: dict[str, str] | None = None, poller: str | None = None) -> dict:
+                 health_addresses: dict[str, str] | None = None, poller: str | None = None,
+                 wasm_file: Path | None = None) -> dict:
     """The shipped envoy/envoy.yaml with this run's ports, nodes and plugin settings.
 
     Starting from the shipped file (not a copy kept for tests) means the tests run the same
@@ -166,7 +167,8 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     configuration objects through the YAML anchors, so every change below reaches both);
     "vm" drops it and lets every VM poll. Unset, it is $TB_POLLER, else "vm" (the mode of the
     tests written before the service), so `TB_POLLER=singleton pytest ...` runs a test file in
-    the other mode."""
+    the other mode. `wasm_file` loads another build of the filter (a benchmark's side-by-side run of
+    two commits); unset, the one this tree builds."""
     poller = poller or os.environ.get("TB_POLLER") or "vm"
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
     if poller == "vm":
@@ -176,7 +178,7 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     listener["address"]["socket_address"]["port_value"] = listener_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     wasm = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
-    wasm["vm_config"]["code"]["local"]["filename"] = str(WASM)
+    wasm["vm_config"]["code"]["local"]["filename"] = str(wasm_file or WASM)
     conf = json.loads(wasm["configuration"]["value"])
     conf["nodes"] = []
     for a in node_addresses:

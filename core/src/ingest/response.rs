@@ -53,6 +53,39 @@ pub fn reported_output_tokens(chunk: &[u8]) -> Option<u64> {
     found
 }
 
+/// What one response has shown of its output so far, fed chunk by chunk.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutputMeter {
+    events: u64,
+    reported: Option<u64>,
+}
+
+impl OutputMeter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads the next chunk of the response body.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.events = self.events.saturating_add(output_events(chunk));
+        if let Some(n) = reported_output_tokens(chunk) {
+            self.reported = Some(n);
+        }
+    }
+
+    /// Output tokens delivered so far, for the books of requests in flight.
+    pub fn progress(&self) -> u64 {
+        self.events
+    }
+
+    /// The output length this response is a sample of, once it has ended: `status_ok` when it
+    /// was a 200, `completed` when its body reached its end.
+    pub fn finish(&self, status_ok: bool, completed: bool) -> Option<u64> {
+        let output = self.reported.unwrap_or(self.events);
+        (status_ok && completed && output > 0).then_some(output)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

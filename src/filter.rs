@@ -31,7 +31,7 @@ use token_balancer_core::fleet::node::{tenant_of, Ticket, Transition};
 use token_balancer_core::fleet::polling::{self, Schedule};
 use token_balancer_core::ingest::members;
 use token_balancer_core::ingest::request::{self, Api, Weight};
-use token_balancer_core::ingest::response;
+use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::ingest::telemetry::Report;
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::admission::HoldQueue;
@@ -1523,7 +1523,7 @@ impl RootContext for Root {
             debug: None,
             decided: false,
             received: 0,
-            reported_output: None,
+            meter: OutputMeter::new(),
             shared_received: 0,
             status_ok: false,
             completed: false,
@@ -1546,10 +1546,10 @@ struct Request {
     debug: Option<String>,
     /// The routing decision is made (or given up); later body chunks pass straight through.
     decided: bool,
-    /// Output observed in the response so far: content events, and the count the server
-    /// reported, if it did.
+    /// Output observed in the response so far (`meter.progress()` when last read), and what
+    /// the response has shown of its output.
     received: u64,
-    reported_output: Option<u64>,
+    meter: OutputMeter,
     /// Output count last written to the shared books (reader role).
     shared_received: u64,
     /// The response was a 200 and its body reached its end: a complete sample of output length.
@@ -1681,14 +1681,13 @@ impl Request {
 
     fn release(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            let output = self.reported_output.unwrap_or(self.received);
-            let sample = self.status_ok && self.completed && output > 0;
+            let sample = self.meter.finish(self.status_ok, self.completed);
             // The books are released by the count they were advanced by, so they balance
-            // exactly; the server's own count, when it gave one, is the better sample.
+            // exactly; the sample is the meter's (the server's own count when it gave one).
             let progressed = self.received;
             let written = self.shared_received;
             self.with(|s| {
-                if sample {
+                if let Some(output) = sample {
                     s.balancer
                         .observe_output(ticket.weight.prompt_tokens, output);
                 }
@@ -1804,10 +1803,8 @@ impl HttpContext for Request {
                     hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
                 {
                     let before = self.received;
-                    self.received = before.saturating_add(response::output_events(&chunk));
-                    if let Some(n) = response::reported_output_tokens(&chunk) {
-                        self.reported_output = Some(n);
-                    }
+                    self.meter.feed(&chunk);
+                    self.received = self.meter.progress();
                     if self.received > before {
                         let (received, written) = (self.received, self.shared_received);
                         let wrote = self

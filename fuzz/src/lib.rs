@@ -23,7 +23,7 @@ use token_balancer_core::ingest::engine::{self, Health, HealthFormat};
 use token_balancer_core::ingest::prometheus::parse_prometheus_samples;
 use token_balancer_core::ingest::rates::Tracker;
 use token_balancer_core::ingest::request::{estimate, Api, Weight};
-use token_balancer_core::ingest::response::{output_events, reported_output_tokens};
+use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::ingest::telemetry::{parse_health, Report};
 
 /// A fuzz target: takes any bytes, panics when an invariant breaks.
@@ -390,37 +390,94 @@ fn strip_nulls(v: &mut Value) {
     }
 }
 
-/// Response chunk scanning: content events and reported usage, on arbitrary bytes.
+/// A meter fed `chunks` in order; the running count must never go back between them.
+fn meter(chunks: &[&[u8]]) -> OutputMeter {
+    let mut m = OutputMeter::new();
+    let mut last = 0;
+    for c in chunks {
+        m.feed(c);
+        assert!(m.progress() >= last, "progress went back");
+        last = m.progress();
+    }
+    m
+}
+
+/// The response body metered as Envoy may hand it over: the input is the whole body, cut into
+/// chunks at boundaries derived from it.
 pub fn response_usage(data: &[u8]) {
-    let events = output_events(data);
-    let reported = reported_output_tokens(data);
-    // Each counted event needs its own key in the chunk: `"text":"` is the shorter, 8 bytes,
-    // and occurrences of one key are counted without overlap.
-    let len = data.len() as u64;
-    assert!(
-        events <= len / 8 + len / 11,
-        "{events} events in {len} bytes"
-    );
-    if reported.is_some() {
-        let has_key = |k: &[u8]| data.windows(k.len()).any(|w| w == k);
-        assert!(has_key(b"\"completion_tokens\":") || has_key(b"\"output_tokens\":"));
+    let whole = meter(&[data]);
+
+    // Chunk boundaries change nothing: at one point, byte by byte, in chunks whose sizes the
+    // bytes themselves give (1 to 32), with empty chunks between.
+    let sum = data.iter().fold(0usize, |acc, &b| {
+        acc.wrapping_mul(31).wrapping_add(usize::from(b))
+    });
+    let (a, b) = data.split_at(sum % (data.len() + 1));
+    assert_eq!(meter(&[a, b]), whole, "split at {}", a.len());
+    let bytes: Vec<&[u8]> = data.chunks(1).collect();
+    assert_eq!(meter(&bytes), whole, "byte by byte");
+    let mut chunks: Vec<&[u8]> = Vec::new();
+    let mut rest = data;
+    let mut sizes = data.iter().cycle();
+    while !rest.is_empty() {
+        let size = 1 + usize::from(sizes.next().copied().unwrap_or(0) % 32);
+        let (c, r) = rest.split_at(size.min(rest.len()));
+        chunks.extend([c, &[][..]]);
+        rest = r;
+    }
+    assert_eq!(meter(&chunks), whole, "in chunks");
+
+    // The sample rule: only from a 200 read to its end, and never of 0 tokens.
+    assert_eq!(whole.finish(false, true), None);
+    assert_eq!(whole.finish(true, false), None);
+    let sample = whole.finish(true, true);
+    assert_ne!(sample, Some(0));
+
+    // Each content event needs its own `"text":"` and a byte of content, 9 bytes at least.
+    let has = |k: &[u8]| data.windows(k.len()).any(|w| w == k);
+    let count_key = has(b"\"completion_tokens\"") || has(b"\"output_tokens\"");
+    let first = data
+        .iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n' | 0xEF | 0xBB | 0xBF));
+    let reply = matches!(first, Some(b'{' | b'['));
+    if !count_key {
+        let len = data.len() as u64;
+        assert!(
+            whole.progress() <= len / 9,
+            "{} events in {len} bytes",
+            whole.progress()
+        );
+        // A JSON answer's output is known only from a count.
+        if reply {
+            assert_eq!(sample, None, "a sample from a reply without a count");
+            assert_eq!(whole.progress(), 0);
+        }
     }
 
-    // One more content event after a line break counts once more, or twice when the chunk ended
-    // on an open key that the break now closes with a (non-quote) character.
-    let mut more = data.to_vec();
-    more.extend_from_slice(b"\n\"content\":\"x\"");
-    let delta = output_events(&more) - events;
-    assert!((1..=2).contains(&delta), "one more event counted {delta}");
+    // A comma ends whatever key or value the body ended in; after it, one content event more
+    // adds one to a stream's running count (or nothing, when a count is higher) and nothing to
+    // a JSON answer's.
+    let with = |tail: &[u8]| {
+        let mut more = data.to_vec();
+        more.extend_from_slice(tail);
+        meter(&[&more])
+    };
+    let ended = with(b",").progress();
+    let more = with(b",\"content\":\"x\"").progress();
+    if reply {
+        assert_eq!(more, ended, "an event counted in a reply");
+    } else {
+        assert!((ended..=ended + 1).contains(&more), "{ended} then {more}");
+    }
 
-    // A usage count reported after everything else is the one returned.
+    // A count reported after everything else is the sample.
     let n = data
         .iter()
         .take(8)
         .fold(0u64, |acc, &b| acc << 8 | u64::from(b));
-    let mut last = data.to_vec();
-    last.extend_from_slice(format!("\n\"output_tokens\": {n}}}").as_bytes());
-    assert_eq!(reported_output_tokens(&last), Some(n));
+    let last = with(format!(",\"output_tokens\": {n}}}").as_bytes());
+    assert_eq!(last.finish(true, true), (n > 0).then_some(n));
+    assert!(last.progress() >= n);
 }
 
 /// The report invariants any health answer must meet once turned into a `Report`: every number

@@ -15,6 +15,7 @@
 //! it (`failed_active_health_check`). `DEGRADED` stays: Envoy still routes to it.
 
 use serde_json::Value;
+use std::collections::HashSet;
 
 /// The members of one cluster, and what was left out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -64,6 +65,9 @@ pub fn parse_members(body: &[u8], cluster: &str) -> Result<Members, MembershipEr
     let mut members = Members::default();
     // A cluster with no hosts has no `host_statuses` at all.
     let hosts = c.get("host_statuses").and_then(Value::as_array);
+    // Repeats are dropped by a set of the addresses taken so far: a cluster can have
+    // thousands of hosts, and a search of the list for each one would grow with the square.
+    let mut taken = HashSet::with_capacity(hosts.map_or(0, Vec::len));
     for h in hosts.into_iter().flatten() {
         let Some(address) = socket_address(h) else {
             members.unaddressable += 1;
@@ -73,7 +77,7 @@ pub fn parse_members(body: &[u8], cluster: &str) -> Result<Members, MembershipEr
             members.unroutable += 1;
             continue;
         }
-        if !members.addresses.contains(&address) {
+        if taken.insert(address.clone()) {
             members.addresses.push(address);
         }
     }
@@ -195,6 +199,114 @@ mod tests {
                 "{hosts:?}"
             );
         }
+    }
+
+    /// The address of member `i` of a large cluster: distinct for every `i` below 2^24.
+    fn nth(i: usize) -> (String, u64) {
+        (
+            format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255),
+            8000 + (i % 7) as u64,
+        )
+    }
+
+    #[test]
+    fn repeats_keep_the_first_occurrence_order() {
+        // (hosts by index into `nth`, members by index)
+        let cases: &[(&[usize], &[usize])] = &[
+            (&[], &[]),
+            (&[0], &[0]),
+            (&[0, 0, 0], &[0]),
+            (&[0, 1, 0, 2, 1], &[0, 1, 2]),
+            (&[3, 2, 1, 0, 1, 2, 3], &[3, 2, 1, 0]),
+            (&[5, 4, 5, 4, 6], &[5, 4, 6]),
+        ];
+        for (hosts, want) in cases {
+            let body: Vec<String> = hosts
+                .iter()
+                .map(|&i| {
+                    let (ip, port) = nth(i);
+                    host(&ip, port, OK)
+                })
+                .collect();
+            let m = parse_members(answer(&body).as_bytes(), "gpu_nodes").unwrap();
+            let want: Vec<String> = want
+                .iter()
+                .map(|&i| {
+                    let (ip, port) = nth(i);
+                    format!("{ip}:{port}")
+                })
+                .collect();
+            assert_eq!(m.addresses, want, "{hosts:?}");
+        }
+        // The same address with another port, or an unroutable repeat, is not a repeat of a
+        // member; an unroutable first occurrence does not hide a routable repeat.
+        let drain = r#"{"eds_health_status":"DRAINING"}"#;
+        let body = [
+            host("10.0.0.1", 80, drain),
+            host("10.0.0.1", 81, OK),
+            host("10.0.0.1", 80, OK),
+            host("10.0.0.1", 81, drain),
+            host("10.0.0.1", 80, OK),
+        ];
+        let m = parse_members(answer(&body).as_bytes(), "gpu_nodes").unwrap();
+        assert_eq!(m.addresses, ["10.0.0.1:81", "10.0.0.1:80"]);
+        assert_eq!(m.unroutable, 2);
+    }
+
+    #[test]
+    fn a_large_cluster_with_repeats_parses_quickly() {
+        const N: usize = 20_000;
+        // Every fifth host repeats an earlier one: 16,000 distinct members.
+        let order: Vec<usize> = (0..N)
+            .map(|i| {
+                let fresh = i - i / 5;
+                if i % 5 == 4 {
+                    (i * 7919) % fresh
+                } else {
+                    fresh
+                }
+            })
+            .collect();
+        let hosts: Vec<String> = order
+            .iter()
+            .map(|&i| {
+                let (ip, port) = nth(i);
+                format!(
+                    r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
+                )
+            })
+            .collect();
+        let body = answer(&hosts);
+        // The time is taken against the time to read the same answer as JSON, the floor of
+        // any reading of it, so that the bound holds on a slow machine (or under wasm) too:
+        // a search of the list for each host takes many times that.
+        let fastest = |f: &dyn Fn()| {
+            (0..3)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    f();
+                    start.elapsed()
+                })
+                .min()
+                .unwrap_or_default()
+        };
+        let json = fastest(&|| {
+            let _: Value = serde_json::from_slice(body.as_bytes()).unwrap();
+        });
+        let took = fastest(&|| {
+            parse_members(body.as_bytes(), "gpu_nodes").unwrap();
+        });
+        let m = parse_members(body.as_bytes(), "gpu_nodes").unwrap();
+        let distinct = N - N / 5;
+        assert_eq!(m.addresses.len(), distinct);
+        for (i, a) in m.addresses.iter().enumerate() {
+            let (ip, port) = nth(i);
+            assert_eq!(*a, format!("{ip}:{port}"));
+        }
+        assert!(
+            took < json * 4 + std::time::Duration::from_millis(50),
+            "{distinct} members took {took:?}, reading the JSON {json:?}"
+        );
     }
 
     #[test]

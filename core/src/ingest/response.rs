@@ -2,101 +2,606 @@
 //!
 //! Clients cap `max_tokens` far above what models generate, so the cap is a poor estimate of a
 //! request's decode work and of the KV it will grow into. The filter learns the real output
-//! lengths from the responses passing through it, without buffering them: each response chunk
-//! is scanned for content deltas of OpenAI-style SSE streams (`"content":"…"` in chat chunks,
-//! `"text":"…"` in completion and Anthropic text-delta chunks; engines send about one token per
-//! event), and for the exact count where the server reports usage (`"completion_tokens":N`,
-//! or Anthropic's `"output_tokens":N`), which wins when present.
+//! lengths from the responses passing through it, without buffering them: an [`OutputMeter`]
+//! reads each response chunk as Envoy hands it over, at whatever boundaries Envoy chose, and
+//! keeps between chunks only the state of its scan (how much of a key it has seen, the digits
+//! of a count so far) — a few bytes, never the response's bytes. So a key or a count split
+//! across two chunks reads exactly as if it had come in one.
+//!
+//! What it reads:
+//! - content deltas of event streams: non-empty `"content":"…"` strings in OpenAI chat chunks,
+//!   `"text":"…"` in completion and Anthropic text-delta chunks; engines send about one token
+//!   per event;
+//! - the count the server reports (`"completion_tokens":N`, or Anthropic's
+//!   `"output_tokens":N`), the last one in the body, which wins over the events when present.
+//!
+//! A key is a quoted name and a colon, with the whitespace JSON allows around the colon (Python
+//! servers write `"content": "…"`). Inside a string value quotes are escaped, so a key quoted
+//! in generated text is not read as one.
+//!
+//! Streamed or not: a body whose first byte (after whitespace) is `{` or `[` is one JSON
+//! answer; anything else is an event stream (`data:` lines, with `event:`, `id:` or `:`
+//! comment lines). The body itself tells, so no response header has to be read for it. A JSON
+//! answer holds its whole output in one `"content"` string, so its
+//! events say nothing of its length: it is a sample only when it reports a count. Without
+//! one it is no sample, rather than an estimate from the content's length in characters:
+//! four characters a token is off by a factor of two and more for code, non-Latin scripts
+//! and JSON output, and a biased sample skews the learned output lengths that every
+//! request's KV reservation is drawn from, while a missing sample only leaves them to the
+//! other responses. The common OpenAI-compatible servers report usage in every non-streamed
+//! answer, so such answers are rare.
+//!
+//! The filter takes two numbers from the meter: [`OutputMeter::progress`], the running count
+//! the books of requests in flight advance by, which never goes back; and
+//! [`OutputMeter::finish`], the output length a response that ended is a sample of — only a
+//! 200 read to its end, with a positive count, is one.
 
-fn count(hay: &[u8], needle: &[u8], mut accept: impl FnMut(&[u8]) -> bool) -> u64 {
-    let mut n = 0;
-    let mut i = 0;
-    while let Some(pos) = hay
-        .get(i..)
-        .and_then(|rest| rest.windows(needle.len()).position(|w| w == needle))
-    {
-        let after = i + pos + needle.len();
-        if accept(hay.get(after..).unwrap_or_default()) {
-            n += 1;
-        }
-        i = after;
-    }
-    n
+/// The keys the scan reads: the name between the quotes, and what its value is.
+const KEYS: [(&[u8], Kind); 4] = [
+    (b"content", Kind::Text),
+    (b"text", Kind::Text),
+    (b"completion_tokens", Kind::Count),
+    (b"output_tokens", Kind::Count),
+];
+
+/// Every key of `KEYS`, as a set of bits (bit `i` for `KEYS[i]`).
+const ALL_KEYS: u8 = (1 << KEYS.len()) - 1;
+
+/// What a key's value is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A string: a content event when it is not empty.
+    Text,
+    /// A number: the server's output count.
+    Count,
 }
 
-/// Content-bearing events in a response chunk (non-empty `content` or `text` strings).
-pub fn output_events(chunk: &[u8]) -> u64 {
-    let non_empty = |rest: &[u8]| rest.first().is_some_and(|&b| b != b'"');
-    count(chunk, b"\"content\":\"", non_empty) + count(chunk, b"\"text\":\"", non_empty)
+/// What kind of body the response is, from its first byte.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Body {
+    /// Nothing but whitespace yet.
+    #[default]
+    Unknown,
+    /// Server-sent events.
+    Stream,
+    /// One JSON answer.
+    Reply,
 }
 
-/// The output token count a server reports in the chunk, if it does.
-pub fn reported_output_tokens(chunk: &[u8]) -> Option<u64> {
-    let mut found = None;
-    for key in [&b"\"completion_tokens\":"[..], &b"\"output_tokens\":"[..]] {
-        count(chunk, key, |rest| {
-            let digits: Vec<u8> = rest
+/// Where the scan is, carried from one chunk to the next.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Scan {
+    /// Looking for a quote.
+    #[default]
+    Idle,
+    /// In a quoted name, `len` bytes in, that may still be any key of the set `keys`.
+    Name { len: u8, keys: u8 },
+    /// After a key's closing quote, before its colon.
+    Colon(Kind),
+    /// After a key's colon, before its value.
+    Value(Kind),
+    /// After a text value's opening quote.
+    Text,
+    /// In a count's digits (`overflow` when they are past `u64`: no count).
+    Count { value: u64, overflow: bool },
+}
+
+/// Reads on in a quoted name, `len` bytes in, that may still be any key of the set `keys`:
+/// the bytes of `rest` taken, and where the scan is after them.
+fn read_name(mut len: u8, mut keys: u8, rest: &[u8]) -> (usize, Scan) {
+    for (used, &b) in rest.iter().enumerate() {
+        if b == b'"' {
+            let key = KEYS
                 .iter()
-                .skip_while(|b| **b == b' ')
-                .take_while(|b| b.is_ascii_digit())
-                .copied()
-                .collect();
-            if let Some(v) = std::str::from_utf8(&digits)
-                .ok()
-                .and_then(|d| d.parse().ok())
-            {
-                found = Some(v);
-            }
-            false
-        });
+                .enumerate()
+                .find(|(k, (name, _))| keys & (1 << k) != 0 && name.len() == usize::from(len));
+            let scan = match key {
+                Some((_, &(_, kind))) => Scan::Colon(kind),
+                // Not a key; the quote may open one.
+                None => Scan::Name {
+                    len: 0,
+                    keys: ALL_KEYS,
+                },
+            };
+            return (used + 1, scan);
+        }
+        let at = usize::from(len);
+        keys = KEYS
+            .iter()
+            .enumerate()
+            .filter(|(k, (name, _))| keys & (1 << k) != 0 && name.get(at) == Some(&b))
+            .fold(0, |set, (k, _)| set | (1 << k));
+        if keys == 0 {
+            return (used + 1, Scan::Idle);
+        }
+        // Below the longest key's length: `keys` is empty past it.
+        len += 1;
     }
-    found
+    (rest.len(), Scan::Name { len, keys })
+}
+
+/// What one response has shown of its output so far, fed chunk by chunk.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutputMeter {
+    body: Body,
+    scan: Scan,
+    /// Content events seen.
+    events: u64,
+    /// The last count the server reported whose digits have ended.
+    reported: Option<u64>,
+    /// The highest such count.
+    highest: u64,
+}
+
+impl OutputMeter {
+    /// A meter for a response not read yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads the next chunk of the response body.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if self.body == Body::Unknown {
+            let leading = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n' | 0xEF | 0xBB | 0xBF);
+            // Whitespace (and a byte order mark) holds no key: nothing else to read.
+            let Some(&first) = chunk.iter().find(|b| !leading(b)) else {
+                return;
+            };
+            self.body = if matches!(first, b'{' | b'[') {
+                Body::Reply
+            } else {
+                Body::Stream
+            };
+        }
+        let mut i = 0;
+        while let Some(rest) = chunk.get(i..).filter(|r| !r.is_empty()) {
+            match self.scan {
+                Scan::Idle => {
+                    // Keys start with a quote: the bytes up to the next one are skipped unread.
+                    let Some(quote) = rest.iter().position(|&b| b == b'"') else {
+                        return;
+                    };
+                    i += quote + 1;
+                    self.scan = Scan::Name {
+                        len: 0,
+                        keys: ALL_KEYS,
+                    };
+                }
+                Scan::Name { len, keys } => {
+                    let (used, scan) = read_name(len, keys, rest);
+                    i += used;
+                    self.scan = scan;
+                }
+                _ => {
+                    // A byte the scan does not take ends what it was in; it is read again
+                    // from `Idle`.
+                    if rest.first().is_some_and(|&b| self.step(b)) {
+                        i += 1;
+                    } else {
+                        self.scan = Scan::Idle;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes one byte after a key's name; `false` when the byte is not part of what the scan
+    /// is in.
+    fn step(&mut self, b: u8) -> bool {
+        let json_space = matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+        self.scan = match self.scan {
+            Scan::Colon(kind) if b == b':' => Scan::Value(kind),
+            Scan::Colon(_) | Scan::Value(_) if json_space => return true,
+            Scan::Value(Kind::Text) if b == b'"' => Scan::Text,
+            Scan::Value(Kind::Count) if b.is_ascii_digit() => Scan::Count {
+                value: u64::from(b - b'0'),
+                overflow: false,
+            },
+            Scan::Text if b != b'"' => {
+                self.events = self.events.saturating_add(1);
+                Scan::Idle
+            }
+            Scan::Count { value, overflow } if b.is_ascii_digit() => {
+                let next = value
+                    .checked_mul(10)
+                    .and_then(|v| v.checked_add(u64::from(b - b'0')));
+                Scan::Count {
+                    value: next.unwrap_or(value),
+                    overflow: overflow || next.is_none(),
+                }
+            }
+            Scan::Count { value, overflow } => {
+                if !overflow {
+                    self.reported = Some(value);
+                    self.highest = self.highest.max(value);
+                }
+                return false;
+            }
+            Scan::Idle | Scan::Name { .. } | Scan::Colon(_) | Scan::Value(_) | Scan::Text => {
+                return false
+            }
+        };
+        true
+    }
+
+    /// The count the server reported last, counting one whose digits end the body so far.
+    fn reported(&self) -> Option<u64> {
+        match self.scan {
+            Scan::Count {
+                value,
+                overflow: false,
+            } => Some(value),
+            _ => self.reported,
+        }
+    }
+
+    /// Output tokens delivered so far, for the books of requests in flight: the content events
+    /// of a stream, or the server's count when it is higher (a server may report usage as it
+    /// goes). Never goes back: events only add up, and a count is taken once its digits have
+    /// ended, as the highest so far. A JSON answer's events are no count: it has progressed by
+    /// its reported count only.
+    pub fn progress(&self) -> u64 {
+        match self.body {
+            Body::Stream => self.events.max(self.highest),
+            Body::Reply | Body::Unknown => self.highest,
+        }
+    }
+
+    /// The output length this response is a sample of, once it has ended: `status_ok` when it
+    /// was a 200, `completed` when its body reached its end. The server's count when it gave
+    /// one, else the content events of a stream; `None` for a failed or cut-off response, a
+    /// JSON answer without a count (see the module comment), or no output at all.
+    pub fn finish(&self, status_ok: bool, completed: bool) -> Option<u64> {
+        if !(status_ok && completed) {
+            return None;
+        }
+        let output = match self.body {
+            Body::Stream => self.reported().unwrap_or(self.events),
+            Body::Reply => self.reported()?,
+            Body::Unknown => return None,
+        };
+        (output > 0).then_some(output)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn events_in_chunks() {
-        let cases: &[(&str, u64)] = &[
-            ("", 0),
-            (r#"data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}"#, 1),
+    /// One response, as bytes, with what reading it must give.
+    struct Case {
+        name: &'static str,
+        body: String,
+        /// The running count once the whole body is read.
+        progress: u64,
+        /// The output-length sample of the body read to its end with a 200.
+        sample: Option<u64>,
+    }
+
+    fn sse(events: &[String]) -> String {
+        events.iter().map(|e| format!("data: {e}\n\n")).collect()
+    }
+
+    fn chat_chunk(delta: &str, finish: &str) -> String {
+        format!(
+            r#"{{"id":"chatcmpl-7","object":"chat.completion.chunk","created":1718000000,"model":"llama-3-8b","choices":[{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{finish}}}]}}"#
+        )
+    }
+
+    fn chat_stream(usage: bool) -> String {
+        let mut events = vec![chat_chunk(r#"{"role":"assistant","content":""}"#, "null")];
+        for word in ["Hello", ",", " world", "!", " \\\"quoted\\\""] {
+            events.push(chat_chunk(&format!(r#"{{"content":"{word}"}}"#), "null"));
+        }
+        events.push(chat_chunk("{}", r#""stop""#));
+        if usage {
+            events.push(
+                r#"{"id":"chatcmpl-7","object":"chat.completion.chunk","created":1718000000,"model":"llama-3-8b","choices":[],"usage":{"prompt_tokens":12,"total_tokens":19,"completion_tokens":7,"completion_tokens_details":{"reasoning_tokens":0}}}"#
+                    .to_string(),
+            );
+        }
+        events.push("[DONE]".to_string());
+        sse(&events)
+    }
+
+    fn completions_stream() -> String {
+        let chunk = |text: &str, finish: &str| {
+            format!(
+                r#"{{"id":"cmpl-3","object":"text_completion","created":1718000000,"choices":[{{"text":"{text}","index":0,"logprobs":null,"finish_reason":{finish}}}],"model":"llama-3-8b"}}"#
+            )
+        };
+        let mut events: Vec<String> = [" Once", " upon", " a", " time"]
+            .iter()
+            .map(|t| chunk(t, "null"))
+            .collect();
+        events.push(chunk("", r#""length""#));
+        events.push("[DONE]".to_string());
+        sse(&events)
+    }
+
+    fn anthropic_stream() -> String {
+        let events: &[(&str, &str)] = &[
             (
-                "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n",
-                2,
+                "message_start",
+                r#"{"type":"message_start","message":{"id":"msg_01","type":"message","role":"assistant","content":[],"model":"claude-3-5-sonnet","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":25,"output_tokens":1}}}"#,
             ),
-            (r#"data: {"choices":[{"delta":{"content":""},"finish_reason":"stop"}]}"#, 0),
-            (r#"data: {"choices":[{"text":" world","index":0}]}"#, 1),
-            (r#"data: {"choices":[{"text":"","finish_reason":"length"}]}"#, 0),
-            (r#"data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"Hello"}}"#, 1),
-            ("data: [DONE]", 0),
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            ),
+            ("ping", r#"{"type": "ping"}"#),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"!"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" How"}}"#,
+            ),
+            (
+                "content_block_stop",
+                r#"{"type":"content_block_stop","index":0}"#,
+            ),
+            (
+                "message_delta",
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":15}}"#,
+            ),
+            ("message_stop", r#"{"type":"message_stop"}"#),
         ];
-        for (chunk, want) in cases {
-            assert_eq!(output_events(chunk.as_bytes()), *want, "{chunk}");
+        events
+            .iter()
+            .map(|(kind, data)| format!("event: {kind}\ndata: {data}\n\n"))
+            .collect()
+    }
+
+    const CHAT_REPLY: &str = r#"{"id":"chatcmpl-9","object":"chat.completion","created":1718000000,"model":"llama-3-8b","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there, how can I help you today?","tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"total_tokens":20,"completion_tokens":11,"completion_tokens_details":null}}"#;
+
+    /// A reply as Python's `json.dumps` writes it by default: a space after each colon.
+    const SPACED_REPLY: &str = "{\"id\": \"chatcmpl-9\", \"object\": \"chat.completion\", \"choices\": [{\"index\": 0, \"message\": {\"role\": \"assistant\", \"content\": \"Sure.\"}, \"finish_reason\": \"stop\"}], \"usage\": {\"prompt_tokens\": 9, \"completion_tokens\": 3, \"total_tokens\": 12}}\n";
+
+    const ANTHROPIC_REPLY: &str = r#"{"id":"msg_01","type":"message","role":"assistant","content":[{"type":"text","text":"Hi! How can I help?"}],"model":"claude-3-5-sonnet","stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":10,"output_tokens":8}}"#;
+
+    fn cases() -> Vec<Case> {
+        vec![
+            Case {
+                name: "chat stream",
+                body: chat_stream(false),
+                progress: 5,
+                sample: Some(5),
+            },
+            Case {
+                name: "chat stream with usage",
+                body: chat_stream(true),
+                progress: 7,
+                sample: Some(7),
+            },
+            Case {
+                name: "completions stream",
+                body: completions_stream(),
+                progress: 4,
+                sample: Some(4),
+            },
+            Case {
+                name: "anthropic stream",
+                body: anthropic_stream(),
+                progress: 15,
+                sample: Some(15),
+            },
+            Case {
+                name: "chat reply",
+                body: CHAT_REPLY.to_string(),
+                progress: 11,
+                sample: Some(11),
+            },
+            Case {
+                name: "spaced chat reply",
+                body: SPACED_REPLY.to_string(),
+                progress: 3,
+                sample: Some(3),
+            },
+            Case {
+                name: "anthropic reply",
+                body: ANTHROPIC_REPLY.to_string(),
+                progress: 8,
+                sample: Some(8),
+            },
+            Case {
+                name: "chat reply without usage",
+                body: CHAT_REPLY
+                    .split(r#","usage""#)
+                    .next()
+                    .unwrap_or_default()
+                    .to_string()
+                    + "}",
+                progress: 0,
+                sample: None,
+            },
+        ]
+    }
+
+    fn read(chunks: &[&[u8]]) -> OutputMeter {
+        let mut m = OutputMeter::new();
+        for c in chunks {
+            m.feed(c);
+        }
+        m
+    }
+
+    fn seen(m: &OutputMeter) -> (u64, Option<u64>) {
+        (m.progress(), m.finish(true, true))
+    }
+
+    #[test]
+    fn whole_responses() {
+        for c in cases() {
+            let m = read(&[c.body.as_bytes()]);
+            assert_eq!(seen(&m), (c.progress, c.sample), "{}", c.name);
         }
     }
 
     #[test]
-    fn reported_usage() {
-        let cases: &[(&str, Option<u64>)] = &[
+    fn every_split_reads_like_the_whole() {
+        for c in cases() {
+            let body = c.body.as_bytes();
+            let whole = seen(&read(&[body]));
+            for at in 0..=body.len() {
+                let (a, b) = body.split_at(at);
+                assert_eq!(seen(&read(&[a, b])), whole, "{} split at {at}", c.name);
+            }
+            // Byte by byte, the running count never goes back.
+            let mut m = OutputMeter::new();
+            let mut last = 0;
+            for byte in body.chunks(1) {
+                m.feed(byte);
+                assert!(m.progress() >= last, "{}: progress went back", c.name);
+                last = m.progress();
+            }
+            assert_eq!(seen(&m), whole, "{} byte by byte", c.name);
+            // Chunks of every size up to 40, and empty chunks in between.
+            for size in 2..=40 {
+                let mut m = OutputMeter::new();
+                for chunk in body.chunks(size) {
+                    m.feed(chunk);
+                    m.feed(&[]);
+                }
+                assert_eq!(seen(&m), whole, "{} in chunks of {size}", c.name);
+            }
+        }
+    }
+
+    #[test]
+    fn fields_split_across_two_chunks() {
+        // (first chunk, second chunk, progress, sample)
+        let cases: &[(&str, &str, u64, Option<u64>)] = &[
             (
-                r#"{"usage":{"prompt_tokens":7,"completion_tokens":12,"total_tokens":19}}"#,
-                Some(12),
+                r#"data: {"choices":[{"delta":{"cont"#,
+                r#"ent":"Hi"}}]}"#,
+                1,
+                Some(1),
             ),
             (
-                r#"data: {"choices":[],"usage":{"completion_tokens": 40}}"#,
-                Some(40),
+                r#"data: {"choices":[{"delta":{"content":""#,
+                r#"Hi"}}]}"#,
+                1,
+                Some(1),
             ),
             (
-                r#"{"type":"message_delta","usage":{"output_tokens":15}}"#,
-                Some(15),
+                r#"data: {"choices":[{"delta":{"content":"#,
+                r#""Hi"}}]}"#,
+                1,
+                Some(1),
             ),
-            (r#"{"choices":[{"delta":{"content":"x"}}]}"#, None),
-            (r#"{"completion_tokens":"many"}"#, None),
+            (r#"data: {"choices":[{"text"#, r#"":"x"}]}"#, 1, Some(1)),
+            (r#"data: {"choices":[{"text":""#, r#""}]}"#, 0, None),
+            (
+                r#"{"usage":{"completion_tokens":1"#,
+                r#"23}}"#,
+                123,
+                Some(123),
+            ),
+            (
+                r#"{"usage":{"completion_tok"#,
+                r#"ens":123}}"#,
+                123,
+                Some(123),
+            ),
+            (r#"{"usage":{"output_tokens""#, r#": 7}}"#, 7, Some(7)),
+            (r#"{"usage":{"output_tokens":"#, r#"7}}"#, 7, Some(7)),
         ];
-        for (chunk, want) in cases {
-            assert_eq!(reported_output_tokens(chunk.as_bytes()), *want, "{chunk}");
+        for (a, b, progress, sample) in cases {
+            let m = read(&[a.as_bytes(), b.as_bytes()]);
+            assert_eq!(seen(&m), (*progress, *sample), "{a} | {b}");
+        }
+    }
+
+    #[test]
+    fn the_carry_is_a_few_bytes() {
+        // No buffer between chunks: the meter is its counters and the scan's state.
+        assert!(std::mem::size_of::<OutputMeter>() <= 64);
+    }
+
+    #[test]
+    fn a_reply_without_usage_is_no_sample() {
+        // A single JSON answer holds one `"content"` whatever its length: not a token count.
+        let reply = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"A long answer of many tokens."},"finish_reason":"stop"}]}"#;
+        let m = read(&[reply.as_bytes()]);
+        assert_eq!(m.finish(true, true), None);
+        assert_eq!(m.progress(), 0);
+        // Leading whitespace (or a byte order mark) does not make it a stream.
+        let m = read(&[b"\xef\xbb\xbf \r\n", reply.as_bytes()]);
+        assert_eq!(m.finish(true, true), None);
+        // A stream of events with the same content is a sample of one token.
+        let stream = r#"data: {"choices":[{"delta":{"content":"A long answer of many tokens."}}]}"#;
+        let m = read(&[stream.as_bytes(), b"\n\ndata: [DONE]\n\n"]);
+        assert_eq!(m.finish(true, true), Some(1));
+    }
+
+    #[test]
+    fn the_sample_rule() {
+        let stream = sse(&[
+            r#"{"choices":[{"delta":{"content":"a"}}]}"#.to_string(),
+            r#"{"choices":[{"delta":{"content":"b"}}]}"#.to_string(),
+        ]);
+        let with_usage = format!(
+            "{stream}data: {}\n\n",
+            r#"{"choices":[],"usage":{"completion_tokens": 40}}"#
+        );
+        let empty =
+            sse(&[r#"{"choices":[{"delta":{"content":""},"finish_reason":"stop"}]}"#.to_string()]);
+        // (body, status_ok, completed, sample)
+        let cases: &[(&str, bool, bool, Option<u64>)] = &[
+            (&stream, true, true, Some(2)),
+            (&stream, false, true, None),
+            (&stream, true, false, None),
+            (&with_usage, true, true, Some(40)),
+            (&with_usage, false, false, None),
+            (&empty, true, true, None),
+            ("", true, true, None),
+            (r#"{"usage":{"completion_tokens":0}}"#, true, true, None),
+            (
+                r#"{"usage":{"completion_tokens":"many"}}"#,
+                true,
+                true,
+                None,
+            ),
+        ];
+        for (body, ok, completed, want) in cases {
+            let m = read(&[body.as_bytes()]);
+            assert_eq!(m.finish(*ok, *completed), *want, "{body} {ok} {completed}");
+        }
+    }
+
+    #[test]
+    fn events_and_counts() {
+        // (body, progress, sample)
+        let cases: &[(&str, u64, Option<u64>)] = &[
+            ("", 0, None),
+            ("data: [DONE]\n\n", 0, None),
+            (r#"data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}"#, 1, Some(1)),
+            (r#"data: {"choices":[{"delta":{"content": "Hi"}}]}"#, 1, Some(1)),
+            (r#"data: {"choices":[{"delta":{"content":null,"tool_calls":[]}}]}"#, 0, None),
+            (r#"data: {"choices":[{"text":" world","index":0}]}"#, 1, Some(1)),
+            (r#"data: {"choices":[{"text":"","finish_reason":"length"}]}"#, 0, None),
+            (": keep-alive\n\ndata: {\"choices\":[{\"text\":\"x\"}]}\n\n", 1, Some(1)),
+            // The last count reported is the sample; the running count keeps the highest.
+            (
+                "data: {\"usage\":{\"output_tokens\":30}}\n\ndata: {\"usage\":{\"output_tokens\":3}}\n\n",
+                30,
+                Some(3),
+            ),
+            // Overflowing digits are no count.
+            (r#"{"usage":{"completion_tokens":99999999999999999999999}}"#, 0, None),
+            (r#"{"usage":{"completion_tokens":18446744073709551615}}"#, u64::MAX, Some(u64::MAX)),
+            // Keys inside a string, with their quotes escaped, are not keys.
+            (r#"data: {"delta":{"content":"say \"text\":\"x\" and \"output_tokens\":9"}}"#, 1, Some(1)),
+        ];
+        for (body, progress, sample) in cases {
+            let m = read(&[body.as_bytes()]);
+            assert_eq!(seen(&m), (*progress, *sample), "{body}");
         }
     }
 }

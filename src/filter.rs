@@ -449,7 +449,12 @@ impl State {
     /// departures, once for the process.
     fn note_members(&mut self, change: &MemberChange) {
         for &i in &change.joined {
-            if let Some(address) = self.balancer.nodes().get(i).map(|n| n.address.clone()) {
+            if let Some(address) = self
+                .balancer
+                .nodes()
+                .get(i)
+                .map(|n| n.address().to_string())
+            {
                 self.metrics.name_node(i, &address);
                 debug!("node {address} followed from the poller's fleet");
             }
@@ -481,7 +486,7 @@ impl State {
     /// whose books are missing or still count for the slot's former address.
     fn claim_books(&mut self, joined: &[usize]) {
         for &i in joined {
-            let Some(tenant) = self.balancer.nodes().get(i).map(|n| n.tenant) else {
+            let Some(tenant) = self.balancer.nodes().get(i).map(|n| n.tenant()) else {
                 continue;
             };
             if self.sharing.keys.len() <= i {
@@ -509,15 +514,15 @@ impl State {
         let nodes = self.balancer.nodes();
         self.sharing.keys.resize_with(nodes.len(), || None);
         for (n, book) in nodes.iter().zip(self.sharing.keys.iter_mut()) {
-            let Some(&slot) = slots.get(n.address.as_str()) else {
+            let Some(&slot) = slots.get(n.address()) else {
                 *book = None;
                 continue;
             };
             if !book
                 .as_ref()
-                .is_some_and(|b| b.slot == slot && b.tenant == n.tenant)
+                .is_some_and(|b| b.slot == slot && b.tenant == n.tenant())
             {
-                *book = Some(BookKey::new(slot, n.tenant));
+                *book = Some(BookKey::new(slot, n.tenant()));
             }
         }
     }
@@ -1042,7 +1047,7 @@ impl Root {
             .balancer
             .nodes()
             .get(node)
-            .map(|n| n.address.clone())
+            .map(|n| n.address().to_string())
             .unwrap_or_default();
         let good = match body {
             None => {
@@ -1065,11 +1070,15 @@ impl Root {
                     .balancer
                     .nodes()
                     .get(node)
-                    .and_then(|n| n.models.listed().map(<[String]>::to_vec));
+                    .and_then(|n| n.models().listed().map(<[String]>::to_vec));
                 match s.balancer.on_models(node, &body) {
                     Ok(_) => {
                         bump(s.metrics.models_ok);
-                        let now = s.balancer.nodes().get(node).and_then(|n| n.models.listed());
+                        let now = s
+                            .balancer
+                            .nodes()
+                            .get(node)
+                            .and_then(|n| n.models().listed());
                         if before.as_deref() != now {
                             info!(
                                 "node {address} serves: {}",
@@ -1115,7 +1124,7 @@ impl Root {
             };
             // Lists are asked in the slice their node's health is: a thousand nodes due at
             // once (at start) are asked a slice at a time too.
-            if !state.member
+            if !state.member()
                 || !s.balancer.learns_models(i)
                 || !p.due(now)
                 || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
@@ -1208,7 +1217,7 @@ impl Root {
         let change = s.follow_members(&members.addresses);
         for &i in &change.left {
             bump(s.metrics.nodes_left);
-            let address = s.balancer.nodes().get(i).map(|n| n.address.as_str());
+            let address = s.balancer.nodes().get(i).map(|n| n.address());
             info!(
                 "node {} left cluster {:?}: no longer chosen",
                 address.unwrap_or("?"),
@@ -1222,7 +1231,7 @@ impl Root {
                 .balancer
                 .nodes()
                 .get(i)
-                .map(|n| n.address.clone())
+                .map(|n| n.address().to_string())
                 .unwrap_or_default();
             s.metrics.name_node(i, &address);
             if self.list_polls.len() <= i {
@@ -1281,7 +1290,7 @@ impl Root {
             };
             // A node whose last poll is still outstanding is not polled again: slow nodes must
             // not pile up callouts. A node out of the cluster is not polled at all.
-            if !state.member
+            if !state.member()
                 || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
                 || outstanding.contains(&i)
             {
@@ -1316,7 +1325,7 @@ impl Root {
             .balancer
             .nodes()
             .get(node)
-            .map(|n| n.address.clone())
+            .map(|n| n.address().to_string())
             .unwrap_or_default();
         match result {
             Ok(_) => bump(s.metrics.health_ok),

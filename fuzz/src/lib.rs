@@ -485,8 +485,8 @@ pub fn prometheus_text(data: &[u8]) {
         match engine::read(format, data) {
             Ok(Health::Engine(scrape)) => {
                 let mut tracker = Tracker::default();
-                for (t, cap) in [(0, None), (1_000, Some(100.0)), (2_000, None)] {
-                    sane_report(&tracker.observe(&scrape, t, cap, Some(1000)));
+                for (t, kv) in [(0, None), (1_000, Some(1000)), (2_000, None)] {
+                    sane_report(&tracker.observe(&scrape, t, kv));
                 }
             }
             Ok(Health::Seed(report)) => sane_report(&report),

@@ -1081,7 +1081,7 @@ mod tests {
             for (f, tracker) in HealthFormat::ALL.into_iter().zip(trackers.iter_mut()) {
                 let report = match read(f, &body) {
                     Ok(Health::Seed(r)) => r,
-                    Ok(Health::Engine(s)) => tracker.observe(&s, round * 1000, None, Some(1000)),
+                    Ok(Health::Engine(s)) => tracker.observe(&s, round * 1000, Some(1000)),
                     Err(e) => {
                         assert!(!e.to_string().is_empty());
                         continue;

@@ -11,8 +11,8 @@
 
 use crate::config::{Config, NodeConfig};
 use crate::fleet::models::{self, ListError, ServedModels, Serves};
+pub use crate::fleet::node::HealthError;
 use crate::fleet::node::{NodeState, Ticket, Transition};
-use crate::ingest::engine::{self, FormatError, Health};
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
@@ -94,13 +94,13 @@ pub struct MemberChange {
 }
 
 fn node_state(n: &NodeConfig, (unhealthy, healthy): (u32, u32)) -> NodeState {
-    let mut state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
-        .with_hysteresis(unhealthy, healthy);
-    state.format = n.format;
-    if let Some(names) = &n.models {
-        state.models = ServedModels::configured(names.clone());
+    let state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
+        .with_hysteresis(unhealthy, healthy)
+        .with_format(n.format);
+    match &n.models {
+        Some(names) => state.with_models(ServedModels::configured(names.clone())),
+        None => state,
     }
-    state
 }
 
 impl Balancer {
@@ -172,17 +172,17 @@ impl Balancer {
         let wanted: std::collections::HashSet<&str> =
             addresses.iter().map(String::as_str).collect();
         for (i, n) in self.nodes.iter_mut().enumerate() {
-            let member = wanted.contains(n.address.as_str());
-            if n.member && !member {
-                n.member = false;
+            let member = wanted.contains(n.address());
+            if n.member() && !member {
+                n.set_member(false);
                 change.left.push(i);
-            } else if !n.member && member {
-                n.member = true;
+            } else if !n.member() && member {
+                n.set_member(true);
                 change.joined.push(i);
             }
         }
         let known: std::collections::HashSet<String> =
-            self.nodes.iter().map(|n| n.address.clone()).collect();
+            self.nodes.iter().map(|n| n.address().to_string()).collect();
         for address in addresses {
             if known.contains(address) {
                 continue;
@@ -191,12 +191,11 @@ impl Balancer {
                 address: address.clone(),
                 ..defaults.clone()
             };
-            let mut state = node_state(&config, self.hysteresis);
-            state.member = true;
+            let state = node_state(&config, self.hysteresis);
             let reusable = (self.listed..self.nodes.len()).find(|&i| {
                 self.nodes
                     .get(i)
-                    .is_some_and(|n| !n.member && n.inflight_requests == 0)
+                    .is_some_and(|n| !n.member() && n.books().inflight_requests == 0)
                     && !busy(i)
             });
             let slot = match reusable {
@@ -217,11 +216,6 @@ impl Balancer {
             }
             change.left.retain(|&i| i != slot);
             change.joined.push(slot);
-        }
-        for &i in &change.left {
-            if let Some(n) = self.nodes.get_mut(i) {
-                n.forget_report();
-            }
         }
         if !change.joined.is_empty() || !change.left.is_empty() {
             self.pool.invalidate();
@@ -247,40 +241,11 @@ impl Balancer {
         // Only a change of whether the node is a candidate changes the pool; a new report of
         // a candidate is read where it stands when the node is drawn.
         let was_candidate = state.fresh_report(now_ms, stale_after).is_some();
-        let result = Self::read_health(state, body, now_ms);
+        let result = state.take_health(body, now_ms);
         if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
             self.pool.invalidate();
         }
         result
-    }
-
-    fn read_health(
-        state: &mut NodeState,
-        body: Option<&[u8]>,
-        now_ms: u64,
-    ) -> Result<Report, HealthError> {
-        let Some(body) = body else {
-            let _ = state.note_failure();
-            return Err(HealthError::CallFailed);
-        };
-        let report = match engine::read(state.format, body) {
-            Ok(Health::Seed(report)) => report,
-            Ok(Health::Engine(scrape)) => {
-                state.models.observe_metrics(&scrape.models);
-                state.tracker.observe(
-                    &scrape,
-                    now_ms,
-                    state.capacity_override,
-                    state.kv_cache_tokens,
-                )
-            }
-            Err(e) => {
-                let _ = state.note_failure();
-                return Err(HealthError::Unparsable(e));
-            }
-        };
-        let _ = state.accept_report(report, now_ms);
-        Ok(report)
     }
 
     /// A node's `GET /v1/models` answered 200 with `body`: a good list replaces the last one
@@ -290,7 +255,7 @@ impl Balancer {
         let names = models::parse_model_list(body)?;
         let n = names.len();
         if let Some(state) = self.nodes.get_mut(node) {
-            state.models.set_list(names);
+            state.models_mut().set_list(names);
         }
         Ok(n)
     }
@@ -299,7 +264,7 @@ impl Balancer {
     pub fn learns_models(&self, node: usize) -> bool {
         self.nodes
             .get(node)
-            .is_some_and(|n| !n.models.is_configured())
+            .is_some_and(|n| !n.models().is_configured())
     }
 
     /// Whether every node is known not to serve `model`. Staleness does not enter: a model
@@ -307,7 +272,7 @@ impl Balancer {
     pub fn model_unknown(&self, model: &str) -> bool {
         self.nodes
             .iter()
-            .all(|n| n.models.serves(model) == Serves::No)
+            .all(|n| n.models().serves(model) == Serves::No)
     }
 
     /// Whether node `node` was ejected or readmitted since this was last asked.
@@ -438,14 +403,14 @@ impl Balancer {
         let header_value = ranked
             .iter()
             .take(self.max_hosts)
-            .filter_map(|r| self.nodes.get(r.node).map(|n| n.address.as_str()))
+            .filter_map(|r| self.nodes.get(r.node).map(NodeState::address))
             .collect::<Vec<_>>()
             .join(",");
         let Some(state) = self.nodes.get_mut(first.node) else {
             return Outcome::NoFreshNodes;
         };
-        let inflight_before = state.inflight_requests;
-        let ticket = state.dispatch_reserving(first.node, weight, growth.own);
+        let inflight_before = state.books().inflight_requests;
+        let ticket = state.dispatch(first.node, weight, growth.own);
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
             ticket,
@@ -458,12 +423,7 @@ impl Balancer {
 
     /// The request's stream has delivered `after` output tokens (it had `before`).
     pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
-        // A slot given to another address since the dispatch no longer holds this booking.
-        if let Some(state) = self
-            .nodes
-            .get_mut(ticket.node)
-            .filter(|n| n.tenant == ticket.tenant)
-        {
+        if let Some(state) = self.nodes.get_mut(ticket.node) {
             state.progress(ticket, before, after);
         }
     }
@@ -471,11 +431,7 @@ impl Balancer {
     /// The request's stream ended (completed, failed, reset or timed out) after `received`
     /// output tokens.
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
-        if let Some(state) = self
-            .nodes
-            .get_mut(ticket.node)
-            .filter(|n| n.tenant == ticket.tenant)
-        {
+        if let Some(state) = self.nodes.get_mut(ticket.node) {
             state.release(ticket, received);
         }
     }
@@ -502,13 +458,13 @@ impl Balancer {
         self.nodes
             .iter()
             .map(|n| NodeView {
-                address: n.address.clone(),
+                address: n.address().to_string(),
                 report: n.report_taken(),
                 epoch: epoch_base.saturating_add(n.epoch()),
-                ejected: n.ejected,
-                member: n.member,
-                listed_models: n.models.listed().map(<[String]>::to_vec),
-                seen_models: n.models.seen().to_vec(),
+                ejected: n.ejected(),
+                member: n.member(),
+                listed_models: n.models().listed().map(<[String]>::to_vec),
+                seen_models: n.models().seen().to_vec(),
             })
             .collect()
     }
@@ -524,7 +480,7 @@ impl Balancer {
             .collect();
         let mut imported = Imported::default();
         for n in &mut self.nodes {
-            let Some(v) = by_address.get(n.address.as_str()) else {
+            let Some(v) = by_address.get(n.address()) else {
                 imported.missing += 1;
                 let epoch = n.epoch();
                 n.adopt_report(None, epoch);
@@ -533,16 +489,15 @@ impl Balancer {
             if v.report.is_some() && (v.epoch != n.epoch() || n.report_taken() != v.report) {
                 imported.new_reports += 1;
             }
-            n.adopt_report(v.report, v.epoch.max(n.epoch()));
-            n.ejected = v.ejected;
-            n.member = v.member;
-            if !n.models.is_configured() {
+            n.adopt_report(v.report, v.epoch);
+            n.adopt_status(v.ejected, v.member);
+            if !n.models().is_configured() {
                 let mut models = ServedModels::default();
                 if let Some(list) = &v.listed_models {
                     models.set_list(list.clone());
                 }
                 models.observe_metrics(&v.seen_models);
-                n.models = models;
+                *n.models_mut() = models;
             }
         }
         self.pool.invalidate();
@@ -567,13 +522,12 @@ impl Balancer {
                 change.over_limit += 1;
                 continue;
             }
-            if let Some(n) = self.nodes.get_mut(i).filter(|n| n.address == v.address) {
-                if n.member != v.member {
-                    n.member = v.member;
+            if let Some(n) = self.nodes.get_mut(i).filter(|n| n.address() == v.address) {
+                if n.member() != v.member {
+                    n.set_member(v.member);
                     if v.member {
                         change.joined.push(i);
                     } else {
-                        n.forget_report();
                         change.left.push(i);
                     }
                 }
@@ -588,11 +542,10 @@ impl Balancer {
                     address: v.address.clone(),
                     ..defaults.clone()
                 });
-            let mut state = node_state(&config, self.hysteresis);
-            state.member = v.member;
+            let state = node_state(&config, self.hysteresis).with_member(v.member);
             match (self.nodes.get_mut(i), self.configs.get_mut(i)) {
                 (Some(n), Some(c)) => {
-                    if n.member && !v.member {
+                    if n.member() && !v.member {
                         change.left.push(i);
                     }
                     *n = state;
@@ -609,9 +562,8 @@ impl Balancer {
         }
         // Slots past the snapshot's (a poller restarted with fewer) are out of the cluster.
         for i in snapshot.nodes.len()..self.nodes.len() {
-            if let Some(n) = self.nodes.get_mut(i).filter(|n| n.member) {
-                n.member = false;
-                n.forget_report();
+            if let Some(n) = self.nodes.get_mut(i).filter(|n| n.member()) {
+                n.set_member(false);
                 change.left.push(i);
             }
         }
@@ -623,23 +575,14 @@ impl Balancer {
 
     /// Node `node`'s books as this balancer holds them.
     pub fn books(&self, node: usize) -> Option<Books> {
-        self.nodes.get(node).map(|n| Books {
-            epoch: n.epoch(),
-            tenant: n.tenant,
-            inflight_requests: n.inflight_requests,
-            inflight_tokens: n.inflight_tokens,
-            unreflected_tokens: n.unreflected_tokens,
-            unreflected_requests: n.unreflected_requests,
-            unreflected_prompt_tokens: n.unreflected_prompt_tokens,
-            growth_tokens: n.growth_tokens,
-        })
+        self.nodes.get(node).map(|n| *n.books())
     }
 
     /// Replaces node `node`'s books (the shared ones, under the epoch rule): the next
     /// decision and dispatch start from them, and a ticket takes their epoch.
     pub fn set_books(&mut self, node: usize, b: &Books) {
         if let Some(n) = self.nodes.get_mut(node) {
-            apply_books(n, b);
+            n.set_books(b);
         }
     }
 }
@@ -663,33 +606,14 @@ impl BookSource for OwnBooks {
 
 fn load_books(source: &mut dyn BookSource, node: usize, n: &mut NodeState) {
     if let Some(b) = source.books(node, n.epoch()) {
-        apply_books(n, &b);
+        n.set_books(&b);
     }
-}
-
-fn apply_books(n: &mut NodeState, b: &Books) {
-    n.inflight_requests = b.inflight_requests;
-    n.inflight_tokens = b.inflight_tokens;
-    n.unreflected_tokens = b.unreflected_tokens;
-    n.unreflected_requests = b.unreflected_requests;
-    n.unreflected_prompt_tokens = b.unreflected_prompt_tokens;
-    n.growth_tokens = b.growth_tokens;
-    let report = n.report_taken();
-    n.adopt_report(report, b.epoch.max(n.epoch()));
-}
-
-/// Why a health answer did not update a node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HealthError {
-    UnknownNode,
-    CallFailed,
-    /// The answer could not be read in the node's format; the error says why.
-    Unparsable(FormatError),
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ingest::engine::{self, FormatError};
     use crate::rng::SplitMix64;
 
     fn cfg(n: usize, extra: &str) -> Config {
@@ -732,7 +656,7 @@ mod tests {
             }
             o => panic!("{o:?}"),
         }
-        assert_eq!(b.nodes()[1].inflight_requests, 1);
+        assert_eq!(b.nodes()[1].books().inflight_requests, 1);
     }
 
     /// Books from elsewhere: every node but `light` carries a large unreflected backlog; the
@@ -808,6 +732,32 @@ mod tests {
         assert_eq!(books.asked, (0..10).collect::<Vec<_>>());
     }
 
+    /// Books replaced by shared figures at the top of the range (any VM may have written
+    /// them): weighing the node, booking on it and releasing saturate, never wrap.
+    #[test]
+    fn shared_books_at_the_top_of_the_range_saturate() {
+        let mut b = idle_fleet(1, "");
+        let full = Books {
+            epoch: b.nodes()[0].epoch(),
+            tenant: b.nodes()[0].tenant(),
+            inflight_requests: u64::MAX,
+            inflight_tokens: u64::MAX,
+            unreflected_tokens: u64::MAX,
+            unreflected_requests: u64::MAX,
+            unreflected_prompt_tokens: u64::MAX,
+            growth_tokens: u64::MAX,
+        };
+        b.set_books(0, &full);
+        let Outcome::Routed { ticket, .. } = b.route(W, None, 10, &mut SplitMix64::new(1), false)
+        else {
+            panic!("not routed")
+        };
+        assert_eq!(b.books(0), Some(full));
+        b.progress(&ticket, 0, 10);
+        b.release(&ticket, 10);
+        assert_eq!(b.books(0).map(|x| x.inflight_requests), Some(u64::MAX - 1));
+    }
+
     #[test]
     fn failed_or_garbage_polls_keep_the_last_good_report() {
         // Three failures to eject: two failed polls keep the last good report in use.
@@ -826,7 +776,7 @@ mod tests {
             }))
         );
         assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
-        assert_eq!(b.nodes()[0].failures_in_row, 2);
+        assert_eq!(b.nodes()[0].failures_in_row(), 2);
         assert!(matches!(
             b.route(W, None, 3000, &mut SplitMix64::new(1), false),
             Outcome::Routed { .. }
@@ -872,7 +822,7 @@ mod tests {
             })
             .collect();
         assert_eq!(tickets.len(), 10);
-        let total: u64 = b.nodes().iter().map(|n| n.inflight_requests).sum();
+        let total: u64 = b.nodes().iter().map(|n| n.books().inflight_requests).sum();
         assert_eq!(total, 10);
         // A report arrives half way; releases still balance.
         b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 2)
@@ -882,7 +832,11 @@ mod tests {
         }
         for n in b.nodes() {
             assert_eq!(
-                (n.inflight_requests, n.inflight_tokens, n.unreflected_tokens),
+                (
+                    n.books().inflight_requests,
+                    n.books().inflight_tokens,
+                    n.books().unreflected_tokens
+                ),
                 (0, 0, 0)
             );
         }
@@ -932,12 +886,15 @@ mod tests {
             panic!("not routed")
         };
         assert_eq!(ticket.weight.output_tokens, 200);
-        assert_eq!(b.nodes()[0].growth_tokens, 200);
+        assert_eq!(b.nodes()[0].books().growth_tokens, 200);
         b.progress(&ticket, 0, 150);
-        assert_eq!(b.nodes()[0].growth_tokens, 50);
+        assert_eq!(b.nodes()[0].books().growth_tokens, 50);
         b.release(&ticket, 150);
         assert_eq!(
-            (b.nodes()[0].growth_tokens, b.nodes()[0].inflight_tokens),
+            (
+                b.nodes()[0].books().growth_tokens,
+                b.nodes()[0].books().inflight_tokens
+            ),
             (0, 0)
         );
     }
@@ -1054,13 +1011,10 @@ mod tests {
         ));
         let sglang = include_bytes!("../../tests/data/metrics/sglang.prom");
         let r = b.on_health(3, Some(sglang), 0).unwrap();
-        assert_eq!(
-            r.capacity_tokens_per_sec,
-            Some(900.0),
-            "configured capacity"
-        );
-        assert_eq!(b.nodes()[1].failures_in_row, 1);
-        assert_eq!(b.nodes()[3].failures_in_row, 0);
+        assert_eq!(r.capacity_tokens_per_sec, None, "nothing learned yet");
+        assert_eq!(b.nodes()[3].capacity(&r, 1.0), 900.0, "configured capacity");
+        assert_eq!(b.nodes()[1].failures_in_row(), 1);
+        assert_eq!(b.nodes()[3].failures_in_row(), 0);
     }
 
     #[test]
@@ -1145,7 +1099,7 @@ mod tests {
         assert!(!b.learns_models(0) && b.learns_models(1) && !b.learns_models(7));
         assert_eq!(b.on_models(0, br#"{"data":[{"id":"m9"}]}"#), Ok(1));
         assert_eq!(
-            b.nodes()[0].models.serves("m9"),
+            b.nodes()[0].models().serves("m9"),
             Serves::No,
             "configured wins"
         );
@@ -1191,7 +1145,10 @@ mod tests {
         ] {
             assert!(b.on_models(2, bad).is_err());
         }
-        assert_eq!(b.nodes()[2].models.listed(), Some(&["m3".to_string()][..]));
+        assert_eq!(
+            b.nodes()[2].models().listed(),
+            Some(&["m3".to_string()][..])
+        );
         // A known model whose nodes are all stale is no unknown model: Envoy routes it.
         assert_eq!(
             b.route(W, Some("m3"), 10_000, &mut rng, false),
@@ -1233,7 +1190,7 @@ mod tests {
         );
         b.on_health(0, Some(VLLM_V1.as_bytes()), 0).unwrap();
         b.on_health(1, Some(with_lora.as_bytes()), 0).unwrap();
-        assert_eq!(b.nodes()[1].models.seen(), ["hot-lora"]);
+        assert_eq!(b.nodes()[1].models().seen(), ["hot-lora"]);
         for _ in 0..5 {
             let o = b.route(W, Some("hot-lora"), 10, &mut rng, false);
             assert_eq!(routed_to(&o), Some(1), "{o:?}");
@@ -1460,7 +1417,7 @@ mod tests {
         let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.3:80"]));
         assert_eq!(c.joined, vec![3]);
         b.release(&on_2, 0);
-        assert_eq!(b.nodes()[2].inflight_requests, 0);
+        assert_eq!(b.nodes()[2].books().inflight_requests, 0);
         // ...and takes it once the request is done: the state does not grow with churn.
         let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.4:80"]));
         assert_eq!(
@@ -1472,7 +1429,7 @@ mod tests {
             }
         );
         assert_eq!(b.nodes().len(), 4);
-        assert_eq!(b.nodes()[2].address, "10.0.0.4:80");
+        assert_eq!(b.nodes()[2].address(), "10.0.0.4:80");
         // A node that comes back is trusted only on a new report.
         let c = b.set_members(&members(&[
             "10.0.0.9:80",
@@ -1494,7 +1451,7 @@ mod tests {
             fixed.set_members(&members(&["10.0.0.1:80"])),
             MemberChange::default()
         );
-        assert!(fixed.nodes().iter().all(|n| n.member));
+        assert!(fixed.nodes().iter().all(NodeState::member));
         let mut b = following("");
         let many: Vec<String> = (0..MAX_NODES + 5)
             .map(|i| format!("10.{}.{}.{}:80", i / 65536, (i / 256) % 256, i % 256))
@@ -1620,8 +1577,9 @@ mod shared_tests {
         let c = reader.mirror_fleet(&snap(&poller));
         assert_eq!((c.joined, c.left), (vec![1, 2], vec![0]));
         assert_eq!(reader.import_fleet(&snap(&poller)).missing, 0);
-        let addresses =
-            |b: &Balancer| -> Vec<String> { b.nodes().iter().map(|n| n.address.clone()).collect() };
+        let addresses = |b: &Balancer| -> Vec<String> {
+            b.nodes().iter().map(|n| n.address().to_string()).collect()
+        };
         assert_eq!(addresses(&reader), addresses(&poller));
         assert_eq!(reader.node_config(1).unwrap().kv_cache_tokens, Some(777));
         assert_eq!(reader.mirror_fleet(&snap(&poller)), MemberChange::default());
@@ -1652,9 +1610,9 @@ mod shared_tests {
         );
         // The old address's release finds a new tenant in the slot: nothing is taken away.
         let on_new = routed(&reader.route(W, Some("x"), 30, &mut rng, false));
-        let before = reader.nodes()[2].inflight_requests;
+        let before = reader.nodes()[2].books().inflight_requests;
         reader.release(&on_2, 0);
-        assert_eq!(reader.nodes()[2].inflight_requests, before);
+        assert_eq!(reader.nodes()[2].books().inflight_requests, before);
         if let Some(t) = on_new {
             reader.release(&t, 0);
         }

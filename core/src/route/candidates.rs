@@ -22,7 +22,7 @@
 use crate::config::Rule;
 use crate::fleet::node::NodeState;
 use crate::rng::Rng;
-use crate::route::choice::{evaluate, may_serve, Ask, Fleet, Params, Ranked};
+use crate::route::choice::{evaluate, may_serve, Ask, AssumedCapacity, Fleet, Params, Ranked};
 
 /// Longest the pool's weights go without a rebuild.
 pub const REBUILD_MS: u64 = 1000;
@@ -62,31 +62,24 @@ impl Pool {
     fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {
         self.members.clear();
         self.cumulative.clear();
-        let mut known_capacity: Option<f64> = None;
-        let mut max_load = 0.0_f64;
+        let mut assumed = AssumedCapacity::default();
         let mut valid_until = u64::MAX;
         for n in nodes {
             let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
-            if let Some(c) = n.capacity_override.or(r.capacity_tokens_per_sec) {
-                known_capacity = Some(known_capacity.map_or(c, |m| m.max(c)));
-            }
-            max_load = max_load.max(r.load_tokens_per_sec);
+            assumed.add(n, r);
             if let Some(at) = n.reported_at() {
                 valid_until = valid_until.min(at.saturating_add(stale_after_ms).saturating_add(1));
             }
         }
-        self.assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
+        self.assumed_capacity = assumed.value();
         let mut total = 0.0;
         for (i, n) in nodes.iter().enumerate() {
             let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
-            let c = n
-                .capacity_override
-                .or(r.capacity_tokens_per_sec)
-                .unwrap_or(self.assumed_capacity);
+            let c = n.capacity(r, self.assumed_capacity);
             // A node reporting no usable capacity is still drawn, as rarely as a node of a
             // thousandth of the fleet's largest.
             let weight = if c.is_finite() && c > 0.0 {
@@ -241,7 +234,7 @@ mod tests {
         let mut ejected = node(Some(100.0), Some(0));
         ejected.note_failure();
         ejected.note_failure();
-        assert!(ejected.ejected);
+        assert!(ejected.ejected());
         let nodes = vec![
             node(Some(100.0), Some(0)),
             node(Some(100.0), None),

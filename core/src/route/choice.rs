@@ -158,7 +158,10 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
     let usage = r.kv_cache_usage?;
     // The size the engine publishes (its cache geometry) is exact; the configured one is the
     // operator's fallback for engines that publish none.
-    match r.kv_cache_tokens.or(node.kv_cache_tokens.map(|k| k as f64)) {
+    match r
+        .kv_cache_tokens
+        .or(node.kv_cache_tokens().map(|k| k as f64))
+    {
         Some(k) if k > 0.0 => Some(usage + extra / k),
         // Without the cache size the request cannot be sized: only a full cache is known.
         _ => Some(usage),
@@ -193,7 +196,31 @@ pub struct Ask<'a> {
 pub fn may_serve(n: &NodeState, model: Option<&str>) -> bool {
     match model {
         None => true,
-        Some(m) => n.models.serves(m) != Serves::No,
+        Some(m) => n.models().serves(m) != Serves::No,
+    }
+}
+
+/// The capacity assumed for a node that reports none and has none configured: the largest
+/// capacity known among the fresh nodes, else twice their largest load, so that nodes
+/// reporting only a load are ranked by load. Every fresh node is `add`ed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AssumedCapacity {
+    known: Option<f64>,
+    max_load: f64,
+}
+
+impl AssumedCapacity {
+    /// Takes fresh node `n`, whose report is `r`, into account.
+    pub fn add(&mut self, n: &NodeState, r: &Report) {
+        if let Some(c) = n.known_capacity(r) {
+            self.known = Some(self.known.map_or(c, |m| m.max(c)));
+        }
+        self.max_load = self.max_load.max(r.load_tokens_per_sec);
+    }
+
+    /// The capacity assumed, tokens per second.
+    pub fn value(&self) -> f64 {
+        self.known.unwrap_or(2.0 * self.max_load + 1.0)
     }
 }
 
@@ -217,10 +244,8 @@ pub fn evaluate(
     p: &Params,
 ) -> (Ranked, bool) {
     let (weight, growth) = (ask.weight, ask.growth);
-    let c = n
-        .capacity_override
-        .or(r.capacity_tokens_per_sec)
-        .unwrap_or(fleet.assumed_capacity);
+    let c = n.capacity(r, fleet.assumed_capacity);
+    let books = n.books();
     let spare = (c - r.load_tokens_per_sec).max(MIN_SPARE_SHARE * c);
     // Output the running sequences still have to generate, estimated from the node's reported
     // running count (half a mean output each): the same figure behind any number of Envoy
@@ -230,16 +255,16 @@ pub fn evaluate(
     // here: one long stream of its own is one token an iteration, not work ahead.) For the
     // KV the cache must still hold, the larger of books and estimate stands.
     let reported_growth = r.running_requests.unwrap_or(0.0) * growth.per_running;
-    let still_to_come = (n.growth_tokens as f64).max(reported_growth);
+    let still_to_come = (books.growth_tokens as f64).max(reported_growth);
     let backlog = r.queue_depth.unwrap_or(0.0) * fleet.mean_request_tokens
-        + n.unreflected_tokens as f64
+        + books.unreflected_tokens as f64
         + reported_growth;
     let seconds = (backlog + weight.total() as f64) / spare;
     // KV still to come: prompts sent since the report, the output reserved for everything
     // in flight, and this request's own prompt and reserved output.
-    let margin = growth.margin_per_sqrt * ((n.inflight_requests + 1) as f64).sqrt();
+    let margin = growth.margin_per_sqrt * (books.inflight_requests.saturating_add(1) as f64).sqrt();
     let still_to_come = still_to_come as u64;
-    let kv_extra = n
+    let kv_extra = books
         .unreflected_prompt_tokens
         .saturating_add(still_to_come)
         .saturating_add(weight.prompt_tokens)
@@ -267,23 +292,19 @@ pub fn decide(
     // ranked. Two passes, neither of which allocates: this runs on every request the draws
     // cannot place, and a list of a thousand nodes built per request costs more than a
     // second walk.
-    let mut known_capacity: Option<f64> = None;
-    let mut max_load = 0.0_f64;
+    let mut assumed = AssumedCapacity::default();
     let mut any = false;
     for n in nodes {
         let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
             continue;
         };
-        if let Some(c) = n.capacity_override.or(r.capacity_tokens_per_sec) {
-            known_capacity = Some(known_capacity.map_or(c, |m| m.max(c)));
-        }
-        max_load = max_load.max(r.load_tokens_per_sec);
+        assumed.add(n, r);
         any |= may_serve(n, ask.model);
     }
     if !any {
         return Decision::NoFreshNodes;
     }
-    let assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
+    let assumed_capacity = assumed.value();
     let fresh = nodes.iter().enumerate().filter_map(|(i, n)| {
         let r = n.fresh_report(now_ms, p.stale_after_ms)?;
         may_serve(n, ask.model).then_some((i, n, r))
@@ -367,7 +388,12 @@ mod tests {
     }
 
     fn node(report: Option<Report>) -> NodeState {
-        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        configured(report, None, None)
+    }
+
+    /// A node with a configured capacity and KV-cache size, reported at 1000.
+    fn configured(report: Option<Report>, capacity: Option<f64>, kv: Option<u64>) -> NodeState {
+        let mut n = NodeState::new("127.0.0.1:1", capacity, kv);
         if let Some(r) = report {
             n.accept_report(r, 1000);
         }
@@ -521,8 +547,7 @@ mod tests {
 
     #[test]
     fn capacity_override_wins_over_report() {
-        let mut slow = node(Some(rep(500.0, Some(100_000.0))));
-        slow.capacity_override = Some(600.0);
+        let slow = configured(Some(rep(500.0, Some(100_000.0))), Some(600.0), None);
         let other = node(Some(rep(500.0, Some(2000.0))));
         assert_eq!(order(&run(&[slow, other], w(10, 10), 2000)), vec![1, 0]);
     }
@@ -539,7 +564,7 @@ mod tests {
         for _ in 0..20 {
             let first = order(&run(&nodes, w(50, 50), 2000))[0];
             picks[first] += 1;
-            nodes[first].dispatch(first, w(50, 50));
+            nodes[first].dispatch(first, w(50, 50), 50);
         }
         assert!(picks[0] >= 5 && picks[1] >= 5, "burst split {picks:?}");
     }
@@ -556,7 +581,7 @@ mod tests {
             run(&[n.clone()], w(400, 0), 2000),
             Decision::Route(_)
         ));
-        n.dispatch(0, w(600, 0));
+        n.dispatch(0, w(600, 0), 0);
         assert!(matches!(
             run(&[n], w(400, 0), 2000),
             Decision::AllOverCeiling(_)
@@ -571,7 +596,7 @@ mod tests {
             ..rep(0.0, Some(1000.0))
         };
         let mut n = node(Some(report(0.0)));
-        let t = n.dispatch(0, w(100, 500));
+        let t = n.dispatch(0, w(100, 500), 500);
         // The next report shows the prompt's KV; the 500 output tokens are still to come.
         n.accept_report(report(100.0), 1500);
         assert!(matches!(
@@ -590,13 +615,16 @@ mod tests {
     /// booking each at mean + 2 sd (17 x 300 tokens: 1.01 of the cache) would call it full.
     #[test]
     fn growth_margin_is_pooled_over_the_requests_in_flight() {
-        let mut n = node(Some(Report {
-            kv_cache_usage: Some(0.5),
-            ..rep(0.0, Some(1000.0))
-        }));
-        n.kv_cache_tokens = Some(10_000);
+        let mut n = configured(
+            Some(Report {
+                kv_cache_usage: Some(0.5),
+                ..rep(0.0, Some(1000.0))
+            }),
+            None,
+            Some(10_000),
+        );
         for _ in 0..16 {
-            n.dispatch(0, w(0, 100));
+            n.dispatch(0, w(0, 100), 100);
         }
         let decide_with = |margin_per_sqrt: f64| {
             decide(
@@ -643,12 +671,14 @@ mod tests {
     #[test]
     fn kv_fraction_forms() {
         let frac = |usage: f64, k: Option<u64>| {
-            let mut n = node(Some(Report {
-                kv_cache_usage: Some(usage),
-                ..rep(0.0, Some(1000.0))
-            }));
-            n.kv_cache_tokens = k;
-            n
+            configured(
+                Some(Report {
+                    kv_cache_usage: Some(usage),
+                    ..rep(0.0, Some(1000.0))
+                }),
+                None,
+                k,
+            )
         };
         // Fraction plus a configured size: the request is sized.
         assert!(matches!(
@@ -713,7 +743,7 @@ mod tests {
                 &mut SplitMix64::new(1),
             );
             assert_eq!(order(&d), vec![0, 1]);
-            nodes[0].dispatch(0, w(500, 500));
+            nodes[0].dispatch(0, w(500, 500), 500);
         }
     }
 
@@ -744,10 +774,10 @@ mod tests {
         let names = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let mut nodes: Vec<NodeState> =
             (0..4).map(|_| node(Some(rep(0.0, Some(1000.0))))).collect();
-        nodes[0].models = ServedModels::configured(names(&["m1"]));
-        nodes[1].models.set_list(names(&["m2"]));
-        nodes[2].models.set_list(names(&["m2"]));
-        nodes[2].models.observe_metrics(&names(&["sql-lora"]));
+        *nodes[0].models_mut() = ServedModels::configured(names(&["m1"]));
+        nodes[1].models_mut().set_list(names(&["m2"]));
+        nodes[2].models_mut().set_list(names(&["m2"]));
+        nodes[2].models_mut().observe_metrics(&names(&["sql-lora"]));
         // Node 3: nothing known. The load orders the candidates: 0, 1, 2, 3 from least loaded.
         for (i, n) in nodes.iter_mut().enumerate() {
             n.accept_report(rep(100.0 * i as f64, Some(1000.0)), 1000);
@@ -767,7 +797,7 @@ mod tests {
             );
         }
         // The unknown node known at last: a model nobody serves has no candidate.
-        nodes[3].models.set_list(names(&["m3"]));
+        nodes[3].models_mut().set_list(names(&["m3"]));
         assert_eq!(
             run_for(&nodes, w(10, 10), Some("other"), 2000),
             Decision::NoFreshNodes
@@ -798,11 +828,11 @@ mod tests {
     #[test]
     fn assumed_capacity_is_the_fleets_whatever_the_model() {
         let mut fast = node(Some(rep(0.0, Some(10_000.0))));
-        fast.models = ServedModels::configured(vec!["big".into()]);
+        *fast.models_mut() = ServedModels::configured(vec!["big".into()]);
         let mut unreported = node(Some(rep(500.0, None)));
-        unreported.models = ServedModels::configured(vec!["small".into()]);
+        *unreported.models_mut() = ServedModels::configured(vec!["small".into()]);
         let mut slow = node(Some(rep(400.0, Some(1000.0))));
-        slow.models = ServedModels::configured(vec!["small".into()]);
+        *slow.models_mut() = ServedModels::configured(vec!["small".into()]);
         // Unreported at the fleet's 10,000: 9,500 spare against the slow node's 600.
         assert_eq!(
             order(&run_for(

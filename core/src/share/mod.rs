@@ -43,7 +43,7 @@
 //! every VM did before shared books), and this VM sees it only in its own view (`view` adds
 //! its pending changes).
 
-use crate::fleet::node::Ticket;
+pub use crate::fleet::books::{Books, Change, Unreflected};
 use crate::ingest::telemetry::Report;
 use std::collections::HashMap;
 
@@ -342,32 +342,8 @@ impl Snapshot {
     }
 }
 
-/// One node's in-flight books, as every worker of the Envoy sees them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Books {
-    /// The report epoch the unreflected part belongs to.
-    pub epoch: u64,
-    /// The address these books count for (`node::tenant_of`): a change booked for another
-    /// tenant of the slot is dropped, since its node has left and its work with it.
-    pub tenant: u64,
-    pub inflight_requests: u64,
-    pub inflight_tokens: u64,
-    pub unreflected_tokens: u64,
-    pub unreflected_requests: u64,
-    pub unreflected_prompt_tokens: u64,
-    pub growth_tokens: u64,
-}
-
 /// Bytes of encoded books.
 pub const BOOKS_LEN: usize = 64;
-
-fn add(v: u64, d: i64) -> u64 {
-    if d >= 0 {
-        v.saturating_add(d as u64)
-    } else {
-        v.saturating_sub(d.unsigned_abs())
-    }
-}
 
 impl Books {
     pub fn encode(&self) -> [u8; BOOKS_LEN] {
@@ -404,145 +380,6 @@ impl Books {
             growth_tokens: r.u64()?,
         };
         r.done().then_some(b)
-    }
-
-    /// The epoch rule: a report newer than the books' epoch reflects their unreflected part.
-    pub fn at_epoch(mut self, report_epoch: u64) -> Books {
-        if report_epoch > self.epoch {
-            self.epoch = report_epoch;
-            self.unreflected_tokens = 0;
-            self.unreflected_requests = 0;
-            self.unreflected_prompt_tokens = 0;
-        }
-        self
-    }
-
-    /// The books after `c` (whose unreflected part counts only at the books' epoch).
-    pub fn apply(mut self, c: &Change) -> Books {
-        self.inflight_requests = add(self.inflight_requests, c.requests);
-        self.inflight_tokens = add(self.inflight_tokens, c.tokens);
-        self.growth_tokens = add(self.growth_tokens, c.growth);
-        if let Some(u) = &c.unreflected {
-            if u.epoch == self.epoch {
-                self.unreflected_requests = add(self.unreflected_requests, u.requests);
-                self.unreflected_tokens = add(self.unreflected_tokens, u.tokens);
-                self.unreflected_prompt_tokens =
-                    add(self.unreflected_prompt_tokens, u.prompt_tokens);
-            }
-        }
-        self
-    }
-
-    /// Nothing in flight, nothing unreflected (the epoch and tenant aside).
-    pub fn is_zero(&self) -> bool {
-        self.fields().iter().skip(2).all(|&v| v == 0)
-    }
-
-    /// Empty books of `tenant`.
-    pub fn of(tenant: u64) -> Books {
-        Books {
-            tenant,
-            ..Books::default()
-        }
-    }
-}
-
-/// The unreflected part of a change and the epoch it was booked at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Unreflected {
-    pub epoch: u64,
-    pub requests: i64,
-    pub tokens: i64,
-    pub prompt_tokens: i64,
-}
-
-/// A change to one node's books, as signed deltas: changes add up, so one that could not be
-/// written merges with the next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Change {
-    pub requests: i64,
-    pub tokens: i64,
-    pub growth: i64,
-    pub unreflected: Option<Unreflected>,
-}
-
-fn signed(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
-impl Change {
-    /// The request of `ticket` was dispatched (as `NodeState::dispatch_reserving` books it).
-    pub fn dispatch(t: &Ticket) -> Change {
-        let tokens = signed(t.weight.total());
-        Change {
-            requests: 1,
-            tokens,
-            growth: signed(t.reserved_output),
-            unreflected: Some(Unreflected {
-                epoch: t.epoch,
-                requests: 1,
-                tokens,
-                prompt_tokens: signed(t.weight.prompt_tokens),
-            }),
-        }
-    }
-
-    /// Its stream went from `before` to `after` output tokens (`NodeState::progress`).
-    pub fn progress(t: &Ticket, before: u64, after: u64) -> Change {
-        let r = t.reserved_output;
-        let done = after.min(r).saturating_sub(before.min(r));
-        Change {
-            growth: -signed(done),
-            ..Change::default()
-        }
-    }
-
-    /// Its stream ended; `received` is the output count the last progress was written with
-    /// (`NodeState::release`).
-    pub fn release(t: &Ticket, received: u64) -> Change {
-        let tokens = signed(t.weight.total());
-        Change {
-            requests: -1,
-            tokens: -tokens,
-            growth: -signed(t.reserved_output.saturating_sub(received)),
-            unreflected: Some(Unreflected {
-                epoch: t.epoch,
-                requests: -1,
-                tokens: -tokens,
-                prompt_tokens: -signed(t.weight.prompt_tokens),
-            }),
-        }
-    }
-
-    /// Both changes, as one. Of two unreflected parts at different epochs only the newer is
-    /// kept: the older could only apply to books still at its epoch, and the books have
-    /// passed it by the time the newer one was booked (epochs never go back).
-    pub fn merge(self, o: Change) -> Change {
-        let unreflected = match (self.unreflected, o.unreflected) {
-            (Some(a), Some(b)) if a.epoch == b.epoch => Some(Unreflected {
-                epoch: a.epoch,
-                requests: a.requests.saturating_add(b.requests),
-                tokens: a.tokens.saturating_add(b.tokens),
-                prompt_tokens: a.prompt_tokens.saturating_add(b.prompt_tokens),
-            }),
-            (Some(a), Some(b)) => Some(if a.epoch > b.epoch { a } else { b }),
-            (a, b) => a.or(b),
-        };
-        Change {
-            requests: self.requests.saturating_add(o.requests),
-            tokens: self.tokens.saturating_add(o.tokens),
-            growth: self.growth.saturating_add(o.growth),
-            unreflected,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.requests == 0
-            && self.tokens == 0
-            && self.growth == 0
-            && self.unreflected.map_or(true, |u| {
-                u.requests == 0 && u.tokens == 0 && u.prompt_tokens == 0
-            })
     }
 }
 
@@ -708,12 +545,7 @@ pub fn totals<'k, S: Store>(store: &mut S, keys: impl IntoIterator<Item = &'k st
     for k in keys {
         if let Ok(Some((bytes, _))) = store.get(k) {
             if let Some(b) = Books::decode(&bytes) {
-                sum.inflight_requests += b.inflight_requests;
-                sum.inflight_tokens += b.inflight_tokens;
-                sum.unreflected_tokens += b.unreflected_tokens;
-                sum.unreflected_requests += b.unreflected_requests;
-                sum.unreflected_prompt_tokens += b.unreflected_prompt_tokens;
-                sum.growth_tokens += b.growth_tokens;
+                sum = sum.plus(&b);
             }
         }
     }
@@ -760,6 +592,7 @@ fn write<S: Store>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::node::Ticket;
     use crate::ingest::request::Weight;
 
     /// Envoy's shared data, as the host implements it: a CAS token per key that changes on
@@ -815,6 +648,7 @@ mod tests {
         Ticket {
             node: 0,
             tenant: T,
+            generation: 0,
             epoch,
             weight: Weight {
                 prompt_tokens: p,
@@ -1258,6 +1092,17 @@ mod tests {
             Change::progress(&ticket(0, 10, 5), 0, 1),
         );
         assert_eq!(s.calls - before, 2);
+        // Figures any VM may have written add up saturating.
+        let top = Books {
+            inflight_requests: u64::MAX,
+            growth_tokens: u64::MAX,
+            ..Books::of(T)
+        };
+        for k in &keys {
+            s.set(k, &top.encode(), None).unwrap();
+        }
+        let t = totals(&mut s, keys.iter().map(String::as_str));
+        assert_eq!((t.inflight_requests, t.growth_tokens), (u64::MAX, u64::MAX));
     }
 
     fn fleet(n: usize) -> Snapshot {

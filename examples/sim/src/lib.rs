@@ -704,7 +704,7 @@ impl Sim<'_> {
             .replicas
             .iter()
             .filter_map(|r| r.balancer.as_ref())
-            .flat_map(|b| b.nodes().iter().map(|n| n.inflight_requests))
+            .flat_map(|b| b.nodes().iter().map(|n| n.books().inflight_requests))
             .sum();
         out.utilization = self
             .caps

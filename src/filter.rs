@@ -412,16 +412,11 @@ struct State {
 
 impl State {
     /// Writes `change` to the shared books of `ticket`'s node (a reader's dispatch, progress,
-    /// release) and counts what became of it. Does nothing outside the reader role. The
+    /// release) and counts what became of it, from `known`, a read of the node's books just
+    /// made if there is one (see `Ledger::update`). Does nothing outside the reader role. The
     /// change counts for the ticket's tenant: if its node's slot has gone to another address
     /// since, the change is dropped (`Written::Gone`).
-    fn share(&mut self, ticket: &Ticket, change: Change) {
-        self.share_known(ticket, change, None);
-    }
-
-    /// `share`, writing from `known`, a read of the node's books just made (see
-    /// `Ledger::update_known`).
-    fn share_known(&mut self, ticket: &Ticket, change: Change, known: Option<Read>) {
+    fn share(&mut self, ticket: &Ticket, change: Change, known: Option<Read>) {
         if self.role != Role::Reader {
             return;
         }
@@ -433,7 +428,7 @@ impl State {
             .nodes()
             .get(ticket.node)
             .map_or(0, |n| n.epoch());
-        let written = self.sharing.ledger.update_known(
+        let written = self.sharing.ledger.update(
             &mut HostStore,
             &book.key,
             ticket.tenant,
@@ -467,7 +462,7 @@ impl State {
     /// address has its books claimed for it.
     fn follow_members(&mut self, addresses: &[String]) -> MemberChange {
         if self.role != Role::Service {
-            return self.balancer.set_members(addresses);
+            return self.balancer.set_members(addresses, |_| false);
         }
         let keys = &self.sharing.keys;
         let busy = |i: usize| {
@@ -475,7 +470,7 @@ impl State {
                 .and_then(Option::as_ref)
                 .is_some_and(|b| books_busy(&b.key))
         };
-        let change = self.balancer.set_members_with(addresses, busy);
+        let change = self.balancer.set_members(addresses, busy);
         self.claim_books(&change.joined);
         change
     }
@@ -729,7 +724,7 @@ impl BookSource for SharedBooks<'_> {
         match self
             .sharing
             .ledger
-            .view_read(&mut HostStore, &book.key, book.tenant, report_epoch)
+            .view(&mut HostStore, &book.key, book.tenant, report_epoch)
         {
             Some((books, read)) => {
                 if let Some(read) = read {
@@ -808,7 +803,7 @@ fn place(
             }
             bump(s.metrics.routed);
             let known = SharedBooks::read_of(reads, ticket.node);
-            s.share_known(&ticket, Change::dispatch(&ticket), known);
+            s.share(&ticket, Change::dispatch(&ticket), known);
             shift(s.metrics.inflight_now, 1);
             bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
             if over_ceiling {
@@ -884,9 +879,7 @@ fn admit_held(state: &Shared, current: u32) {
     }
     let now = now_ms();
     let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
-    let admitted = s
-        .held
-        .admit_with_books(now, &mut s.balancer, &mut s.rng, &mut books);
+    let admitted = s.held.admit(now, &mut s.balancer, &mut s.rng, &mut books);
     if admitted.is_empty() {
         return;
     }
@@ -1618,7 +1611,7 @@ impl Request {
             let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
             let outcome = s
                 .balancer
-                .route_with_books(weight, m, now, &mut s.rng, may_hold, &mut books);
+                .route(weight, m, now, &mut s.rng, may_hold, &mut books);
             let reads = books.reads;
             match outcome {
                 Outcome::Saturated => {
@@ -1635,7 +1628,7 @@ impl Request {
                             let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
                             let outcome = s
                                 .balancer
-                                .route_with_books(weight, m, now, &mut s.rng, false, &mut books);
+                                .route(weight, m, now, &mut s.rng, false, &mut books);
                             let reads = books.reads;
                             Ok(place(s, outcome, weight, m, None, reads))
                         }
@@ -1702,7 +1695,7 @@ impl Request {
                         .observe_output(ticket.weight.prompt_tokens, output);
                 }
                 s.balancer.release(&ticket, progressed);
-                s.share(&ticket, Change::release(&ticket, written));
+                s.share(&ticket, Change::release(&ticket, written), None);
                 shift(s.metrics.inflight_now, -1);
             });
         }
@@ -1826,7 +1819,11 @@ impl HttpContext for Request {
                                     || (received >= ticket.reserved_output
                                         && written < ticket.reserved_output);
                                 if due && s.role == Role::Reader {
-                                    s.share(&ticket, Change::progress(&ticket, written, received));
+                                    s.share(
+                                        &ticket,
+                                        Change::progress(&ticket, written, received),
+                                        None,
+                                    );
                                 }
                                 due
                             })

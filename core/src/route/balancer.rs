@@ -150,17 +150,14 @@ impl Balancer {
     /// balancer knows keeps its state; a new one takes its settings from `nodes` when listed
     /// there, else from the defaults, and a slot left by a departed node with nothing in
     /// flight is reused before the list grows, so churn (pods replaced under new addresses)
-    /// does not grow the state without bound. A node that left keeps its books until its
-    /// requests end, but it is never chosen, and its report is dropped, so that a node coming
-    /// back is trusted only on a new report. Without `membership` configured this does nothing.
-    pub fn set_members(&mut self, addresses: &[String]) -> MemberChange {
-        self.set_members_with(addresses, |_| false)
-    }
-
-    /// `set_members`, where `busy(i)` says whether departed node `i` still has requests in
-    /// flight that this balancer's own books do not show (the poller service routes nothing
-    /// itself: the shared books know), so its slot is not reused yet.
-    pub fn set_members_with(
+    /// does not grow the state without bound. `busy(i)` says whether departed node `i` still
+    /// has requests in flight that this balancer's own books do not show (the poller service
+    /// routes nothing itself: the shared books know), so its slot is not reused yet; a
+    /// balancer that routes for itself passes `|_| false`. A node that left keeps its books
+    /// until its requests end, but it is never chosen, and its report is dropped, so that a
+    /// node coming back is trusted only on a new report. Without `membership` configured this
+    /// does nothing.
+    pub fn set_members(
         &mut self,
         addresses: &[String],
         busy: impl Fn(usize) -> bool,
@@ -319,22 +316,11 @@ impl Balancer {
     /// the request's estimate with its output cap; the books hold its expected cost. `model`,
     /// the body's, keeps the request to the nodes that serve it. With `may_hold`, a request
     /// every node would overflow is not routed: the answer is `Saturated` and the caller holds
-    /// it; without, it goes to the node that overflows least.
+    /// it; without, it goes to the node that overflows least. Each weighed node's books are
+    /// taken from `books` just before it is weighed (`OwnBooks`: this balancer's own; the
+    /// books every worker of the Envoy shares, see `share`): the drawn candidates' only,
+    /// unless the draws fail and every candidate is compared.
     pub fn route(
-        &mut self,
-        weight: Weight,
-        model: Option<&str>,
-        now_ms: u64,
-        rng: &mut dyn Rng,
-        may_hold: bool,
-    ) -> Outcome {
-        self.route_with_books(weight, model, now_ms, rng, may_hold, &mut OwnBooks)
-    }
-
-    /// `route`, with each weighed node's books taken from `books` just before it is weighed
-    /// (the books every worker of the Envoy shares, see `shared`): the drawn candidates'
-    /// only, unless the draws fail and every candidate is compared.
-    pub fn route_with_books(
         &mut self,
         weight: Weight,
         model: Option<&str>,
@@ -588,7 +574,7 @@ impl Balancer {
 }
 
 /// Where a decision takes a node's books from just before it weighs the node
-/// (`Balancer::route_with_books`).
+/// (`Balancer::route`).
 pub trait BookSource {
     /// Node `node`'s current books, read under the epoch rule for `report_epoch` (the node's
     /// report epoch as this balancer knows it); `None` keeps the balancer's own.
@@ -643,7 +629,7 @@ mod tests {
                 format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
             b.on_health(i, Some(body.as_bytes()), 0).unwrap();
         }
-        match b.route(W, None, 10, &mut SplitMix64::new(1), false) {
+        match b.route(W, None, 10, &mut SplitMix64::new(1), false, &mut OwnBooks) {
             Outcome::Routed {
                 header_value,
                 ticket,
@@ -700,7 +686,7 @@ mod tests {
                 asked: vec![],
                 light: round * 5,
             };
-            let first = match b.route_with_books(W, None, 10, &mut rng, false, &mut books) {
+            let first = match b.route(W, None, 10, &mut rng, false, &mut books) {
                 Outcome::Routed { ticket, .. } => ticket.node,
                 o => panic!("{o:?}"),
             };
@@ -724,7 +710,7 @@ mod tests {
             asked: vec![],
             light: 6,
         };
-        match b.route_with_books(W, None, 10, &mut rng, false, &mut books) {
+        match b.route(W, None, 10, &mut rng, false, &mut books) {
             Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 6),
             o => panic!("{o:?}"),
         }
@@ -748,7 +734,8 @@ mod tests {
             growth_tokens: u64::MAX,
         };
         b.set_books(0, &full);
-        let Outcome::Routed { ticket, .. } = b.route(W, None, 10, &mut SplitMix64::new(1), false)
+        let Outcome::Routed { ticket, .. } =
+            b.route(W, None, 10, &mut SplitMix64::new(1), false, &mut OwnBooks)
         else {
             panic!("not routed")
         };
@@ -763,7 +750,7 @@ mod tests {
         // Three failures to eject: two failed polls keep the last good report in use.
         let mut b = Balancer::new(&cfg(1, r#","unhealthy_after_failures":3"#));
         assert_eq!(
-            b.route(W, None, 0, &mut SplitMix64::new(1), false),
+            b.route(W, None, 0, &mut SplitMix64::new(1), false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 0)
@@ -778,12 +765,12 @@ mod tests {
         assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
         assert_eq!(b.nodes()[0].failures_in_row(), 2);
         assert!(matches!(
-            b.route(W, None, 3000, &mut SplitMix64::new(1), false),
+            b.route(W, None, 3000, &mut SplitMix64::new(1), false, &mut OwnBooks),
             Outcome::Routed { .. }
         ));
         // The good report is now stale, and nothing replaced it.
         assert_eq!(
-            b.route(W, None, 3001, &mut SplitMix64::new(1), false),
+            b.route(W, None, 3001, &mut SplitMix64::new(1), false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
         assert_eq!(b.take_transition(0), None);
@@ -794,7 +781,7 @@ mod tests {
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 400)
             .unwrap();
         assert_eq!(
-            b.route(W, None, 400, &mut SplitMix64::new(1), false),
+            b.route(W, None, 400, &mut SplitMix64::new(1), false, &mut OwnBooks),
             Outcome::NoFreshNodes,
             "one good poll is not enough to come back"
         );
@@ -802,7 +789,7 @@ mod tests {
             .unwrap();
         assert_eq!(b.take_transition(0), Some(Transition::Readmitted));
         assert!(matches!(
-            b.route(W, None, 500, &mut SplitMix64::new(1), false),
+            b.route(W, None, 500, &mut SplitMix64::new(1), false, &mut OwnBooks),
             Outcome::Routed { .. }
         ));
     }
@@ -816,10 +803,12 @@ mod tests {
         }
         let mut rng = SplitMix64::new(3);
         let tickets: Vec<Ticket> = (0..10)
-            .filter_map(|_| match b.route(W, None, 1, &mut rng, false) {
-                Outcome::Routed { ticket, .. } => Some(ticket),
-                _ => None,
-            })
+            .filter_map(
+                |_| match b.route(W, None, 1, &mut rng, false, &mut OwnBooks) {
+                    Outcome::Routed { ticket, .. } => Some(ticket),
+                    _ => None,
+                },
+            )
             .collect();
         assert_eq!(tickets.len(), 10);
         let total: u64 = b.nodes().iter().map(|n| n.books().inflight_requests).sum();
@@ -880,9 +869,14 @@ mod tests {
         // Routing books the expected cost, and progress plus release return it all.
         b.on_health(0, Some(br#"{"tokens_per_sec_load":0}"#), 0)
             .unwrap();
-        let Outcome::Routed { ticket, .. } =
-            b.route(capped, None, 1, &mut SplitMix64::new(1), false)
-        else {
+        let Outcome::Routed { ticket, .. } = b.route(
+            capped,
+            None,
+            1,
+            &mut SplitMix64::new(1),
+            false,
+            &mut OwnBooks,
+        ) else {
             panic!("not routed")
         };
         assert_eq!(ticket.weight.output_tokens, 200);
@@ -1032,7 +1026,7 @@ mod tests {
         );
         b.on_health(0, Some(busy.as_bytes()), 0).unwrap();
         b.on_health(1, Some(idle.as_bytes()), 0).unwrap();
-        match b.route(W, None, 10, &mut SplitMix64::new(1), false) {
+        match b.route(W, None, 10, &mut SplitMix64::new(1), false, &mut OwnBooks) {
             Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 1),
             o => panic!("{o:?}"),
         }
@@ -1046,7 +1040,14 @@ mod tests {
             prompt_tokens: 2000,
             output_tokens: 100,
         };
-        match b.route(big, None, 1010, &mut SplitMix64::new(1), false) {
+        match b.route(
+            big,
+            None,
+            1010,
+            &mut SplitMix64::new(1),
+            false,
+            &mut OwnBooks,
+        ) {
             Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 0),
             o => panic!("{o:?}"),
         }
@@ -1064,7 +1065,7 @@ mod tests {
             .unwrap();
         }
         assert!(matches!(
-            b.route(W, None, 1, &mut SplitMix64::new(1), false),
+            b.route(W, None, 1, &mut SplitMix64::new(1), false, &mut OwnBooks),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
@@ -1120,7 +1121,7 @@ mod tests {
             (Some("m3"), 2),
         ];
         for (model, want) in cases {
-            let o = b.route(W, *model, 10, &mut rng, false);
+            let o = b.route(W, *model, 10, &mut rng, false, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(*want), "{model:?}: {o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -1130,11 +1131,11 @@ mod tests {
         assert_eq!(b.on_models(2, br#"{"data":[{"id":"m3"}]}"#), Ok(1));
         assert!(b.model_unknown("m4") && !b.model_unknown("m3"));
         assert_eq!(
-            b.route(W, Some("m4"), 10, &mut rng, true),
+            b.route(W, Some("m4"), 10, &mut rng, true, &mut OwnBooks),
             Outcome::UnknownModel
         );
         assert_eq!(
-            routed_to(&b.route(W, Some("m3"), 10, &mut rng, false)),
+            routed_to(&b.route(W, Some("m3"), 10, &mut rng, false, &mut OwnBooks)),
             Some(2)
         );
         // Bad answers keep the last good list.
@@ -1151,7 +1152,7 @@ mod tests {
         );
         // A known model whose nodes are all stale is no unknown model: Envoy routes it.
         assert_eq!(
-            b.route(W, Some("m3"), 10_000, &mut rng, false),
+            b.route(W, Some("m3"), 10_000, &mut rng, false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
         // Nor is one whose only node has never reported, while another node is fresh.
@@ -1159,15 +1160,15 @@ mod tests {
         e.on_health(1, Some(br#"{"tokens_per_sec_load":1}"#), 0)
             .unwrap();
         assert_eq!(
-            e.route(W, Some("m1"), 10, &mut rng, false),
+            e.route(W, Some("m1"), 10, &mut rng, false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
         assert_eq!(
-            routed_to(&e.route(W, Some("m2"), 10, &mut rng, false)),
+            routed_to(&e.route(W, Some("m2"), 10, &mut rng, false, &mut OwnBooks)),
             Some(1)
         );
         assert_eq!(
-            e.route(W, Some("m3"), 10, &mut rng, false),
+            e.route(W, Some("m3"), 10, &mut rng, false, &mut OwnBooks),
             Outcome::UnknownModel
         );
     }
@@ -1192,7 +1193,7 @@ mod tests {
         b.on_health(1, Some(with_lora.as_bytes()), 0).unwrap();
         assert_eq!(b.nodes()[1].models().seen(), ["hot-lora"]);
         for _ in 0..5 {
-            let o = b.route(W, Some("hot-lora"), 10, &mut rng, false);
+            let o = b.route(W, Some("hot-lora"), 10, &mut rng, false, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(1), "{o:?}");
         }
         // The next list is complete as of its time: without the adapter, it is unknown.
@@ -1202,7 +1203,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            b.route(W, Some("hot-lora"), 10, &mut rng, false),
+            b.route(W, Some("hot-lora"), 10, &mut rng, false, &mut OwnBooks),
             Outcome::UnknownModel
         );
     }
@@ -1235,7 +1236,14 @@ mod tests {
             let mut at_idle = 0;
             for replica in 0..16u64 {
                 let mut b = sampled_fleet(100, extra, idle);
-                let o = b.route(W, None, 10, &mut SplitMix64::new(replica), false);
+                let o = b.route(
+                    W,
+                    None,
+                    10,
+                    &mut SplitMix64::new(replica),
+                    false,
+                    &mut OwnBooks,
+                );
                 at_idle += usize::from(routed_to(&o) == Some(42));
             }
             assert!(
@@ -1253,7 +1261,7 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         let mut counts = [0u32; 10];
         for _ in 0..2000 {
-            let o = b.route(W, None, 10, &mut rng, false);
+            let o = b.route(W, None, 10, &mut rng, false, &mut OwnBooks);
             if let Outcome::Routed { ticket, .. } = o {
                 counts[ticket.node] += 1;
                 b.release(&ticket, 0);
@@ -1285,14 +1293,17 @@ mod tests {
             b.on_health(i, Some(&full[..]), 0).unwrap();
         }
         let mut rng = SplitMix64::new(5);
-        assert_eq!(b.route(W, None, 10, &mut rng, true), Outcome::Saturated);
+        assert_eq!(
+            b.route(W, None, 10, &mut rng, true, &mut OwnBooks),
+            Outcome::Saturated
+        );
         // Only node 7 has room, and node 3 has room but stops answering (ejected).
         b.on_health(7, Some(&room[..]), 20).unwrap();
         b.on_health(3, Some(&room[..]), 20).unwrap();
         b.on_health(3, None, 30).unwrap_err();
         b.on_health(3, None, 40).unwrap_err();
         for _ in 0..50 {
-            let o = b.route(W, None, 50, &mut rng, true);
+            let o = b.route(W, None, 50, &mut rng, true, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(7), "{o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -1301,7 +1312,7 @@ mod tests {
         // Later every report but node 7's (taken at 20) is stale: only node 7 is drawn.
         let late = 20 + b.params.stale_after_ms;
         for _ in 0..20 {
-            let o = b.route(W, None, late, &mut rng, false);
+            let o = b.route(W, None, late, &mut rng, false, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(7), "{o:?}");
         }
     }
@@ -1328,14 +1339,14 @@ mod tests {
         }
         let mut rng = SplitMix64::new(9);
         for _ in 0..200 {
-            let o = b.route(W, Some("rare"), 10, &mut rng, false);
+            let o = b.route(W, Some("rare"), 10, &mut rng, false, &mut OwnBooks);
             let node = routed_to(&o).unwrap();
             assert_eq!(node % 10, 4, "{o:?}");
-            let o = b.route(W, Some("common"), 10, &mut rng, false);
+            let o = b.route(W, Some("common"), 10, &mut rng, false, &mut OwnBooks);
             assert_ne!(routed_to(&o).unwrap() % 10, 4, "{o:?}");
         }
         assert_eq!(
-            b.route(W, Some("none"), 10, &mut rng, false),
+            b.route(W, Some("none"), 10, &mut rng, false, &mut OwnBooks),
             Outcome::UnknownModel
         );
     }
@@ -1365,7 +1376,7 @@ mod tests {
         let mut rng = SplitMix64::new(1);
         // Before any member list, the listed node stands.
         assert_eq!(b.nodes().len(), 1);
-        let c = b.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]));
+        let c = b.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]), |_| false);
         assert_eq!(
             c,
             MemberChange {
@@ -1380,7 +1391,7 @@ mod tests {
         }
         // The listed node is no member: never chosen, whatever it reports.
         for _ in 0..20 {
-            let o = b.route(W, None, 10, &mut rng, false);
+            let o = b.route(W, None, 10, &mut rng, false, &mut OwnBooks);
             assert!(matches!(routed_to(&o), Some(1 | 2)), "{o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -1388,14 +1399,16 @@ mod tests {
         }
         // It joins and takes its listed settings; node 2 leaves with a request in flight.
         let on_2 = loop {
-            if let Outcome::Routed { ticket, .. } = b.route(W, None, 10, &mut rng, false) {
+            if let Outcome::Routed { ticket, .. } =
+                b.route(W, None, 10, &mut rng, false, &mut OwnBooks)
+            {
                 if ticket.node == 2 {
                     break ticket;
                 }
                 b.release(&ticket, 0);
             }
         };
-        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80"]));
+        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80"]), |_| false);
         assert_eq!(
             c,
             MemberChange {
@@ -1407,19 +1420,25 @@ mod tests {
         assert_eq!(b.node_config(0).unwrap().kv_cache_tokens, Some(5));
         b.on_health(0, Some(IDLE), 20).unwrap();
         for _ in 0..20 {
-            let o = b.route(W, None, 30, &mut rng, false);
+            let o = b.route(W, None, 30, &mut rng, false, &mut OwnBooks);
             assert!(matches!(routed_to(&o), Some(0 | 1)), "{o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
             }
         }
         // A new address cannot take node 2's slot while its request is in flight...
-        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.3:80"]));
+        let c = b.set_members(
+            &members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.3:80"]),
+            |_| false,
+        );
         assert_eq!(c.joined, vec![3]);
         b.release(&on_2, 0);
         assert_eq!(b.nodes()[2].books().inflight_requests, 0);
         // ...and takes it once the request is done: the state does not grow with churn.
-        let c = b.set_members(&members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.4:80"]));
+        let c = b.set_members(
+            &members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.4:80"]),
+            |_| false,
+        );
         assert_eq!(
             c,
             MemberChange {
@@ -1431,24 +1450,25 @@ mod tests {
         assert_eq!(b.nodes().len(), 4);
         assert_eq!(b.nodes()[2].address(), "10.0.0.4:80");
         // A node that comes back is trusted only on a new report.
-        let c = b.set_members(&members(&[
-            "10.0.0.9:80",
-            "10.0.0.1:80",
-            "10.0.0.4:80",
-            "10.0.0.3:80",
-        ]));
+        let c = b.set_members(
+            &members(&["10.0.0.9:80", "10.0.0.1:80", "10.0.0.4:80", "10.0.0.3:80"]),
+            |_| false,
+        );
         assert_eq!(c.joined, vec![3]);
         assert_eq!(b.nodes()[3].reported_at(), None);
         // An empty cluster: nothing to choose, Envoy's fallback routes.
-        b.set_members(&[]);
-        assert_eq!(b.route(W, None, 40, &mut rng, false), Outcome::NoFreshNodes);
+        b.set_members(&[], |_| false);
+        assert_eq!(
+            b.route(W, None, 40, &mut rng, false, &mut OwnBooks),
+            Outcome::NoFreshNodes
+        );
     }
 
     #[test]
     fn members_are_followed_only_when_configured_and_up_to_the_limit() {
         let mut fixed = Balancer::new(&cfg(2, ""));
         assert_eq!(
-            fixed.set_members(&members(&["10.0.0.1:80"])),
+            fixed.set_members(&members(&["10.0.0.1:80"]), |_| false),
             MemberChange::default()
         );
         assert!(fixed.nodes().iter().all(NodeState::member));
@@ -1456,7 +1476,7 @@ mod tests {
         let many: Vec<String> = (0..MAX_NODES + 5)
             .map(|i| format!("10.{}.{}.{}:80", i / 65536, (i / 256) % 256, i % 256))
             .collect();
-        let c = b.set_members(&many);
+        let c = b.set_members(&many, |_| false);
         assert_eq!((c.joined.len(), c.over_limit), (MAX_NODES, 5));
     }
 }
@@ -1513,7 +1533,7 @@ mod shared_tests {
         let mut reader = Balancer::new(&cfg(&[8001, 8002, 8003]));
         let mut rng = SplitMix64::new(1);
         assert_eq!(
-            reader.route(W, None, 10, &mut rng, false),
+            reader.route(W, None, 10, &mut rng, false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
         assert_eq!(
@@ -1524,10 +1544,11 @@ mod shared_tests {
             }
         );
         assert_eq!(reader.import_fleet(&snap).new_reports, 0, "nothing new");
-        let t = routed(&reader.route(W, None, 10, &mut rng, false)).unwrap();
+        let t = routed(&reader.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
         assert_eq!((t.node, t.epoch), (1, base + 1));
         assert_eq!(
-            routed(&reader.route(W, Some("m2"), 10, &mut rng, false)).map(|t| t.node),
+            routed(&reader.route(W, Some("m2"), 10, &mut rng, false, &mut OwnBooks))
+                .map(|t| t.node),
             Some(2),
             "models come with the snapshot"
         );
@@ -1536,7 +1557,7 @@ mod shared_tests {
         assert_eq!(books.inflight_requests, 1);
         books.unreflected_tokens = 1_000_000;
         reader.set_books(1, &books);
-        let t = routed(&reader.route(W, None, 10, &mut rng, false)).unwrap();
+        let t = routed(&reader.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
         assert_ne!(t.node, 1);
         // An ejection reaches the reader; a node the poller does not follow has no report.
         poller.on_health(2, None, 20).unwrap_err();
@@ -1548,7 +1569,7 @@ mod shared_tests {
         assert_eq!(other.import_fleet(&snap).missing, 1);
         reader.import_fleet(&snap);
         for _ in 0..10 {
-            let o = reader.route(W, None, 40, &mut rng, false);
+            let o = reader.route(W, None, 40, &mut rng, false, &mut OwnBooks);
             assert_ne!(routed(&o).map(|t| t.node), Some(2), "{o:?}");
         }
         // Books at a newer epoch than the snapshot's keep theirs (a ticket takes it).
@@ -1570,7 +1591,7 @@ mod shared_tests {
         let snap = |p: &Balancer| Snapshot {
             nodes: p.fleet_view(1_000),
         };
-        poller.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]));
+        poller.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]), |_| false);
         for i in 0..3 {
             poller.on_health(i, Some(IDLE), 0).unwrap();
         }
@@ -1586,17 +1607,20 @@ mod shared_tests {
         // The reader routes a request to node 2, then the poller reuses node 2's slot (its
         // shared books are empty: the busy check says so) for a new address.
         let on_2 = loop {
-            let t = routed(&reader.route(W, None, 10, &mut rng, false)).unwrap();
+            let t = routed(&reader.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
             if t.node == 2 {
                 break t;
             }
             reader.release(&t, 0);
         };
-        poller.set_members(&members(&["10.0.0.1:80"]));
-        let busy = poller.set_members_with(&members(&["10.0.0.1:80", "10.0.0.3:80"]), |i| i == 2);
+        poller.set_members(&members(&["10.0.0.1:80"]), |_| false);
+        let busy = poller.set_members(&members(&["10.0.0.1:80", "10.0.0.3:80"]), |i| i == 2);
         assert_eq!(busy.joined, vec![3], "a busy slot is not reused");
-        poller.set_members(&members(&["10.0.0.1:80"]));
-        let c = poller.set_members(&members(&["10.0.0.1:80", "10.0.0.4:80", "10.0.0.9:80"]));
+        poller.set_members(&members(&["10.0.0.1:80"]), |_| false);
+        let c = poller.set_members(
+            &members(&["10.0.0.1:80", "10.0.0.4:80", "10.0.0.9:80"]),
+            |_| false,
+        );
         assert_eq!(c.joined, vec![0, 2]);
         poller.on_health(2, Some(IDLE), 20).unwrap();
         let c = reader.mirror_fleet(&snap(&poller));
@@ -1609,7 +1633,7 @@ mod shared_tests {
             "listed"
         );
         // The old address's release finds a new tenant in the slot: nothing is taken away.
-        let on_new = routed(&reader.route(W, Some("x"), 30, &mut rng, false));
+        let on_new = routed(&reader.route(W, Some("x"), 30, &mut rng, false, &mut OwnBooks));
         let before = reader.nodes()[2].books().inflight_requests;
         reader.release(&on_2, 0);
         assert_eq!(reader.nodes()[2].books().inflight_requests, before);

@@ -408,23 +408,12 @@ pub struct Ledger {
 
 impl Ledger {
     /// Applies `change` (with whatever this VM still owes `key`) to the shared books of `key`,
-    /// whose node's latest report epoch this VM knows is `report_epoch`.
+    /// whose node's latest report epoch this VM knows is `report_epoch`. `known` is a read of
+    /// `key` (value and CAS token) this VM has just made, if it made one (`view`): a decision
+    /// has read the chosen node's books already, and the dispatch then costs one host call,
+    /// not two. If another worker wrote since, the CAS token no longer matches and the write
+    /// starts over from a fresh read.
     pub fn update<S: Store>(
-        &mut self,
-        store: &mut S,
-        key: &str,
-        tenant: u64,
-        report_epoch: u64,
-        change: Change,
-    ) -> Written {
-        self.update_known(store, key, tenant, report_epoch, change, None)
-    }
-
-    /// `update`, starting from `known`, a read of `key` (value and CAS token) this VM has just
-    /// made, instead of reading it again: a decision has read the chosen node's books already,
-    /// and the dispatch then costs one host call, not two. If another worker wrote since, the
-    /// CAS token no longer matches and the write starts over from a fresh read.
-    pub fn update_known<S: Store>(
         &mut self,
         store: &mut S,
         key: &str,
@@ -458,28 +447,17 @@ impl Ledger {
             .map(|(k, (t, _))| (k.clone(), *t))
             .collect();
         keys.iter()
-            .map(|(k, t)| self.update(store, k, *t, epoch_of(k), Change::default()))
+            .map(|(k, t)| self.update(store, k, *t, epoch_of(k), Change::default(), None))
             .collect()
     }
 
     /// The books of `key` as this VM should see them: the shared ones under the epoch rule,
-    /// plus what this VM has not written yet. `None` when the store has none or cannot say.
+    /// plus what this VM has not written yet; with the read they were made from (value and CAS
+    /// token, `None` when the store had no books or they count for another tenant), for
+    /// `update`. `None` when the store has none or cannot say. Books of another tenant (this
+    /// VM's snapshot is older than the slot's reuse) count as empty: the node this VM means has
+    /// left, and nothing of it was in flight when its slot was reused.
     pub fn view<S: Store>(
-        &self,
-        store: &mut S,
-        key: &str,
-        tenant: u64,
-        report_epoch: u64,
-    ) -> Option<Books> {
-        self.view_read(store, key, tenant, report_epoch)
-            .map(|(books, _)| books)
-    }
-
-    /// `view`, with the read it was made from (value and CAS token, `None` when the store had
-    /// no books or they count for another tenant), for `update_known`. Books of another
-    /// tenant (this VM's snapshot is older than the slot's reuse) count as empty: the node
-    /// this VM means has left, and nothing of it was in flight when its slot was reused.
-    pub fn view_read<S: Store>(
         &self,
         store: &mut S,
         key: &str,
@@ -781,6 +759,7 @@ mod tests {
                 T,
                 *report_epoch,
                 Change::dispatch(&ticket(*booked_at, 5, 5)),
+                None,
             );
             assert!(
                 matches!(w, Written::Yes { retries: 0, .. }),
@@ -799,18 +778,18 @@ mod tests {
         let mut l = Ledger::default();
         let a = ticket(1, 100, 50);
         let b = ticket(1, 10, 5);
-        l.update(&mut s, K, T, 1, Change::dispatch(&a));
-        l.update(&mut s, K, T, 1, Change::dispatch(&b));
+        l.update(&mut s, K, T, 1, Change::dispatch(&a), None);
+        l.update(&mut s, K, T, 1, Change::dispatch(&b), None);
         assert_eq!(shared(&mut s, K).unreflected_tokens, 165);
         // A report (epoch 2) covers both; a is released after it, b before any new one.
-        l.update(&mut s, K, T, 2, Change::release(&a, 0));
+        l.update(&mut s, K, T, 2, Change::release(&a, 0), None);
         let now = shared(&mut s, K);
         assert_eq!((now.unreflected_tokens, now.inflight_tokens), (0, 15));
         let c = ticket(2, 1, 1);
-        l.update(&mut s, K, T, 2, Change::dispatch(&c));
-        l.update(&mut s, K, T, 2, Change::release(&b, 0));
+        l.update(&mut s, K, T, 2, Change::dispatch(&c), None);
+        l.update(&mut s, K, T, 2, Change::release(&b, 0), None);
         assert_eq!(shared(&mut s, K).unreflected_tokens, 2, "c's stays");
-        l.update(&mut s, K, T, 2, Change::release(&c, 0));
+        l.update(&mut s, K, T, 2, Change::release(&c, 0), None);
         assert!(shared(&mut s, K).is_zero());
     }
 
@@ -822,13 +801,13 @@ mod tests {
         for &(stale, calls, retries) in cases {
             let mut s = store_with_books();
             let mut l = Ledger::default();
-            let (books, read) = l.view_read(&mut s, K, T, 0).unwrap();
+            let (books, read) = l.view(&mut s, K, T, 0).unwrap();
             assert!(books.is_zero());
             if stale {
-                l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 1, 1)));
+                l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 1, 1)), None);
             }
             s.calls = 0;
-            let w = l.update_known(&mut s, K, T, 0, Change::dispatch(&ticket(0, 10, 10)), read);
+            let w = l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 10, 10)), read);
             assert!(
                 matches!(w, Written::Yes { retries: r, .. } if r == retries),
                 "{stale}: {w:?}"
@@ -863,7 +842,7 @@ mod tests {
                 }
             }));
             let mut l = Ledger::default();
-            let w = l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 10, 10)));
+            let w = l.update(&mut s, K, T, 0, Change::dispatch(&ticket(0, 10, 10)), None);
             match w {
                 Written::Yes { retries, .. } => {
                     assert!(written, "{slips}");
@@ -874,7 +853,7 @@ mod tests {
             }
             assert_eq!(l.pending(), usize::from(!written));
             // Our view counts the kept change; a flush writes it once the contention is over.
-            let view = l.view(&mut s, K, T, 0).unwrap();
+            let (view, _) = l.view(&mut s, K, T, 0).unwrap();
             assert_eq!(view.inflight_requests, u64::from(slips) + 1, "{slips}");
             s.interfere = None;
             let flushed = l.flush(&mut s, |_| 0);
@@ -892,20 +871,20 @@ mod tests {
         let mut l = Ledger::default();
         let t = ticket(0, 10, 10);
         assert_eq!(
-            l.update(&mut s, K, T, 0, Change::dispatch(&t)),
+            l.update(&mut s, K, T, 0, Change::dispatch(&t), None),
             Written::Missing
         );
-        assert_eq!(l.view(&mut s, K, T, 0).unwrap().inflight_requests, 1);
+        assert_eq!(l.view(&mut s, K, T, 0).unwrap().0.inflight_requests, 1);
         s.fail = true;
         assert_eq!(
-            l.update(&mut s, K, T, 0, Change::progress(&t, 0, 4)),
+            l.update(&mut s, K, T, 0, Change::progress(&t, 0, 4), None),
             Written::Failed
         );
         assert_eq!(l.view(&mut s, K, T, 0), None);
         s.fail = false;
         ensure_books(&mut s, K, T).unwrap();
         // The release merges with the kept dispatch and progress: they cancel out.
-        let w = l.update(&mut s, K, T, 0, Change::release(&t, 4));
+        let w = l.update(&mut s, K, T, 0, Change::release(&t, 4), None);
         assert!(
             matches!(w, Written::Yes { books, .. } if books.is_zero()),
             "{w:?}"
@@ -914,7 +893,7 @@ mod tests {
         // Unreadable books are not overwritten.
         s.set(K, b"junk", None).unwrap();
         assert_eq!(
-            l.update(&mut s, K, T, 0, Change::dispatch(&t)),
+            l.update(&mut s, K, T, 0, Change::dispatch(&t), None),
             Written::Failed
         );
         assert_eq!(s.data[K].0, b"junk");
@@ -956,10 +935,10 @@ mod tests {
             }
             let ledger = &mut workers[w];
             let result = if roll < 45 || open.is_empty() {
-                let epoch = ledger.view(&mut s, K, T, report_epoch).unwrap().epoch;
+                let epoch = ledger.view(&mut s, K, T, report_epoch).unwrap().0.epoch;
                 let t = ticket(epoch, rng.next_u64() % 1000, rng.next_u64() % 300);
                 open.push((w, t, 0));
-                ledger.update(&mut s, K, T, report_epoch, Change::dispatch(&t))
+                ledger.update(&mut s, K, T, report_epoch, Change::dispatch(&t), None)
             } else {
                 let i = (rng.next_u64() as usize) % open.len();
                 let (owner, t, got) = open[i];
@@ -967,10 +946,17 @@ mod tests {
                 if roll < 75 {
                     let after = got + rng.next_u64() % 50;
                     open[i].2 = after;
-                    ledger.update(&mut s, K, T, report_epoch, Change::progress(&t, got, after))
+                    ledger.update(
+                        &mut s,
+                        K,
+                        T,
+                        report_epoch,
+                        Change::progress(&t, got, after),
+                        None,
+                    )
                 } else {
                     open.swap_remove(i);
-                    ledger.update(&mut s, K, T, report_epoch, Change::release(&t, got))
+                    ledger.update(&mut s, K, T, report_epoch, Change::release(&t, got), None)
                 }
             };
             if result == Written::Exhausted {
@@ -984,7 +970,7 @@ mod tests {
         }
         assert!(exhausted > 0, "the test must exercise kept changes");
         for (w, t, got) in std::mem::take(&mut open) {
-            workers[w].update(&mut s, K, T, report_epoch, Change::release(&t, got));
+            workers[w].update(&mut s, K, T, report_epoch, Change::release(&t, got), None);
         }
         contention.set(0);
         for l in &mut workers {
@@ -1006,7 +992,7 @@ mod tests {
         let a = ticket(0, 10, 10);
         s.fail = true;
         assert_eq!(
-            l.update(&mut s, K, T, 0, Change::dispatch(&a)),
+            l.update(&mut s, K, T, 0, Change::dispatch(&a), None),
             Written::Failed
         );
         s.fail = false;
@@ -1017,30 +1003,30 @@ mod tests {
         assert_eq!(shared(&mut s, K), Books::of(NEW));
         // The old tenant's release (and its kept dispatch) are dropped, not written.
         assert_eq!(
-            l.update(&mut s, K, T, 0, Change::release(&a, 0)),
+            l.update(&mut s, K, T, 0, Change::release(&a, 0), None),
             Written::Gone
         );
         assert_eq!(l.pending(), 0);
         assert_eq!(shared(&mut s, K), Books::of(NEW));
         // A VM whose snapshot still shows the old tenant sees empty books and no read to
         // reuse; the new tenant's own changes are written.
-        let (books, read) = l.view_read(&mut s, K, T, 0).unwrap();
+        let (books, read) = l.view(&mut s, K, T, 0).unwrap();
         assert_eq!((books, read), (Books::of(T), None));
         let b = Ticket {
             tenant: NEW,
             ..ticket(0, 3, 3)
         };
         assert!(matches!(
-            l.update(&mut s, K, NEW, 0, Change::dispatch(&b)),
+            l.update(&mut s, K, NEW, 0, Change::dispatch(&b), None),
             Written::Yes { .. }
         ));
         assert_eq!(shared(&mut s, K).inflight_requests, 1);
         // A change kept for one tenant is not merged into another's.
         s.fail = true;
-        l.update(&mut s, K, NEW, 0, Change::release(&b, 0));
+        l.update(&mut s, K, NEW, 0, Change::release(&b, 0), None);
         s.fail = false;
         assert_eq!(
-            l.update(&mut s, K, T, 0, Change::dispatch(&a)),
+            l.update(&mut s, K, T, 0, Change::dispatch(&a), None),
             Written::Gone
         );
         assert_eq!(
@@ -1078,7 +1064,7 @@ mod tests {
         let mut l = Ledger::default();
         for k in &keys {
             ensure_books(&mut s, k, T).unwrap();
-            l.update(&mut s, k, T, 0, Change::dispatch(&ticket(0, 10, 5)));
+            l.update(&mut s, k, T, 0, Change::dispatch(&ticket(0, 10, 5)), None);
         }
         let t = totals(&mut s, keys.iter().map(String::as_str));
         assert_eq!((t.inflight_requests, t.inflight_tokens), (3, 45));
@@ -1090,6 +1076,7 @@ mod tests {
             T,
             0,
             Change::progress(&ticket(0, 10, 5), 0, 1),
+            None,
         );
         assert_eq!(s.calls - before, 2);
         // Figures any VM may have written add up saturating.

@@ -386,6 +386,9 @@ impl NodeState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ingest::engine::{self, FormatError};
+    use crate::route::balancer::testing::*;
+    use crate::route::balancer::Balancer;
 
     fn w(p: u64, o: u64) -> Weight {
         Weight {
@@ -595,5 +598,87 @@ mod tests {
         n.progress(&t, 0, 5);
         n.release(&t, 5);
         assert_eq!(*n.books(), before);
+    }
+
+    #[test]
+    fn engine_metrics_become_reports_with_a_rate() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","format":"vllm""#]));
+        let first = b.on_health(0, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        assert_eq!(
+            first,
+            Report {
+                load_tokens_per_sec: 0.0,
+                capacity_tokens_per_sec: None,
+                vram_used_bytes: None,
+                vram_total_bytes: None,
+                kv_cache_usage: Some(0.4375),
+                kv_cache_tokens: Some(131072.0),
+                queue_depth: Some(3.0),
+                running_requests: Some(14.0),
+            },
+            "the first poll: gauges, no rate yet"
+        );
+        let second = b
+            .on_health(0, Some(vllm_later(3000, 1000).as_bytes()), 2000)
+            .unwrap();
+        assert_eq!(second.load_tokens_per_sec, 2000.0);
+        assert_eq!(second.capacity_tokens_per_sec, Some(2000.0));
+        assert_eq!(b.nodes()[0].reported_at(), Some(2000));
+        // A failed poll leaves the report and the baseline alone.
+        assert!(b.on_health(0, Some(b"<html>"), 2500).is_err());
+        let third = b
+            .on_health(0, Some(vllm_later(4000, 2000).as_bytes()), 3000)
+            .unwrap();
+        assert_eq!(third.load_tokens_per_sec, 2000.0);
+        // The engine restarted: counters from zero, no rate for that interval.
+        let restarted = VLLM_V1
+            .replace("} 1234567.0", "} 10.0")
+            .replace("} 456789.0", "} 5.0");
+        let r = b.on_health(0, Some(restarted.as_bytes()), 4000).unwrap();
+        assert_eq!(r.load_tokens_per_sec, 0.0);
+        assert_eq!(r.queue_depth, Some(3.0));
+    }
+
+    #[test]
+    fn each_node_is_read_in_its_own_format() {
+        let mut b = Balancer::new(&engine_cfg(&[
+            "",
+            r#","format":"seed""#,
+            r#","format":"vllm""#,
+            r#","format":"sglang","capacity_tokens_per_sec":900"#,
+        ]));
+        let seed = br#"{"tokens_per_sec_load": 7}"#;
+        assert_eq!(
+            b.on_health(0, Some(seed), 0).unwrap().load_tokens_per_sec,
+            7.0
+        );
+        assert_eq!(
+            b.on_health(0, Some(VLLM_V1.as_bytes()), 0)
+                .unwrap()
+                .queue_depth,
+            Some(3.0)
+        );
+        assert_eq!(
+            b.on_health(1, Some(VLLM_V1.as_bytes()), 0),
+            Err(HealthError::Unparsable(FormatError::Seed(
+                crate::ingest::telemetry::ReportError::NotJson
+            )))
+        );
+        assert_eq!(
+            b.on_health(2, Some(seed), 0),
+            Err(HealthError::Unparsable(FormatError::JsonNotMetrics(
+                engine::Engine::Vllm
+            )))
+        );
+        assert!(matches!(
+            b.on_health(3, Some(VLLM_V1.as_bytes()), 0),
+            Err(HealthError::Unparsable(FormatError::NothingUsable { .. }))
+        ));
+        let sglang = include_bytes!("../../tests/data/metrics/sglang.prom");
+        let r = b.on_health(3, Some(sglang), 0).unwrap();
+        assert_eq!(r.capacity_tokens_per_sec, None, "nothing learned yet");
+        assert_eq!(b.nodes()[3].capacity(&r, 1.0), 900.0, "configured capacity");
+        assert_eq!(b.nodes()[1].failures_in_row(), 1);
+        assert_eq!(b.nodes()[3].failures_in_row(), 0);
     }
 }

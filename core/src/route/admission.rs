@@ -139,10 +139,10 @@ impl<T> HoldQueue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::balancer::OwnBooks;
     use crate::config::Config;
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
+    use crate::route::balancer::OwnBooks;
 
     /// One node with a 1,000-token cache and a 0.9 ceiling.
     fn balancer() -> Balancer {

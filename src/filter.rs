@@ -415,19 +415,21 @@ impl State {
     /// release) and counts what became of it, from `known`, a read of the node's books just
     /// made if there is one (see `Ledger::update`). Does nothing outside the reader role. The
     /// change counts for the ticket's tenant: if its node's slot has gone to another address
-    /// since, the change is dropped (`Written::Gone`).
+    /// since, the change is dropped (`Written::Gone`), and a ticket of an earlier
+    /// configuration changes the books of its address only (`Balancer::holder`).
     fn share(&mut self, ticket: &Ticket, change: Change, known: Option<Read>) {
         if self.role != Role::Reader {
             return;
         }
-        let Some(Some(book)) = self.sharing.keys.get(ticket.node) else {
+        // A ticket from before a reconfiguration still has its booking in the shared books,
+        // which outlive this VM's balancer: it is found by its node's address.
+        let Some(node) = self.balancer.holder(ticket) else {
             return;
         };
-        let epoch = self
-            .balancer
-            .nodes()
-            .get(ticket.node)
-            .map_or(0, |n| n.epoch());
+        let Some(Some(book)) = self.sharing.keys.get(node) else {
+            return;
+        };
+        let epoch = self.balancer.nodes().get(node).map_or(0, |n| n.epoch());
         let written = self.sharing.ledger.update(
             &mut HostStore,
             &book.key,

@@ -23,6 +23,7 @@ use crate::route::choice::{self, Ask, Decision, Growth, Params};
 use crate::route::outputs::OutputModel;
 pub use crate::share::fleet::Imported;
 use crate::share::{self, Books, NodeView, Snapshot};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Weight of the newest request in the running mean of request size (used to turn a reported
 /// queue depth into tokens). An exponentially weighted mean forgets old traffic mixes in about
@@ -53,6 +54,8 @@ pub enum Outcome {
 
 #[derive(Debug, Clone)]
 pub struct Balancer {
+    /// Told apart from every other balancer of the process (see `generation`).
+    generation: u64,
     /// The nodes followed, slot by slot, and their settings (see `membership`).
     fleet: Fleet,
     params: Params,
@@ -69,6 +72,7 @@ pub struct Balancer {
 impl Balancer {
     pub fn new(cfg: &Config) -> Self {
         Balancer {
+            generation: GENERATIONS.fetch_add(1, Ordering::Relaxed).wrapping_add(1),
             fleet: Fleet::new(cfg),
             params: Params {
                 rule: cfg.policy,
@@ -274,7 +278,10 @@ impl Balancer {
             return Outcome::NoFreshNodes;
         };
         let inflight_before = state.books().inflight_requests;
-        let ticket = state.dispatch(first.node, weight, growth.own);
+        let ticket = Ticket {
+            generation: self.generation,
+            ..state.dispatch(first.node, weight, growth.own)
+        };
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
             ticket,
@@ -285,21 +292,54 @@ impl Balancer {
         }
     }
 
-    /// The request's stream has delivered `after` output tokens (it had `before`).
+    /// The request's stream has delivered `after` output tokens (it had `before`). A ticket
+    /// this balancer did not issue (see `generation`) changes nothing.
     pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
-        if let Some(state) = self.fleet.nodes_mut().get_mut(ticket.node) {
+        if let Some(state) = self.issued(ticket) {
             state.progress(ticket, before, after);
         }
     }
 
     /// The request's stream ended (completed, failed, reset or timed out) after `received`
-    /// output tokens.
+    /// output tokens. A ticket this balancer did not issue changes nothing.
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
-        if let Some(state) = self.fleet.nodes_mut().get_mut(ticket.node) {
+        if let Some(state) = self.issued(ticket) {
             state.release(ticket, received);
         }
     }
+
+    /// The node whose books hold `ticket`, if this balancer issued it.
+    fn issued(&mut self, ticket: &Ticket) -> Option<&mut NodeState> {
+        if ticket.generation != self.generation {
+            return None;
+        }
+        self.fleet.nodes_mut().get_mut(ticket.node)
+    }
+
+    /// This balancer's generation: no other balancer of this process has it, so a ticket
+    /// issued by a balancer built from an earlier configuration (the glue builds a new one on
+    /// every configuration) never changes this one's books, which never counted it.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The node of this balancer whose shared books hold `ticket`'s booking (see `share`):
+    /// the ticket's own node if this balancer issued it; else, the shared books having
+    /// outlived the balancer that booked it, the node with the ticket's address (`None` when
+    /// this balancer does not follow it). The shared books' tenant rule still applies: a
+    /// change for an address whose slot went to another is dropped when written.
+    pub fn holder(&self, ticket: &Ticket) -> Option<usize> {
+        if ticket.generation == self.generation {
+            return Some(ticket.node);
+        }
+        self.nodes()
+            .iter()
+            .position(|n| n.tenant() == ticket.tenant)
+    }
 }
+
+/// Balancers built so far in this process (in this VM, for Wasm), for their generations.
+static GENERATIONS: AtomicU64 = AtomicU64::new(0);
 
 /// Sharing the fleet between the VMs of one Envoy (see `share`): the poller's balancer exports
 /// what its health answers taught it; a filter VM's balancer takes that in place of polling,
@@ -495,6 +535,48 @@ mod tests {
         b.progress(&ticket, 0, 10);
         b.release(&ticket, 10);
         assert_eq!(b.books(0).map(|x| x.inflight_requests), Some(u64::MAX - 1));
+    }
+
+    /// A request routed under one configuration ends after the plugin was configured again
+    /// (the glue then builds a new balancer): its progress and release leave the new
+    /// balancer's books alone, which never counted it; its shared booking is found by its
+    /// node's address.
+    #[test]
+    fn a_ticket_from_an_earlier_configuration_leaves_the_books_alone() {
+        let mut before = idle_fleet(2, r#","choices":0"#);
+        let mut rng = SplitMix64::new(1);
+        let old = routed(&before.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+        let mut after = idle_fleet(2, r#","choices":0"#);
+        assert_ne!(after.generation(), before.generation());
+        let mine = loop {
+            let t = routed(&after.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+            if t.node == old.node {
+                break t;
+            }
+            after.release(&t, 0);
+        };
+        let booked = after.books(old.node);
+        after.progress(&old, 0, 50);
+        after.release(&old, 50);
+        assert_eq!(
+            after.books(old.node),
+            booked,
+            "the old ticket changed nothing"
+        );
+        after.release(&mine, 0);
+        assert!(after.books(old.node).is_some_and(|b| b.is_zero()));
+        // Where the old ticket's shared booking is: its node, by address; none when the new
+        // configuration does not have it.
+        assert_eq!(after.holder(&mine), Some(mine.node));
+        assert_eq!(after.holder(&old), Some(old.node));
+        let other = Balancer::new(
+            &Config::parse(br#"{"nodes":[{"address":"10.9.9.9:80"}],"health_cluster":"h"}"#)
+                .unwrap(),
+        );
+        assert_eq!(other.holder(&old), None);
+        // The balancer that issued it still takes it.
+        before.release(&old, 0);
+        assert!(before.books(old.node).is_some_and(|b| b.is_zero()));
     }
 
     #[test]
@@ -736,7 +818,13 @@ pub(crate) mod testing {
         }
     }
 
-
+    /// The ticket of a routed request.
+    pub(crate) fn routed(o: &Outcome) -> Option<Ticket> {
+        match o {
+            Outcome::Routed { ticket, .. } => Some(*ticket),
+            _ => None,
+        }
+    }
     pub(crate) fn members(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
     }

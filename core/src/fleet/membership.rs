@@ -240,8 +240,8 @@ fn node_state(n: &NodeConfig, (unhealthy, healthy): (u32, u32)) -> NodeState {
 mod tests {
     use super::*;
     use crate::rng::SplitMix64;
-    use crate::route::balancer::testing::*;
     use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+    use crate::route::testing::*;
 
     #[test]
     fn members_join_and_leave_and_only_members_are_chosen() {

@@ -224,8 +224,8 @@ impl ListPoll {
 mod tests {
     use super::*;
     use crate::rng::{Rng, SplitMix64};
-    use crate::route::balancer::testing::*;
     use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+    use crate::route::testing::*;
 
     fn names(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()

@@ -387,8 +387,8 @@ impl NodeState {
 mod tests {
     use super::*;
     use crate::ingest::engine::{self, FormatError};
-    use crate::route::balancer::testing::*;
     use crate::route::balancer::Balancer;
+    use crate::route::testing::*;
 
     fn w(p: u64, o: u64) -> Weight {
         Weight {

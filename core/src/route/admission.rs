@@ -357,4 +357,41 @@ mod tests {
         let out = q.admit(300, &mut b, &mut rng, &mut OwnBooks);
         assert!(matches!(&out[..], [(_, Outcome::UnknownModel)]), "{out:?}");
     }
+
+    /// Requests held while a thousand nodes are over the ceiling: trying them again on an
+    /// event reads a bounded number of books per request tried, not one per node; and once
+    /// a node has room they leave for it.
+    #[test]
+    fn admission_under_saturation_costs_a_bounded_number_of_book_reads() {
+        use crate::route::balancer::COMPARISON_READS;
+        use crate::route::testing::{cfg, Counting, FULL, ROOM};
+        let bound = 2 * 2 + COMPARISON_READS;
+        let mut b = Balancer::new(&cfg(1000, r#","kv_bytes_per_token":1,"max_hold_ms":60000"#));
+        for i in 0..1000 {
+            b.on_health(i, Some(FULL), 0).unwrap();
+        }
+        let mut rng = SplitMix64::new(8);
+        let mut q = HoldQueue::new(100, 60_000);
+        for id in 0..50 {
+            q.push(id, w(100), None, 0, id).unwrap();
+        }
+        for event in 1..20 {
+            let mut books = Counting::new(|_| false);
+            assert!(q.admit(event, &mut b, &mut rng, &mut books).is_empty());
+            assert!(books.reads <= bound, "{} reads", books.reads);
+        }
+        b.on_health(5, Some(ROOM), 30).unwrap();
+        let mut books = Counting::new(|_| false);
+        let out = q.admit(40, &mut b, &mut rng, &mut books);
+        assert!(!out.is_empty());
+        assert!(out
+            .iter()
+            .all(|(_, o)| matches!(o, Outcome::Routed { ticket, .. } if ticket.node == 5)));
+        assert!(
+            books.reads <= bound * (out.len() + 1),
+            "{} reads for {} admitted",
+            books.reads,
+            out.len()
+        );
+    }
 }

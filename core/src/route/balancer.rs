@@ -19,12 +19,18 @@ use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
-use crate::route::choice::{self, Ask, Decision, Growth, Params};
+use crate::route::choice::{Ask, Growth, Params};
 use crate::route::outputs::OutputModel;
+use crate::route::ranking::{self, Decision};
 pub use crate::share::fleet::Imported;
 use crate::share::{self, Books, NodeView, Snapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Books a full comparison brings up to date at most (see `ranking`). With the drawn
+/// candidates' (at most twice the number of choices, see `candidates::sample`), a decision
+/// reads at most `2 * choices + COMPARISON_READS` books from its `BookSource`, however large
+/// the fleet.
+pub const COMPARISON_READS: usize = 8;
 /// Weight of the newest request in the running mean of request size (used to turn a reported
 /// queue depth into tokens). An exponentially weighted mean forgets old traffic mixes in about
 /// 1/alpha requests.
@@ -241,16 +247,19 @@ impl Balancer {
             Some(r) => (r, false),
             None if model.is_some_and(|m| self.model_unknown(m)) => return Outcome::UnknownModel,
             None => {
-                // Every candidate is compared, so every candidate's books are read.
-                let stale_after_ms = self.params.stale_after_ms;
-                for (i, n) in self.fleet.nodes_mut().iter_mut().enumerate() {
-                    if choice::may_serve(n, model)
-                        && n.fresh_report(now_ms, stale_after_ms).is_some()
-                    {
-                        load_books(books, i, n);
-                    }
-                }
-                match choice::decide(self.fleet.nodes(), &ask, mean, now_ms, &self.params, rng) {
+                // Every candidate is compared, on the books at hand; only the best few are
+                // brought up to date (see `ranking`).
+                let decision = ranking::compare(
+                    self.fleet.nodes_mut(),
+                    &ask,
+                    mean,
+                    now_ms,
+                    &self.params,
+                    rng,
+                    COMPARISON_READS,
+                    &mut |i, n| load_books(books, i, n),
+                );
+                match decision {
                     Decision::Route(r) => (r, false),
                     Decision::AllOverCeiling(r)
                         if may_hold
@@ -409,18 +418,22 @@ impl BookSource for OwnBooks {
     }
 }
 
-fn load_books(source: &mut dyn BookSource, node: usize, n: &mut NodeState) {
-    if let Some(b) = source.books(node, n.epoch()) {
-        n.set_books(&b);
-    }
+/// Brings node `node`'s books up to date from `source`; says whether they changed.
+fn load_books(source: &mut dyn BookSource, node: usize, n: &mut NodeState) -> bool {
+    let Some(b) = source.books(node, n.epoch()) else {
+        return false;
+    };
+    let before = *n.books();
+    n.set_books(&b);
+    *n.books() != before
 }
 
 #[cfg(test)]
 mod tests {
-    use super::testing::*;
     use super::*;
     use crate::ingest::engine::FormatError;
     use crate::rng::SplitMix64;
+    use crate::route::testing::*;
 
     #[test]
     fn header_lists_the_ranking_up_to_the_limit() {
@@ -496,18 +509,26 @@ mod tests {
             "the light node was never among the first two drawn"
         );
 
-        // Every node compared (choices: 0): every candidate's books are read.
-        let mut b = idle_fleet(10, r#","choices":0"#);
+        // Every node compared (choices: 0), on the books at hand: the best are read one at a
+        // time until the header's three all have current books. The loaded ones fall behind
+        // as they are read, and the light one leads.
+        let mut b = idle_fleet(5, r#","choices":0"#);
         let mut books = Recording {
             asked: vec![],
-            light: 6,
+            light: 3,
         };
-        match b.route(W, None, 10, &mut rng, false, &mut books) {
-            Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 6),
-            o => panic!("{o:?}"),
-        }
-        books.asked.sort_unstable();
-        assert_eq!(books.asked, (0..10).collect::<Vec<_>>());
+        assert_eq!(
+            routed_to(&b.route(W, None, 10, &mut rng, false, &mut books)),
+            Some(3)
+        );
+        assert!(books.asked.contains(&3), "{:?}", books.asked);
+        // What was read stays: the next decision reads the header's nodes only.
+        books.asked.clear();
+        assert_eq!(
+            routed_to(&b.route(W, None, 10, &mut rng, false, &mut books)),
+            Some(3)
+        );
+        assert_eq!(books.asked.len(), 3, "{:?}", books.asked);
     }
 
     /// Books replaced by shared figures at the top of the range (any VM may have written
@@ -762,121 +783,5 @@ mod tests {
                 ..
             }
         ));
-    }
-}
-
-/// What the tests of the balancer and of the modules it ties together build fleets with.
-#[cfg(test)]
-pub(crate) mod testing {
-    use super::*;
-
-    pub(crate) fn cfg(n: usize, extra: &str) -> Config {
-        let nodes: Vec<String> = (0..n)
-            .map(|i| format!(r#"{{"address":"127.0.0.1:{}"}}"#, 8001 + i))
-            .collect();
-        Config::parse(
-            format!(
-                r#"{{"nodes":[{}],"health_cluster":"h"{extra}}}"#,
-                nodes.join(",")
-            )
-            .as_bytes(),
-        )
-        .unwrap()
-    }
-
-    pub(crate) const W: Weight = Weight {
-        prompt_tokens: 100,
-        output_tokens: 100,
-    };
-
-    pub(crate) fn idle_fleet(n: usize, extra: &str) -> Balancer {
-        let mut b = Balancer::new(&cfg(n, extra));
-        for i in 0..n {
-            let body = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000}"#;
-            b.on_health(i, Some(body), 0).unwrap();
-        }
-        b
-    }
-
-    /// `n` nodes of capacity 1000 at load `load(i)`, reported at 0.
-    pub(crate) fn sampled_fleet(n: usize, extra: &str, load: impl Fn(usize) -> u32) -> Balancer {
-        let mut b = Balancer::new(&cfg(n, extra));
-        for i in 0..n {
-            let body = format!(
-                r#"{{"tokens_per_sec_load":{},"tokens_per_sec_capacity":1000}}"#,
-                load(i)
-            );
-            b.on_health(i, Some(body.as_bytes()), 0).unwrap();
-        }
-        b
-    }
-
-    pub(crate) fn routed_to(o: &Outcome) -> Option<usize> {
-        match o {
-            Outcome::Routed { ticket, .. } => Some(ticket.node),
-            _ => None,
-        }
-    }
-
-    /// The ticket of a routed request.
-    pub(crate) fn routed(o: &Outcome) -> Option<Ticket> {
-        match o {
-            Outcome::Routed { ticket, .. } => Some(*ticket),
-            _ => None,
-        }
-    }
-    pub(crate) fn members(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
-    }
-
-    pub(crate) fn following(extra: &str) -> Balancer {
-        Balancer::new(
-            &Config::parse(
-                format!(
-                    r#"{{"health_cluster":"h","choices":0,"membership":{{"cluster":"c",
-                       "admin_cluster":"a","node_defaults":{{"kv_cache_tokens":777}}}}{extra}}}"#
-                )
-                .as_bytes(),
-            )
-            .unwrap(),
-        )
-    }
-
-    pub(crate) const IDLE: &[u8] = br#"{"tokens_per_sec_load":1,"tokens_per_sec_capacity":1000}"#;
-
-    pub(crate) const VLLM_V1: &str = include_str!("../../tests/data/metrics/vllm_v1.prom");
-
-    pub(crate) fn engine_cfg(nodes: &[&str]) -> Config {
-        let nodes: Vec<String> = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, extra)| format!(r#"{{"address":"127.0.0.1:{}"{extra}}}"#, 8001 + i))
-            .collect();
-        Config::parse(
-            // Every node compared: these tests are about what the ranking knows, not sampling.
-            format!(
-                r#"{{"nodes":[{}],"health_cluster":"h","choices":0}}"#,
-                nodes.join(",")
-            )
-            .as_bytes(),
-        )
-        .unwrap()
-    }
-
-    /// The vLLM fixture with its token counters moved on by `prompt` and `generation`.
-    pub(crate) fn vllm_later(prompt: u64, generation: u64) -> String {
-        let labels = r#"{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"}"#;
-        VLLM_V1
-            .replace(
-                &format!("vllm:prompt_tokens_total{labels} 1234567.0"),
-                &format!("vllm:prompt_tokens_total{labels} {}", 1234567 + prompt),
-            )
-            .replace(
-                &format!("vllm:generation_tokens_total{labels} 456789.0"),
-                &format!(
-                    "vllm:generation_tokens_total{labels} {}",
-                    456789 + generation
-                ),
-            )
     }
 }

@@ -22,7 +22,7 @@
 use crate::config::Rule;
 use crate::fleet::node::NodeState;
 use crate::rng::Rng;
-use crate::route::choice::{evaluate, may_serve, Ask, AssumedCapacity, Fleet, Params, Ranked};
+use crate::route::choice::{evaluate, may_serve, Ask, AssumedCapacity, FleetWide, Params, Ranked};
 
 /// Longest the pool's weights go without a rebuild.
 pub const REBUILD_MS: u64 = 1000;
@@ -132,7 +132,9 @@ impl Pool {
 /// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
 /// then the full comparison. `load_books` brings a drawn node's in-flight books up to date
 /// just before it is weighed, for the nodes compared (the retry hosts are weighed on the
-/// books at hand).
+/// books at hand), at most `2 * choices` times: the nodes compared and as many drawn without
+/// room, so that a saturated fleet costs a bounded number of reads before the full
+/// comparison.
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
     nodes: &mut [NodeState],
@@ -142,18 +144,19 @@ pub fn sample(
     now_ms: u64,
     p: &Params,
     rng: &mut dyn Rng,
-    load_books: &mut dyn FnMut(usize, &mut NodeState),
+    load_books: &mut dyn FnMut(usize, &mut NodeState) -> bool,
 ) -> Option<Vec<Ranked>> {
     let d = p.choices;
     if d == 0 || pool.len() <= d || p.rule != Rule::TokenThroughput {
         return None;
     }
     let want = d.max(p.keep.min(pool.len()));
-    let fleet = Fleet {
+    let fleet = FleetWide {
         assumed_capacity: pool.assumed_capacity(),
         mean_request_tokens,
     };
     let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
+    let mut reads = 0;
     let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
     for _ in 0..(4 * want + 8) {
         if admitted.len() >= want {
@@ -171,7 +174,8 @@ pub fn sample(
         // Only the compared nodes' books are read: with books in shared data that is a host
         // call each, and a decision must not cost one per node of the fleet. The nodes drawn
         // past the `d` compared only fill the retry list, where this VM's own books will do.
-        if admitted.len() < d {
+        if admitted.len() < d && reads < 2 * d {
+            reads += 1;
             load_books(i, n);
         }
         let n = &*n;
@@ -205,8 +209,8 @@ mod tests {
     use crate::config::Rule;
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
-    use crate::route::balancer::testing::*;
     use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+    use crate::route::testing::*;
 
     const P: Params = Params {
         rule: Rule::TokenThroughput,

@@ -64,7 +64,6 @@ use crate::fleet::models::Serves;
 use crate::fleet::node::NodeState;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
-use crate::rng::Rng;
 
 /// Knobs of the rule, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -81,50 +80,6 @@ pub struct Params {
     pub choices: usize,
 }
 
-/// Keeps the `keep` smallest by `cmp`, in order: a selection (linear) then a sort of `keep`.
-fn best<T>(v: &mut Vec<T>, keep: usize, cmp: impl Fn(&T, &T) -> std::cmp::Ordering) {
-    let keep = keep.max(1);
-    if v.len() > keep {
-        v.select_nth_unstable_by(keep - 1, &cmp);
-        v.truncate(keep);
-    }
-    v.sort_by(cmp);
-}
-
-/// The `k` smallest items pushed, in order, by a strict ordering: the worst kept is compared
-/// first, so an item that does not make the cut costs one comparison.
-struct TopK<T, F: Fn(&T, &T) -> std::cmp::Ordering> {
-    k: usize,
-    items: Vec<T>,
-    cmp: F,
-}
-
-impl<T, F: Fn(&T, &T) -> std::cmp::Ordering> TopK<T, F> {
-    fn new(k: usize, cmp: F) -> Self {
-        let k = k.max(1);
-        TopK {
-            k,
-            items: Vec::with_capacity(k.min(64)),
-            cmp,
-        }
-    }
-
-    fn push(&mut self, x: T) {
-        if self.items.len() >= self.k {
-            match self.items.last() {
-                Some(worst) if (self.cmp)(&x, worst) == std::cmp::Ordering::Less => {
-                    self.items.pop();
-                }
-                _ => return,
-            }
-        }
-        let at = self
-            .items
-            .partition_point(|y| (self.cmp)(y, &x) != std::cmp::Ordering::Greater);
-        self.items.insert(at, x);
-    }
-}
-
 /// Share of capacity assumed free on a saturated node.
 const MIN_SPARE_SHARE: f64 = 0.05;
 
@@ -136,17 +91,6 @@ pub struct Ranked {
     pub seconds: f64,
     /// Predicted KV-cache use after admission, when the node reports enough to tell.
     pub kv_fraction: Option<f64>,
-}
-
-/// What the rule decided.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Decision {
-    /// Nodes to try, best first.
-    Route(Vec<Ranked>),
-    /// Every fresh node would pass the VRAM ceiling: nodes ordered by the overflow, least first.
-    AllOverCeiling(Vec<Ranked>),
-    /// No node has a fresh report: no basis to choose, Envoy's fallback balancer routes.
-    NoFreshNodes,
 }
 
 /// Predicted KV-cache fraction on the node after admitting `extra_tokens` more context.
@@ -226,7 +170,7 @@ impl AssumedCapacity {
 
 /// What the fleet as a whole contributes to one node's evaluation.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Fleet {
+pub struct FleetWide {
     /// Capacity assumed for a node that reports none and has none configured.
     pub assumed_capacity: f64,
     /// Running mean of request size, tokens: turns a reported queue depth into work.
@@ -240,7 +184,7 @@ pub fn evaluate(
     n: &NodeState,
     r: &Report,
     ask: &Ask,
-    fleet: &Fleet,
+    fleet: &FleetWide,
     p: &Params,
 ) -> (Ranked, bool) {
     let (weight, growth) = (ask.weight, ask.growth);
@@ -279,97 +223,11 @@ pub fn evaluate(
     (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
 }
 
-/// Ranks the fresh nodes that may serve the request.
-pub fn decide(
-    nodes: &[NodeState],
-    ask: &Ask,
-    mean_request_tokens: f64,
-    now_ms: u64,
-    p: &Params,
-    rng: &mut dyn Rng,
-) -> Decision {
-    // The fleet's fresh nodes set the assumed capacity; only the candidates among them are
-    // ranked. Two passes, neither of which allocates: this runs on every request the draws
-    // cannot place, and a list of a thousand nodes built per request costs more than a
-    // second walk.
-    let mut assumed = AssumedCapacity::default();
-    let mut any = false;
-    for n in nodes {
-        let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
-            continue;
-        };
-        assumed.add(n, r);
-        any |= may_serve(n, ask.model);
-    }
-    if !any {
-        return Decision::NoFreshNodes;
-    }
-    let assumed_capacity = assumed.value();
-    let fresh = nodes.iter().enumerate().filter_map(|(i, n)| {
-        let r = n.fresh_report(now_ms, p.stale_after_ms)?;
-        may_serve(n, ask.model).then_some((i, n, r))
-    });
-
-    if p.rule == Rule::LeastReportedLoad {
-        let mut ranked: Vec<(Ranked, u64)> = fresh
-            .map(|(i, _, r)| {
-                let ranked = Ranked {
-                    node: i,
-                    seconds: r.load_tokens_per_sec,
-                    kv_fraction: None,
-                };
-                (ranked, rng.next_u64())
-            })
-            .collect();
-        best(&mut ranked, p.keep, |(a, ka), (b, kb)| {
-            a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb))
-        });
-        return Decision::Route(ranked.into_iter().map(|(r, _)| r).collect());
-    }
-
-    let fleet = Fleet {
-        assumed_capacity,
-        mean_request_tokens,
-    };
-    // Only the `keep` best of each kind are kept, as they come: no list of the whole fleet.
-    let mut admitted = TopK::new(
-        p.keep,
-        |(a, ka): &(Ranked, u64), (b, kb): &(Ranked, u64)| {
-            a.seconds.total_cmp(&b.seconds).then(ka.cmp(kb))
-        },
-    );
-    let mut over = TopK::new(
-        p.keep,
-        |(a, ka): &(Ranked, u64), (b, kb): &(Ranked, u64)| {
-            a.kv_fraction
-                .unwrap_or(0.0)
-                .total_cmp(&b.kv_fraction.unwrap_or(0.0))
-                .then(a.seconds.total_cmp(&b.seconds))
-                .then(ka.cmp(kb))
-        },
-    );
-    for (i, n, r) in fresh {
-        let (ranked, is_over) = evaluate(i, n, r, ask, &fleet, p);
-        // The random key breaks exact ties only; it is drawn for every node so that the
-        // sequence drawn does not depend on which nodes tie.
-        let key = rng.next_u64();
-        if is_over {
-            over.push((ranked, key));
-        } else {
-            admitted.push((ranked, key));
-        }
-    }
-    if admitted.items.is_empty() {
-        return Decision::AllOverCeiling(over.items.into_iter().map(|(r, _)| r).collect());
-    }
-    Decision::Route(admitted.items.into_iter().map(|(r, _)| r).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fleet::models::ServedModels;
     use crate::rng::SplitMix64;
+    use crate::route::ranking::{decide, Decision};
 
     const P: Params = Params {
         rule: Rule::TokenThroughput,
@@ -414,12 +272,6 @@ mod tests {
             Decision::NoFreshNodes => vec![],
         }
     }
-
-    const NO_MARGIN: Growth = Growth {
-        own: 1,
-        margin_per_sqrt: 0.0,
-        per_running: 0.0,
-    };
 
     /// A request of `weight` for `model`, reserving its whole output, no margin.
     fn ask(weight: Weight, model: Option<&str>) -> Ask<'_> {
@@ -538,14 +390,6 @@ mod tests {
     }
 
     #[test]
-    fn staleness_limit() {
-        let nodes = vec![node(Some(rep(1.0, None)))];
-        assert_eq!(order(&run(&nodes, w(1, 1), 4000)), vec![0]);
-        assert_eq!(run(&nodes, w(1, 1), 4001), Decision::NoFreshNodes);
-        assert_eq!(run(&[], w(1, 1), 0), Decision::NoFreshNodes);
-    }
-
-    #[test]
     fn capacity_override_wins_over_report() {
         let slow = configured(Some(rep(500.0, Some(100_000.0))), Some(600.0), None);
         let other = node(Some(rep(500.0, Some(2000.0))));
@@ -655,20 +499,6 @@ mod tests {
     }
 
     #[test]
-    fn all_over_ceiling_orders_by_least_overflow() {
-        let full = |used: f64| {
-            node(Some(Report {
-                vram_used_bytes: Some(used),
-                vram_total_bytes: Some(1000.0),
-                ..rep(0.0, Some(1000.0))
-            }))
-        };
-        let d = run(&[full(990.0), full(950.0), full(999.0)], w(10, 0), 2000);
-        assert!(matches!(d, Decision::AllOverCeiling(_)));
-        assert_eq!(order(&d), vec![1, 0, 2]);
-    }
-
-    #[test]
     fn kv_fraction_forms() {
         let frac = |usage: f64, k: Option<u64>| {
             configured(
@@ -718,131 +548,6 @@ mod tests {
             run(&[frac(0.95, None)], w(1, 0), 2000),
             Decision::AllOverCeiling(_)
         ));
-    }
-
-    #[test]
-    fn the_naive_rule_follows_reported_load_only() {
-        let naive = Params {
-            rule: Rule::LeastReportedLoad,
-            ..P
-        };
-        let full = Report {
-            vram_used_bytes: Some(999.0),
-            vram_total_bytes: Some(1000.0),
-            ..rep(10.0, Some(100.0))
-        };
-        let mut nodes = vec![node(Some(full)), node(Some(rep(20.0, Some(100_000.0))))];
-        // Blind to VRAM, capacity and its own dispatches: node 0 takes every request.
-        for _ in 0..5 {
-            let d = decide(
-                &nodes,
-                &ask(w(500, 500), None),
-                100.0,
-                2000,
-                &naive,
-                &mut SplitMix64::new(1),
-            );
-            assert_eq!(order(&d), vec![0, 1]);
-            nodes[0].dispatch(0, w(500, 500), 500);
-        }
-    }
-
-    #[test]
-    fn exact_ties_are_broken_at_random_but_reproducibly() {
-        let nodes: Vec<NodeState> = (0..4).map(|_| node(Some(rep(0.0, Some(1000.0))))).collect();
-        let mut rng = SplitMix64::new(42);
-        let tiny = Ask {
-            weight: w(1, 1),
-            growth: NO_MARGIN,
-            model: None,
-        };
-        let mut seen = [0usize; 4];
-        for _ in 0..200 {
-            let d = decide(&nodes, &tiny, 1.0, 2000, &P, &mut rng);
-            seen[order(&d)[0]] += 1;
-        }
-        assert!(seen.iter().all(|&s| s > 20), "ties spread: {seen:?}");
-        let a = decide(&nodes, &tiny, 1.0, 2000, &P, &mut SplitMix64::new(9));
-        let b = decide(&nodes, &tiny, 1.0, 2000, &P, &mut SplitMix64::new(9));
-        assert_eq!(a, b);
-    }
-
-    /// Nodes serving m1 (configured), m2 (listed), an adapter (seen in metrics on top of a
-    /// list), and one whose set is unknown: (model asked, the nodes ranked).
-    #[test]
-    fn a_model_narrows_the_candidates() {
-        let names = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let mut nodes: Vec<NodeState> =
-            (0..4).map(|_| node(Some(rep(0.0, Some(1000.0))))).collect();
-        *nodes[0].models_mut() = ServedModels::configured(names(&["m1"]));
-        nodes[1].models_mut().set_list(names(&["m2"]));
-        nodes[2].models_mut().set_list(names(&["m2"]));
-        nodes[2].models_mut().observe_metrics(&names(&["sql-lora"]));
-        // Node 3: nothing known. The load orders the candidates: 0, 1, 2, 3 from least loaded.
-        for (i, n) in nodes.iter_mut().enumerate() {
-            n.accept_report(rep(100.0 * i as f64, Some(1000.0)), 1000);
-        }
-        let cases: &[(Option<&str>, &[usize])] = &[
-            (None, &[0, 1, 2, 3]),
-            (Some("m1"), &[0, 3]),
-            (Some("m2"), &[1, 2, 3]),
-            (Some("sql-lora"), &[2, 3]),
-            (Some("other"), &[3]),
-        ];
-        for (model, want) in cases {
-            assert_eq!(
-                order(&run_for(&nodes, w(10, 10), *model, 2000)),
-                *want,
-                "{model:?}"
-            );
-        }
-        // The unknown node known at last: a model nobody serves has no candidate.
-        nodes[3].models_mut().set_list(names(&["m3"]));
-        assert_eq!(
-            run_for(&nodes, w(10, 10), Some("other"), 2000),
-            Decision::NoFreshNodes
-        );
-        // A stale node serving the model is no candidate either.
-        assert_eq!(
-            run_for(&nodes, w(10, 10), Some("m1"), 5000),
-            Decision::NoFreshNodes
-        );
-        // The naive rule narrows the same way.
-        let naive = Params {
-            rule: Rule::LeastReportedLoad,
-            ..P
-        };
-        let d = decide(
-            &nodes,
-            &ask(w(1, 1), Some("m2")),
-            1.0,
-            2000,
-            &naive,
-            &mut SplitMix64::new(1),
-        );
-        assert_eq!(order(&d), vec![1, 2]);
-    }
-
-    /// Narrowing does not change what a node's missing capacity is assumed to be: the fleet's
-    /// largest, even when the fast node serves another model.
-    #[test]
-    fn assumed_capacity_is_the_fleets_whatever_the_model() {
-        let mut fast = node(Some(rep(0.0, Some(10_000.0))));
-        *fast.models_mut() = ServedModels::configured(vec!["big".into()]);
-        let mut unreported = node(Some(rep(500.0, None)));
-        *unreported.models_mut() = ServedModels::configured(vec!["small".into()]);
-        let mut slow = node(Some(rep(400.0, Some(1000.0))));
-        *slow.models_mut() = ServedModels::configured(vec!["small".into()]);
-        // Unreported at the fleet's 10,000: 9,500 spare against the slow node's 600.
-        assert_eq!(
-            order(&run_for(
-                &[fast, unreported, slow],
-                w(10, 10),
-                Some("small"),
-                2000
-            )),
-            vec![1, 2]
-        );
     }
 
     /// Sequences another router sent grow too: a node reporting 40 running sequences and 60%

@@ -78,8 +78,8 @@ mod tests {
     use crate::config::Config;
     use crate::fleet::node::Ticket;
     use crate::ingest::request::Weight;
-    use crate::route::balancer::testing::{following, members, IDLE};
     use crate::route::balancer::{Balancer, MemberChange, Outcome, OwnBooks};
+    use crate::route::testing::{following, members, IDLE};
 
     use crate::rng::SplitMix64;
 

@@ -405,7 +405,7 @@ struct State {
     rng: SplitMix64,
     metrics: Metrics,
     /// Requests waiting for a node with VRAM room (see `admission`).
-    held: HoldQueue<Slot>,
+    held: HoldQueue<Placement>,
     role: Role,
     sharing: Sharing,
 }
@@ -765,7 +765,7 @@ fn model_not_found_body(model: &str) -> Vec<u8> {
 
 /// Where a held request finds its placement once it is admitted: written by whichever
 /// callback admits it (a tick, a health answer, another request's end), read by the request.
-type Slot = Rc<RefCell<Option<Placed>>>;
+type Placement = Rc<RefCell<Option<Placed>>>;
 
 /// Applies a routing outcome to the current (effective) request: sets the routing header and
 /// counts it, or answers the request itself. `model` is the body's; `held_ms` is how long the
@@ -904,8 +904,8 @@ fn admit_held(state: &Shared, current: u32) {
             Vec::new(),
         );
         let answered = placed.answered;
-        if let Ok(mut slot) = held.payload.try_borrow_mut() {
-            *slot = Some(placed);
+        if let Ok(mut placement) = held.payload.try_borrow_mut() {
+            *placement = Some(placed);
         }
         if !answered {
             let _ = hostcalls::resume_http_request();
@@ -1520,7 +1520,7 @@ impl RootContext for Root {
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
             context_id,
-            slot: None,
+            placement: None,
             state: self.state.clone(),
             api: Api::Other,
             ticket: None,
@@ -1542,7 +1542,7 @@ impl RootContext for Root {
 struct Request {
     context_id: u32,
     /// Set while the request is held, until its placement is adopted.
-    slot: Option<Slot>,
+    placement: Option<Placement>,
     state: Shared,
     api: Api,
     ticket: Option<Ticket>,
@@ -1617,13 +1617,16 @@ impl Request {
             let reads = books.reads;
             match outcome {
                 Outcome::Saturated => {
-                    let slot: Slot = Rc::new(RefCell::new(None));
+                    let placement: Placement = Rc::new(RefCell::new(None));
                     // The queue keeps its own copy of the model: held requests are few.
-                    match s.held.push(id, weight, model.clone(), now, slot.clone()) {
+                    match s
+                        .held
+                        .push(id, weight, model.clone(), now, placement.clone())
+                    {
                         Ok(()) => {
                             bump(s.metrics.held);
                             shift(s.metrics.held_now, 1);
-                            Err(slot)
+                            Err(placement)
                         }
                         // `may_hold` said there was room; route over the ceiling if not.
                         Err(_) => {
@@ -1650,9 +1653,9 @@ impl Request {
                     Action::Continue
                 }
             }
-            Some(Err(slot)) => {
+            Some(Err(placement)) => {
                 // Held: whoever admits it sets the header and resumes the request.
-                self.slot = Some(slot);
+                self.placement = Some(placement);
                 Action::Pause
             }
             None => Action::Continue,
@@ -1661,19 +1664,21 @@ impl Request {
 
     /// Takes over the placement of a request that was held, once it has been admitted.
     fn adopt(&mut self) {
-        let Some(slot) = &self.slot else { return };
-        let placed = slot.try_borrow_mut().ok().and_then(|mut p| p.take());
+        let Some(placement) = &self.placement else {
+            return;
+        };
+        let placed = placement.try_borrow_mut().ok().and_then(|mut p| p.take());
         if let Some(placed) = placed {
             self.ticket = placed.ticket;
             self.debug = placed.debug;
-            self.slot = None;
+            self.placement = None;
         }
     }
 
     /// The stream ends: a request still held leaves the queue (nothing was booked for it).
     fn leave_queue(&mut self) {
         self.adopt();
-        if self.slot.take().is_some() {
+        if self.placement.take().is_some() {
             let id = self.context_id;
             self.with(|s| {
                 if s.held.remove(id).is_some() {

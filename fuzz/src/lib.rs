@@ -24,7 +24,7 @@ use token_balancer_core::ingest::prometheus::parse_prometheus_samples;
 use token_balancer_core::ingest::rates::Tracker;
 use token_balancer_core::ingest::request::{estimate, Api, Weight};
 use token_balancer_core::ingest::response::{output_events, reported_output_tokens};
-use token_balancer_core::ingest::telemetry::{parse_health, Report};
+use token_balancer_core::ingest::telemetry::{parse_health, Report, ABSURD};
 
 /// A fuzz target: takes any bytes, panics when an invariant breaks.
 pub type Target = fn(&[u8]);
@@ -153,7 +153,7 @@ fn check_weight(
 /// A value a health report may hold: finite, non-negative, below the "absurd" limit
 /// (`telemetry::ABSURD`, 1e15).
 fn sane(x: f64) -> bool {
-    (0.0..1e15).contains(&x)
+    (0.0..ABSURD).contains(&x)
 }
 
 /// Health answer parsing (the seed JSON format).

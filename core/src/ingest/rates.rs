@@ -49,7 +49,7 @@
 //! format's `kv_cache_usage`.
 
 use crate::ingest::engine::{Counter, Engine, Scrape};
-use crate::ingest::telemetry::Report;
+use crate::ingest::telemetry::{Report, ABSURD};
 
 /// Scrapes closer than this keep the baseline: the window would measure batching, not rate.
 pub const MIN_WINDOW_MS: u64 = 500;
@@ -57,8 +57,6 @@ pub const MIN_WINDOW_MS: u64 = 500;
 pub const PEAK_HALF_LIFE_S: f64 = 120.0;
 /// A learned peak below this (tokens/s) is not believed as a capacity.
 pub const LEARNED_CAPACITY_FLOOR: f64 = 10.0;
-/// Rates at or beyond this are a broken exporter, as in the seed format.
-const ABSURD: f64 = 1e15;
 
 /// What one scrape did to the rate.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,6 +5,15 @@
 //! model is placed among the nodes that serve it; one whose model every node is known not to
 //! serve is `UnknownModel`, for the caller to reject or leave to Envoy (see `models`).
 //!
+//! A decision draws a few candidates (`candidates`) and, when none of them has room, ranks the
+//! whole fleet (`ranking`), each node weighed by its predicted time to serve (`choice`). The
+//! books a node is weighed by come from a `BookSource` just before it is weighed: this
+//! balancer's own (`OwnBooks`), or those every VM of the Envoy shares (`share`), read a bounded
+//! number of times per decision (`COMPARISON_READS`). A routed request is booked on its node
+//! (`fleet::books`) and its `Ticket` brings the booking back at its stream's progress and end;
+//! a ticket carries the generation of the balancer that issued it, so one issued before the
+//! glue rebuilt the balancer for a new configuration never changes the new one's books.
+//!
 //! This is the whole decision core the Envoy glue drives. It is plain Rust: time comes in as
 //! `now_ms` and randomness as a `Rng`, so every behaviour is tested natively and, compiled to
 //! wasm32-wasip1, in the same instruction set the filter ships in.

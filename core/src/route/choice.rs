@@ -27,29 +27,30 @@
 //! The predictive safety valve (the seed article's term): a node is excluded when admitting the
 //! request would push its predicted KV-cache use over the ceiling. Predicted use is the reported
 //! use plus what is still to come: the prompts sent since the report, the output the requests in
-//! flight may still generate (running sequences grow one KV slot a token; ignoring that growth
-//! is how a node that looks 85% full overflows a minute later), and this request's own prompt
-//! and output. Output is booked at the learned mean, and the uncertainty is reserved once per
+//! flight may still generate (running sequences hold one more token of KV per token generated;
+//! ignoring that growth is how a node that looks 85% full overflows a minute later), and this
+//! request's own prompt and output. Output is booked at the learned mean, and the uncertainty is reserved once per
 //! node for everything in flight there: z standard deviations of one output times the square
 //! root of the number in flight (the standard deviation of a sum of independent lengths), not
 //! z deviations per request. The growth still to come is this router's books, or, when larger,
 //! the node's reported running sequences times half a mean output: behind several Envoy
-//! replicas each router's books hold only its own share of what runs there. Reserving each request at its own 90th percentile assumes they
-//! all run long at once; with 60 sequences on a node that books several times the growth that
+//! replicas each router's books hold only its own share of what runs there. Reserving each
+//! request at its own 90th percentile assumes they all run long at once; with 60 sequences on a node that books several times the growth that
 //! happens, keeps the cache a third empty and, with holding, makes requests wait for room that
 //! is there. Before enough outputs are learned, each request books its cap instead.
 //! When every fresh node would overflow, the decision says so (`AllOverCeiling`, least overflow
 //! first): the caller either holds the request until a node has room (`admission`, when
 //! `max_hold_ms` is set) or sends it to the one that overflows least.
 //!
-//! Which nodes are compared: by default two, drawn in proportion to their capacity (`sample`,
-//! power-of-two choices; `pool` says why). Every Envoy worker and every Envoy replica ranks
+//! Which nodes are compared: by default two, drawn in proportion to their capacity
+//! (`candidates::sample`, power-of-two choices; `candidates` says why). Every Envoy worker and every Envoy replica ranks
 //! the same reports between two polls, and its own in-flight correction only sees its own
 //! dispatches: comparing every node makes them all pick the same node (herding). Two random
 //! candidates, the better one kept, spread independent routers and still steer away from
 //! loaded nodes; a request the drawn nodes cannot take without passing the VRAM ceiling is
-//! placed by comparing every node (`decide`), which is also what tells a saturated fleet apart.
-//! `choices: 0` compares every node on every request.
+//! placed by comparing every node (`ranking`), which is also what tells a saturated fleet apart.
+//! `choices: 0` compares every node on every request. This module is the cost of one request
+//! on one node (`evaluate`); `ranking` orders the fleet by it.
 //!
 //! Exact ties are broken at random with the injected generator, so equal idle nodes share a
 //! burst instead of the first one in the list taking it all.

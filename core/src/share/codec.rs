@@ -220,9 +220,9 @@ impl Snapshot {
                 let load = r.f64()?;
                 let mask = r.u8()?;
                 let mut o = [None; 7];
-                for (i, slot) in o.iter_mut().enumerate() {
+                for (i, figure) in o.iter_mut().enumerate() {
                     if mask & (1 << i) != 0 {
-                        *slot = Some(r.f64()?);
+                        *figure = Some(r.f64()?);
                     }
                 }
                 let [capacity, used, total, usage, kv_tokens, queue, running] = o;

@@ -568,4 +568,55 @@ mod tests {
         );
         assert!(books.reads <= bound, "{} reads", books.reads);
     }
+
+    /// Without books to refresh (a balancer that is the only one dispatching, as in the
+    /// simulator), `compare` decides as `decide` does, on the same random draws: random
+    /// fleets of loaded, full and stale nodes, with every kind of header length.
+    #[test]
+    fn compare_without_refreshes_is_decide() {
+        let mut gen = SplitMix64::new(77);
+        for case in 0..300 {
+            let n = 1 + (gen.next_u64() % 40) as usize;
+            let mut nodes: Vec<NodeState> = (0..n)
+                .map(|_| {
+                    let used = (gen.next_u64() % 1000) as f64;
+                    let r = Report {
+                        vram_used_bytes: Some(used),
+                        vram_total_bytes: Some(1000.0),
+                        queue_depth: Some((gen.next_u64() % 5) as f64),
+                        ..rep((gen.next_u64() % 1000) as f64, Some(1000.0))
+                    };
+                    let mut s = node(Some(r));
+                    if gen.next_u64() % 4 == 0 {
+                        s.dispatch(0, w(10, 10), 10);
+                    }
+                    s
+                })
+                .collect();
+            let p = Params {
+                keep: 1 + (gen.next_u64() % 4) as usize,
+                ..P
+            };
+            let a = ask(w(1 + gen.next_u64() % 300, 10), None);
+            let now = 1000 + gen.next_u64() % 4000;
+            let seed = gen.next_u64();
+            let want = decide(&nodes, &a, 50.0, now, &p, &mut SplitMix64::new(seed));
+            let mut calls = 0;
+            let got = compare(
+                &mut nodes,
+                &a,
+                50.0,
+                now,
+                &p,
+                &mut SplitMix64::new(seed),
+                8,
+                &mut |_, _| {
+                    calls += 1;
+                    false
+                },
+            );
+            assert_eq!(got, want, "case {case}");
+            assert!(calls <= 8);
+        }
+    }
 }

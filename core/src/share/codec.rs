@@ -321,6 +321,13 @@ mod tests {
         };
         assert_eq!(Books::decode(&b.encode()), Some(b));
         assert_eq!(Books::decode(&b.encode()[..BOOKS_LEN - 1]), None);
+        // The layout other VMs (and earlier builds) read: eight little-endian u64s, in order.
+        let bytes = b.encode();
+        let words: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX]);
         let v = Version {
             version: 3,
             heartbeat_ms: 99,

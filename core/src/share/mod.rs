@@ -20,10 +20,13 @@
 //!   release builds (`decode_cost_of_a_thousand_nodes`, run with `--ignored`).
 //! - **The books** (`Books`, one key per slot of the poller's fleet, `books_key`): in-flight
 //!   requests and tokens, the unreflected part (dispatched since the report of `epoch`) and
-//!   the KV growth still to come, the same `fleet::books` a balancer keeps for itself. Every VM read-modify-writes them with CAS (`Ledger::update`),
+//!   the KV growth still to come: the same `fleet::books` a balancer keeps for itself, changed
+//!   by the same `Change`s. Every VM read-modify-writes them with CAS (`Ledger::update`),
 //!   retrying up to `MAX_CAS_RETRIES` times. No key per request or per address: a slot is a
-//!   node's index in the snapshot, at most `balancer::MAX_NODES` of them, and a slot freed by a
-//!   node that left the cluster is reused for the next new one once its books are empty.
+//!   node's index in the snapshot, at most `membership::MAX_NODES` of them, and a slot freed
+//!   by a node that left the cluster is reused for the next new one once its books are empty.
+//!   The books outlive a VM's reconfiguration: a request routed before it is still released
+//!   into them, at its node's address (`Balancer::holder`).
 //! - **The tenant rule**: books carry the address they count for (`node::tenant_of`), and
 //!   the poller claims a reused slot's books for the new address (`ensure_books`) before it
 //!   publishes the snapshot showing it. A change booked for the former address (a release
@@ -67,7 +70,7 @@ pub const MAX_CAS_RETRIES: u32 = 8;
 /// The books of the node in slot `slot` of the poller's fleet (its index in the snapshot) live
 /// under this key. Keys are per slot, not per address: Envoy's shared data cannot delete a key,
 /// so keys named after addresses would grow with every pod ever replaced, while slots are
-/// reused (`Balancer::set_members`) and bounded by `balancer::MAX_NODES`.
+/// reused (see `membership`) and bounded by `membership::MAX_NODES`.
 pub fn books_key(slot: usize) -> String {
     format!("token_balancer.books.{slot}")
 }

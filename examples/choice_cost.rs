@@ -17,7 +17,7 @@ use std::time::Instant;
 use token_balancer_core::config::Config;
 use token_balancer_core::ingest::request::{self, Api, Weight};
 use token_balancer_core::rng::SplitMix64;
-use token_balancer_core::route::balancer::{Balancer, Outcome};
+use token_balancer_core::route::balancer::{Balancer, Outcome, OwnBooks};
 
 /// `n` nodes with fresh reports; every `full_every`-th has room under the VRAM ceiling and the
 /// others would overflow (1: all have room).
@@ -82,7 +82,9 @@ fn main() {
                     prompt_tokens: 200 + ((batch * per_batch + r) % 2000) as u64,
                     output_tokens: 256,
                 };
-                if let Outcome::Routed { ticket, .. } = b.route(w, None, 1, &mut rng, false) {
+                if let Outcome::Routed { ticket, .. } =
+                    b.route(w, None, 1, &mut rng, false, &mut OwnBooks)
+                {
                     b.release(&ticket, 0);
                 }
             }

@@ -405,35 +405,32 @@ struct State {
     rng: SplitMix64,
     metrics: Metrics,
     /// Requests waiting for a node with VRAM room (see `admission`).
-    held: HoldQueue<Slot>,
+    held: HoldQueue<Placement>,
     role: Role,
     sharing: Sharing,
 }
 
 impl State {
     /// Writes `change` to the shared books of `ticket`'s node (a reader's dispatch, progress,
-    /// release) and counts what became of it. Does nothing outside the reader role. The
+    /// release) and counts what became of it, from `known`, a read of the node's books just
+    /// made if there is one (see `Ledger::update`). Does nothing outside the reader role. The
     /// change counts for the ticket's tenant: if its node's slot has gone to another address
-    /// since, the change is dropped (`Written::Gone`).
-    fn share(&mut self, ticket: &Ticket, change: Change) {
-        self.share_known(ticket, change, None);
-    }
-
-    /// `share`, writing from `known`, a read of the node's books just made (see
-    /// `Ledger::update_known`).
-    fn share_known(&mut self, ticket: &Ticket, change: Change, known: Option<Read>) {
+    /// since, the change is dropped (`Written::Gone`), and a ticket of an earlier
+    /// configuration changes the books of its address only (`Balancer::holder`).
+    fn share(&mut self, ticket: &Ticket, change: Change, known: Option<Read>) {
         if self.role != Role::Reader {
             return;
         }
-        let Some(Some(book)) = self.sharing.keys.get(ticket.node) else {
+        // A ticket from before a reconfiguration still has its booking in the shared books,
+        // which outlive this VM's balancer: it is found by its node's address.
+        let Some(node) = self.balancer.holder(ticket) else {
             return;
         };
-        let epoch = self
-            .balancer
-            .nodes()
-            .get(ticket.node)
-            .map_or(0, |n| n.epoch());
-        let written = self.sharing.ledger.update_known(
+        let Some(Some(book)) = self.sharing.keys.get(node) else {
+            return;
+        };
+        let epoch = self.balancer.nodes().get(node).map_or(0, |n| n.epoch());
+        let written = self.sharing.ledger.update(
             &mut HostStore,
             &book.key,
             ticket.tenant,
@@ -449,7 +446,12 @@ impl State {
     /// departures, once for the process.
     fn note_members(&mut self, change: &MemberChange) {
         for &i in &change.joined {
-            if let Some(address) = self.balancer.nodes().get(i).map(|n| n.address.clone()) {
+            if let Some(address) = self
+                .balancer
+                .nodes()
+                .get(i)
+                .map(|n| n.address().to_string())
+            {
                 self.metrics.name_node(i, &address);
                 debug!("node {address} followed from the poller's fleet");
             }
@@ -462,7 +464,7 @@ impl State {
     /// address has its books claimed for it.
     fn follow_members(&mut self, addresses: &[String]) -> MemberChange {
         if self.role != Role::Service {
-            return self.balancer.set_members(addresses);
+            return self.balancer.set_members(addresses, |_| false);
         }
         let keys = &self.sharing.keys;
         let busy = |i: usize| {
@@ -470,7 +472,7 @@ impl State {
                 .and_then(Option::as_ref)
                 .is_some_and(|b| books_busy(&b.key))
         };
-        let change = self.balancer.set_members_with(addresses, busy);
+        let change = self.balancer.set_members(addresses, busy);
         self.claim_books(&change.joined);
         change
     }
@@ -481,7 +483,7 @@ impl State {
     /// whose books are missing or still count for the slot's former address.
     fn claim_books(&mut self, joined: &[usize]) {
         for &i in joined {
-            let Some(tenant) = self.balancer.nodes().get(i).map(|n| n.tenant) else {
+            let Some(tenant) = self.balancer.nodes().get(i).map(|n| n.tenant()) else {
                 continue;
             };
             if self.sharing.keys.len() <= i {
@@ -509,15 +511,15 @@ impl State {
         let nodes = self.balancer.nodes();
         self.sharing.keys.resize_with(nodes.len(), || None);
         for (n, book) in nodes.iter().zip(self.sharing.keys.iter_mut()) {
-            let Some(&slot) = slots.get(n.address.as_str()) else {
+            let Some(&slot) = slots.get(n.address()) else {
                 *book = None;
                 continue;
             };
             if !book
                 .as_ref()
-                .is_some_and(|b| b.slot == slot && b.tenant == n.tenant)
+                .is_some_and(|b| b.slot == slot && b.tenant == n.tenant())
             {
-                *book = Some(BookKey::new(slot, n.tenant));
+                *book = Some(BookKey::new(slot, n.tenant()));
             }
         }
     }
@@ -724,7 +726,7 @@ impl BookSource for SharedBooks<'_> {
         match self
             .sharing
             .ledger
-            .view_read(&mut HostStore, &book.key, book.tenant, report_epoch)
+            .view(&mut HostStore, &book.key, book.tenant, report_epoch)
         {
             Some((books, read)) => {
                 if let Some(read) = read {
@@ -763,7 +765,7 @@ fn model_not_found_body(model: &str) -> Vec<u8> {
 
 /// Where a held request finds its placement once it is admitted: written by whichever
 /// callback admits it (a tick, a health answer, another request's end), read by the request.
-type Slot = Rc<RefCell<Option<Placed>>>;
+type Placement = Rc<RefCell<Option<Placed>>>;
 
 /// Applies a routing outcome to the current (effective) request: sets the routing header and
 /// counts it, or answers the request itself. `model` is the body's; `held_ms` is how long the
@@ -803,7 +805,7 @@ fn place(
             }
             bump(s.metrics.routed);
             let known = SharedBooks::read_of(reads, ticket.node);
-            s.share_known(&ticket, Change::dispatch(&ticket), known);
+            s.share(&ticket, Change::dispatch(&ticket), known);
             shift(s.metrics.inflight_now, 1);
             bump(s.metrics.node_picks.get(ticket.node).copied().unwrap_or(0));
             if over_ceiling {
@@ -879,9 +881,7 @@ fn admit_held(state: &Shared, current: u32) {
     }
     let now = now_ms();
     let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
-    let admitted = s
-        .held
-        .admit_with_books(now, &mut s.balancer, &mut s.rng, &mut books);
+    let admitted = s.held.admit(now, &mut s.balancer, &mut s.rng, &mut books);
     if admitted.is_empty() {
         return;
     }
@@ -904,8 +904,8 @@ fn admit_held(state: &Shared, current: u32) {
             Vec::new(),
         );
         let answered = placed.answered;
-        if let Ok(mut slot) = held.payload.try_borrow_mut() {
-            *slot = Some(placed);
+        if let Ok(mut placement) = held.payload.try_borrow_mut() {
+            *placement = Some(placed);
         }
         if !answered {
             let _ = hostcalls::resume_http_request();
@@ -1042,7 +1042,7 @@ impl Root {
             .balancer
             .nodes()
             .get(node)
-            .map(|n| n.address.clone())
+            .map(|n| n.address().to_string())
             .unwrap_or_default();
         let good = match body {
             None => {
@@ -1065,11 +1065,15 @@ impl Root {
                     .balancer
                     .nodes()
                     .get(node)
-                    .and_then(|n| n.models.listed().map(<[String]>::to_vec));
+                    .and_then(|n| n.models().listed().map(<[String]>::to_vec));
                 match s.balancer.on_models(node, &body) {
                     Ok(_) => {
                         bump(s.metrics.models_ok);
-                        let now = s.balancer.nodes().get(node).and_then(|n| n.models.listed());
+                        let now = s
+                            .balancer
+                            .nodes()
+                            .get(node)
+                            .and_then(|n| n.models().listed());
                         if before.as_deref() != now {
                             info!(
                                 "node {address} serves: {}",
@@ -1115,7 +1119,7 @@ impl Root {
             };
             // Lists are asked in the slice their node's health is: a thousand nodes due at
             // once (at start) are asked a slice at a time too.
-            if !state.member
+            if !state.member()
                 || !s.balancer.learns_models(i)
                 || !p.due(now)
                 || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
@@ -1208,7 +1212,7 @@ impl Root {
         let change = s.follow_members(&members.addresses);
         for &i in &change.left {
             bump(s.metrics.nodes_left);
-            let address = s.balancer.nodes().get(i).map(|n| n.address.as_str());
+            let address = s.balancer.nodes().get(i).map(|n| n.address());
             info!(
                 "node {} left cluster {:?}: no longer chosen",
                 address.unwrap_or("?"),
@@ -1222,7 +1226,7 @@ impl Root {
                 .balancer
                 .nodes()
                 .get(i)
-                .map(|n| n.address.clone())
+                .map(|n| n.address().to_string())
                 .unwrap_or_default();
             s.metrics.name_node(i, &address);
             if self.list_polls.len() <= i {
@@ -1281,7 +1285,7 @@ impl Root {
             };
             // A node whose last poll is still outstanding is not polled again: slow nodes must
             // not pile up callouts. A node out of the cluster is not polled at all.
-            if !state.member
+            if !state.member()
                 || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
                 || outstanding.contains(&i)
             {
@@ -1316,7 +1320,7 @@ impl Root {
             .balancer
             .nodes()
             .get(node)
-            .map(|n| n.address.clone())
+            .map(|n| n.address().to_string())
             .unwrap_or_default();
         match result {
             Ok(_) => bump(s.metrics.health_ok),
@@ -1516,7 +1520,7 @@ impl RootContext for Root {
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
             context_id,
-            slot: None,
+            placement: None,
             state: self.state.clone(),
             api: Api::Other,
             ticket: None,
@@ -1538,7 +1542,7 @@ impl RootContext for Root {
 struct Request {
     context_id: u32,
     /// Set while the request is held, until its placement is adopted.
-    slot: Option<Slot>,
+    placement: Option<Placement>,
     state: Shared,
     api: Api,
     ticket: Option<Ticket>,
@@ -1609,24 +1613,27 @@ impl Request {
             let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
             let outcome = s
                 .balancer
-                .route_with_books(weight, m, now, &mut s.rng, may_hold, &mut books);
+                .route(weight, m, now, &mut s.rng, may_hold, &mut books);
             let reads = books.reads;
             match outcome {
                 Outcome::Saturated => {
-                    let slot: Slot = Rc::new(RefCell::new(None));
+                    let placement: Placement = Rc::new(RefCell::new(None));
                     // The queue keeps its own copy of the model: held requests are few.
-                    match s.held.push(id, weight, model.clone(), now, slot.clone()) {
+                    match s
+                        .held
+                        .push(id, weight, model.clone(), now, placement.clone())
+                    {
                         Ok(()) => {
                             bump(s.metrics.held);
                             shift(s.metrics.held_now, 1);
-                            Err(slot)
+                            Err(placement)
                         }
                         // `may_hold` said there was room; route over the ceiling if not.
                         Err(_) => {
                             let mut books = SharedBooks::of(&s.sharing, s.role, &s.metrics);
                             let outcome = s
                                 .balancer
-                                .route_with_books(weight, m, now, &mut s.rng, false, &mut books);
+                                .route(weight, m, now, &mut s.rng, false, &mut books);
                             let reads = books.reads;
                             Ok(place(s, outcome, weight, m, None, reads))
                         }
@@ -1646,9 +1653,9 @@ impl Request {
                     Action::Continue
                 }
             }
-            Some(Err(slot)) => {
+            Some(Err(placement)) => {
                 // Held: whoever admits it sets the header and resumes the request.
-                self.slot = Some(slot);
+                self.placement = Some(placement);
                 Action::Pause
             }
             None => Action::Continue,
@@ -1657,19 +1664,21 @@ impl Request {
 
     /// Takes over the placement of a request that was held, once it has been admitted.
     fn adopt(&mut self) {
-        let Some(slot) = &self.slot else { return };
-        let placed = slot.try_borrow_mut().ok().and_then(|mut p| p.take());
+        let Some(placement) = &self.placement else {
+            return;
+        };
+        let placed = placement.try_borrow_mut().ok().and_then(|mut p| p.take());
         if let Some(placed) = placed {
             self.ticket = placed.ticket;
             self.debug = placed.debug;
-            self.slot = None;
+            self.placement = None;
         }
     }
 
     /// The stream ends: a request still held leaves the queue (nothing was booked for it).
     fn leave_queue(&mut self) {
         self.adopt();
-        if self.slot.take().is_some() {
+        if self.placement.take().is_some() {
             let id = self.context_id;
             self.with(|s| {
                 if s.held.remove(id).is_some() {
@@ -1692,7 +1701,7 @@ impl Request {
                         .observe_output(ticket.weight.prompt_tokens, output);
                 }
                 s.balancer.release(&ticket, progressed);
-                s.share(&ticket, Change::release(&ticket, written));
+                s.share(&ticket, Change::release(&ticket, written), None);
                 shift(s.metrics.inflight_now, -1);
             });
         }
@@ -1814,7 +1823,11 @@ impl HttpContext for Request {
                                     || (received >= ticket.reserved_output
                                         && written < ticket.reserved_output);
                                 if due && s.role == Role::Reader {
-                                    s.share(&ticket, Change::progress(&ticket, written, received));
+                                    s.share(
+                                        &ticket,
+                                        Change::progress(&ticket, written, received),
+                                        None,
+                                    );
                                 }
                                 due
                             })

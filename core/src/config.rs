@@ -5,6 +5,9 @@
 //! field silently falling back to a default is the classic way a load balancer ends up doing
 //! something its operator did not ask for. Every error names the offending field and says why,
 //! and the glue refuses to start the plugin (one log line) rather than run half-configured.
+//!
+//! The whole schema is in this one file, longer than the others: every field, its default and
+//! its check read in one place, next to the tests that name each error's field.
 
 use crate::fleet::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
 use crate::ingest::engine::HealthFormat;

@@ -10,13 +10,16 @@
 //!   response streams (`response`), health answers in the seed JSON (`telemetry`) or an
 //!   engine's Prometheus text (`prometheus`, `engine`), counters turned into rates (`rates`),
 //!   and Envoy's admin list of cluster members (`members`).
-//! - `fleet`: what is known of each node: its reports, health and in-flight books (`node`),
-//!   the models it serves (`models`), and when it is polled (`polling`).
+//! - `fleet`: what is known of each node: its reports and health (`node`), its in-flight
+//!   books and the one set of rules that changes them (`books`), the models it serves
+//!   (`models`), which nodes are followed in which slot (`membership`), and when each is
+//!   polled (`polling`).
 //! - `route`: the decision: the cost of a request on a node (`choice`), the candidates drawn
 //!   (`candidates`), output lengths learned (`outputs`), the balancer that ties them together
 //!   (`balancer`), and holding under saturation (`admission`).
 //! - `share`: what the VMs of one Envoy share through proxy-wasm's shared data (the fleet
-//!   snapshot and the books), behind a narrow `Store` trait.
+//!   snapshot and the books), behind a narrow `Store` trait: the bytes (`codec`), the books'
+//!   read-modify-writes (`ledger`), and a balancer's nodes to the snapshot and back (`fleet`).
 //! - `config`: the plugin configuration, typed and closed; `rng`: injectable randomness.
 
 pub mod config;

@@ -24,7 +24,7 @@ use token_balancer_core::ingest::prometheus::parse_prometheus_samples;
 use token_balancer_core::ingest::rates::Tracker;
 use token_balancer_core::ingest::request::{estimate, Api, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
-use token_balancer_core::ingest::telemetry::{parse_health, Report};
+use token_balancer_core::ingest::telemetry::{parse_health, Report, ABSURD};
 
 /// A fuzz target: takes any bytes, panics when an invariant breaks.
 pub type Target = fn(&[u8]);
@@ -153,7 +153,7 @@ fn check_weight(
 /// A value a health report may hold: finite, non-negative, below the "absurd" limit
 /// (`telemetry::ABSURD`, 1e15).
 fn sane(x: f64) -> bool {
-    (0.0..1e15).contains(&x)
+    (0.0..ABSURD).contains(&x)
 }
 
 /// Health answer parsing (the seed JSON format).
@@ -542,8 +542,8 @@ pub fn prometheus_text(data: &[u8]) {
         match engine::read(format, data) {
             Ok(Health::Engine(scrape)) => {
                 let mut tracker = Tracker::default();
-                for (t, cap) in [(0, None), (1_000, Some(100.0)), (2_000, None)] {
-                    sane_report(&tracker.observe(&scrape, t, cap, Some(1000)));
+                for (t, kv) in [(0, None), (1_000, Some(1000)), (2_000, None)] {
+                    sane_report(&tracker.observe(&scrape, t, kv));
                 }
             }
             Ok(Health::Seed(report)) => sane_report(&report),

@@ -1,6 +1,9 @@
 //! What the balancer knows of each node between two decisions: its last report and health,
-//! its in-flight books, the models it serves, and when it is polled next.
+//! its in-flight books, the models it serves, which nodes are followed, and when each is
+//! polled next.
 
+pub mod books;
+pub mod membership;
 pub mod models;
 pub mod node;
 pub mod polling;

@@ -224,6 +224,8 @@ impl ListPoll {
 mod tests {
     use super::*;
     use crate::rng::{Rng, SplitMix64};
+    use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+    use crate::route::testing::*;
 
     fn names(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
@@ -420,5 +422,133 @@ mod tests {
         let mut q = ListPoll::new(500, 200);
         q.answered(false, 0);
         assert!(q.due(200));
+    }
+
+    /// Node 0 configured for m1, node 1 learns m2 and an adapter from its list, node 2 has no
+    /// list; then node 2 learns one, and a bad answer changes nothing.
+    #[test]
+    fn models_narrow_the_route_and_unknown_models_are_told_apart() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","models":["m1"]"#, "", ""]));
+        let mut rng = SplitMix64::new(11);
+        // Loads 100, 200, 300: with no restriction node 0 would win.
+        let load = |b: &mut Balancer, now: u64| {
+            for i in 0..3 {
+                let body = format!(
+                    r#"{{"tokens_per_sec_load":{},"tokens_per_sec_capacity":1000}}"#,
+                    100 * (i + 1)
+                );
+                b.on_health(i, Some(body.as_bytes()), now).unwrap();
+            }
+        };
+        load(&mut b, 0);
+        assert!(!b.learns_models(0) && b.learns_models(1) && !b.learns_models(7));
+        assert_eq!(b.on_models(0, br#"{"data":[{"id":"m9"}]}"#), Ok(1));
+        assert_eq!(
+            b.nodes()[0].models().serves("m9"),
+            Serves::No,
+            "configured wins"
+        );
+        assert_eq!(
+            b.on_models(
+                1,
+                br#"{"data":[{"id":"m2"},{"id":"sql-lora","parent":"m2"}]}"#
+            ),
+            Ok(2)
+        );
+        // (model, the node it goes to) while node 2's set is unknown: node 2, the most loaded,
+        // only takes what no known node serves.
+        let cases: &[(Option<&str>, usize)] = &[
+            (None, 0),
+            (Some("m1"), 0),
+            (Some("m2"), 1),
+            (Some("sql-lora"), 1),
+            (Some("m3"), 2),
+        ];
+        for (model, want) in cases {
+            let o = b.route(W, *model, 10, &mut rng, false, &mut OwnBooks);
+            assert_eq!(routed_to(&o), Some(*want), "{model:?}: {o:?}");
+            if let Outcome::Routed { ticket, .. } = o {
+                b.release(&ticket, 0);
+            }
+        }
+        // Node 2's list says m3: a model nobody serves is now unknown, with or without holding.
+        assert_eq!(b.on_models(2, br#"{"data":[{"id":"m3"}]}"#), Ok(1));
+        assert!(b.model_unknown("m4") && !b.model_unknown("m3"));
+        assert_eq!(
+            b.route(W, Some("m4"), 10, &mut rng, true, &mut OwnBooks),
+            Outcome::UnknownModel
+        );
+        assert_eq!(
+            routed_to(&b.route(W, Some("m3"), 10, &mut rng, false, &mut OwnBooks)),
+            Some(2)
+        );
+        // Bad answers keep the last good list.
+        for bad in [
+            &b"<html>"[..],
+            br#"{"data":[]}"#,
+            br#"{"tokens_per_sec_load":1}"#,
+        ] {
+            assert!(b.on_models(2, bad).is_err());
+        }
+        assert_eq!(
+            b.nodes()[2].models().listed(),
+            Some(&["m3".to_string()][..])
+        );
+        // A known model whose nodes are all stale is no unknown model: Envoy routes it.
+        assert_eq!(
+            b.route(W, Some("m3"), 10_000, &mut rng, false, &mut OwnBooks),
+            Outcome::NoFreshNodes
+        );
+        // Nor is one whose only node has never reported, while another node is fresh.
+        let mut e = Balancer::new(&engine_cfg(&[r#","models":["m1"]"#, r#","models":["m2"]"#]));
+        e.on_health(1, Some(br#"{"tokens_per_sec_load":1}"#), 0)
+            .unwrap();
+        assert_eq!(
+            e.route(W, Some("m1"), 10, &mut rng, false, &mut OwnBooks),
+            Outcome::NoFreshNodes
+        );
+        assert_eq!(
+            routed_to(&e.route(W, Some("m2"), 10, &mut rng, false, &mut OwnBooks)),
+            Some(1)
+        );
+        assert_eq!(
+            e.route(W, Some("m3"), 10, &mut rng, false, &mut OwnBooks),
+            Outcome::UnknownModel
+        );
+    }
+
+    /// vLLM's metrics add what a list taken earlier does not show yet: an adapter loaded at
+    /// runtime, running now.
+    #[test]
+    fn an_adapter_seen_in_the_metrics_is_routed_to_its_node() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","format":"vllm""#, r#","format":"vllm""#]));
+        let mut rng = SplitMix64::new(12);
+        for i in 0..2 {
+            b.on_models(
+                i,
+                br#"{"data":[{"id":"meta-llama/Llama-3.1-8B-Instruct"}]}"#,
+            )
+            .unwrap();
+        }
+        let with_lora = format!(
+            "{VLLM_V1}vllm:lora_requests_info{{max_lora=\"2\",running_lora_adapters=\"hot-lora\",waiting_lora_adapters=\"\"}} 1.7e9\n"
+        );
+        b.on_health(0, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        b.on_health(1, Some(with_lora.as_bytes()), 0).unwrap();
+        assert_eq!(b.nodes()[1].models().seen(), ["hot-lora"]);
+        for _ in 0..5 {
+            let o = b.route(W, Some("hot-lora"), 10, &mut rng, false, &mut OwnBooks);
+            assert_eq!(routed_to(&o), Some(1), "{o:?}");
+        }
+        // The next list is complete as of its time: without the adapter, it is unknown.
+        b.on_models(
+            1,
+            br#"{"data":[{"id":"meta-llama/Llama-3.1-8B-Instruct"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            b.route(W, Some("hot-lora"), 10, &mut rng, false, &mut OwnBooks),
+            Outcome::UnknownModel
+        );
     }
 }

@@ -7,11 +7,13 @@
 //! outcome. Work dispatched *after* the last report is not in that report yet, so it is kept
 //! apart ("unreflected") and added to the reported load by the choice; this is what stops the
 //! herding that other routers suffer, where every request between two scrapes lands on the node
-//! that looked idlest at the last scrape.
+//! that looked idlest at the last scrape. The accounting is `books`': the node holds one
+//! `Books` and changes it only by the `Change` of a dispatch, a stream's progress or its end,
+//! as the shared books of every VM are changed (see `share`).
 //!
 //! The books also carry each in-flight request's expected output still to come ("growth"):
-//! a report's KV use is what the running sequences hold now, and they keep growing by one KV
-//! slot per generated token until they finish. Engines admit on the KV in use, so a balancer
+//! a report's KV use is what the running sequences hold now, and they keep growing by one
+//! token of KV per generated token until they finish. Engines admit on the KV in use, so a balancer
 //! that only compares the present use with a ceiling fills a node until its running sequences
 //! outgrow the cache and the engine preempts (the VRAM overflow). Counting the growth still to
 //! come is what makes the ceiling predictive.
@@ -22,10 +24,12 @@
 //! polls in a row, so a flapping node does not swing traffic back and forth on every answer.
 //!
 //! The node also carries the models it serves (`models`), which the choice uses to keep a
-//! request off nodes that would answer it 404 `model_not_found`.
+//! request off nodes that would answer it 404 `model_not_found`, and its capacity is resolved
+//! here once (`capacity`: configured, else reported, else the fleet's assumption).
 
+use crate::fleet::books::{Books, Change};
 use crate::fleet::models::ServedModels;
-use crate::ingest::engine::HealthFormat;
+use crate::ingest::engine::{self, FormatError, Health, HealthFormat};
 use crate::ingest::rates::Tracker;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
@@ -47,6 +51,9 @@ pub struct Ticket {
     /// Who held the node's slot at dispatch (`tenant_of` its address): a slot reused for
     /// another address (membership churn) must not take the old one's release.
     pub tenant: u64,
+    /// The balancer that booked it (`Balancer::generation`): a balancer built from a newer
+    /// configuration never booked it, and its books must not take its progress or release.
+    pub generation: u64,
     /// The node's report epoch at dispatch: if no report has arrived since, the request's work
     /// is still counted as unreflected and must be taken out of that sum too.
     pub epoch: u64,
@@ -59,44 +66,34 @@ pub struct Ticket {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeState {
-    pub address: String,
-    /// `tenant_of(address)`, kept so a ticket can be matched to the node that issued it.
-    pub tenant: u64,
+    address: String,
     /// Configured capacity, which wins over a reported one.
-    pub capacity_override: Option<f64>,
+    capacity_override: Option<f64>,
     /// Configured KV-cache size in tokens.
-    pub kv_cache_tokens: Option<u64>,
+    kv_cache_tokens: Option<u64>,
     /// What the node's health endpoint serves.
-    pub format: HealthFormat,
+    format: HealthFormat,
     /// Counter memory between scrapes, for engines that publish counters instead of a load.
-    pub tracker: Tracker,
+    tracker: Tracker,
     /// What is known of the models the node serves.
-    pub models: ServedModels,
+    models: ServedModels,
     report: Option<(Report, u64)>,
-    epoch: u64,
-    pub inflight_requests: u64,
-    pub inflight_tokens: u64,
-    /// Tokens (prompt + output) dispatched since the last report.
-    pub unreflected_tokens: u64,
-    /// Requests dispatched since the last report.
-    pub unreflected_requests: u64,
-    /// Prompt tokens dispatched since the last report (KV the report does not show yet).
-    pub unreflected_prompt_tokens: u64,
-    /// Output tokens the in-flight requests are still expected to generate (KV still to come).
-    pub growth_tokens: u64,
+    /// The in-flight books; their epoch is the node's report epoch and their tenant
+    /// `tenant_of(address)`, so a ticket can be matched to the node that issued it.
+    books: Books,
     /// Health polls failed in a row (reset by a good one).
-    pub failures_in_row: u32,
+    failures_in_row: u32,
     /// Good polls in a row (reset by a failed one).
-    pub successes_in_row: u32,
+    successes_in_row: u32,
     /// Taken out of the choice by failed polls, until enough good ones bring it back.
-    pub ejected: bool,
+    ejected: bool,
     unhealthy_after: u32,
     healthy_after: u32,
     /// The last change of health not yet taken by the glue (for its stats and log).
     transition: Option<Transition>,
     /// A member of the Envoy cluster (see `membership`): a node that is not is never chosen,
     /// since override_host would ignore it.
-    pub member: bool,
+    member: bool,
 }
 
 /// A change of a node's health, for the stats and the log.
@@ -104,6 +101,15 @@ pub struct NodeState {
 pub enum Transition {
     Ejected,
     Readmitted,
+}
+
+/// Why a health answer did not update a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HealthError {
+    UnknownNode,
+    CallFailed,
+    /// The answer could not be read in the node's format; the error says why.
+    Unparsable(FormatError),
 }
 
 impl NodeState {
@@ -114,20 +120,13 @@ impl NodeState {
     ) -> Self {
         NodeState {
             address: address.to_string(),
-            tenant: tenant_of(address),
             capacity_override,
             kv_cache_tokens,
             format: HealthFormat::Auto,
             tracker: Tracker::default(),
             models: ServedModels::default(),
             report: None,
-            epoch: 0,
-            inflight_requests: 0,
-            inflight_tokens: 0,
-            unreflected_tokens: 0,
-            unreflected_requests: 0,
-            unreflected_prompt_tokens: 0,
-            growth_tokens: 0,
+            books: Books::of(tenant_of(address)),
             failures_in_row: 0,
             successes_in_row: 0,
             ejected: false,
@@ -146,14 +145,130 @@ impl NodeState {
         self
     }
 
+    /// Sets what the node's health endpoint serves.
+    pub fn with_format(mut self, format: HealthFormat) -> Self {
+        self.format = format;
+        self
+    }
+
+    /// Sets what is known of the models the node serves (a configured set).
+    pub fn with_models(mut self, models: ServedModels) -> Self {
+        self.models = models;
+        self
+    }
+
+    /// Sets whether the node is a member of the cluster, as it starts.
+    pub fn with_member(mut self, member: bool) -> Self {
+        self.member = member;
+        self
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// `tenant_of(address)`, kept so a ticket can be matched to the node that issued it.
+    pub fn tenant(&self) -> u64 {
+        self.books.tenant
+    }
+
+    /// Whether the node is a member of the Envoy cluster (see `membership`).
+    pub fn member(&self) -> bool {
+        self.member
+    }
+
+    /// The node joined (`true`) or left the cluster. A node that leaves drops its report, so
+    /// that a node coming back is trusted only on a new one.
+    pub fn set_member(&mut self, member: bool) {
+        if self.member && !member {
+            self.forget_report();
+        }
+        self.member = member;
+    }
+
+    /// Taken out of the choice by failed polls.
+    pub fn ejected(&self) -> bool {
+        self.ejected
+    }
+
+    /// Health polls failed in a row.
+    pub fn failures_in_row(&self) -> u32 {
+        self.failures_in_row
+    }
+
+    /// What is known of the models the node serves.
+    pub fn models(&self) -> &ServedModels {
+        &self.models
+    }
+
+    pub fn models_mut(&mut self) -> &mut ServedModels {
+        &mut self.models
+    }
+
+    /// The configured KV-cache size in tokens.
+    pub fn kv_cache_tokens(&self) -> Option<u64> {
+        self.kv_cache_tokens
+    }
+
+    /// Tokens per second the node serves at most: the configured capacity, else the one
+    /// `report` gives, else `assumed`, the fleet's figure for nodes that report none (see
+    /// `choice::AssumedCapacity`). The one place a node's capacity is resolved.
+    pub fn capacity(&self, report: &Report, assumed: f64) -> f64 {
+        self.known_capacity(report).unwrap_or(assumed)
+    }
+
+    /// The capacity configured or reported, without the fleet's assumption.
+    pub fn known_capacity(&self, report: &Report) -> Option<f64> {
+        self.capacity_override.or(report.capacity_tokens_per_sec)
+    }
+
+    /// The node's in-flight books.
+    pub fn books(&self) -> &Books {
+        &self.books
+    }
+
+    /// Replaces the books' figures by `b`'s (the shared ones, read under the epoch rule):
+    /// the next decision and dispatch start from them, and a ticket takes their epoch if it is
+    /// newer. The books keep counting for this node's address.
+    pub fn set_books(&mut self, b: &Books) {
+        let epoch = self.books.epoch;
+        self.books = Books {
+            tenant: self.books.tenant,
+            ..*b
+        }
+        .at_epoch(epoch);
+    }
+
+    /// A health answer: `Some(body)` for an HTTP 200, `None` for a failed or timed-out call or
+    /// another status. The body is read in the node's format: the seed JSON is a report as it
+    /// stands; an engine's metrics go through the node's tracker, which turns their counters
+    /// into a rate. A good report replaces the old one; anything else leaves the last good
+    /// report in place (and the tracker's baseline too).
+    pub fn take_health(&mut self, body: Option<&[u8]>, now_ms: u64) -> Result<Report, HealthError> {
+        let Some(body) = body else {
+            let _ = self.note_failure();
+            return Err(HealthError::CallFailed);
+        };
+        let report = match engine::read(self.format, body) {
+            Ok(Health::Seed(report)) => report,
+            Ok(Health::Engine(scrape)) => {
+                self.models.observe_metrics(&scrape.models);
+                self.tracker.observe(&scrape, now_ms, self.kv_cache_tokens)
+            }
+            Err(e) => {
+                let _ = self.note_failure();
+                return Err(HealthError::Unparsable(e));
+            }
+        };
+        let _ = self.accept_report(report, now_ms);
+        Ok(report)
+    }
+
     /// A good report replaces the previous one; work dispatched so far is now in it. An
     /// ejected node keeps its report fresh but stays out until enough good polls in a row.
     pub fn accept_report(&mut self, report: Report, now_ms: u64) -> Option<Transition> {
         self.report = Some((report, now_ms));
-        self.epoch += 1;
-        self.unreflected_tokens = 0;
-        self.unreflected_requests = 0;
-        self.unreflected_prompt_tokens = 0;
+        self.next_epoch();
         self.failures_in_row = 0;
         self.successes_in_row = self.successes_in_row.saturating_add(1);
         if self.ejected && self.successes_in_row >= self.healthy_after {
@@ -199,10 +314,12 @@ impl NodeState {
     pub fn forget_report(&mut self) {
         self.report = None;
         self.tracker = Tracker::default();
-        self.epoch += 1;
-        self.unreflected_tokens = 0;
-        self.unreflected_requests = 0;
-        self.unreflected_prompt_tokens = 0;
+        self.next_epoch();
+    }
+
+    /// A new report epoch: what was unreflected is in the new report (or gone with the old).
+    fn next_epoch(&mut self) {
+        self.books = self.books.at_epoch(self.books.epoch.saturating_add(1));
     }
 
     /// When the last good report arrived.
@@ -212,7 +329,7 @@ impl NodeState {
 
     /// The report epoch: grows with every report taken (and when the report is forgotten).
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.books.epoch
     }
 
     /// The last good report and when it was taken.
@@ -221,63 +338,47 @@ impl NodeState {
     }
 
     /// Takes a report and its epoch from elsewhere (the fleet snapshot another VM publishes,
-    /// see `shared`): the node's state as the poller has it, without the polling.
+    /// see `share`): the node's state as the poller has it, without the polling. The epoch
+    /// never goes back, and a newer one reflects the unreflected part (the epoch rule).
     pub fn adopt_report(&mut self, report: Option<(Report, u64)>, epoch: u64) {
         self.report = report;
-        self.epoch = epoch;
+        self.books = self.books.at_epoch(epoch);
     }
 
-    /// Books a request whose KV growth is reserved at its expected output.
-    pub fn dispatch(&mut self, node: usize, weight: Weight) -> Ticket {
-        self.dispatch_reserving(node, weight, weight.output_tokens)
+    /// Takes the poller's view of the node's health and membership.
+    pub fn adopt_status(&mut self, ejected: bool, member: bool) {
+        self.ejected = ejected;
+        self.member = member;
     }
 
-    /// Books a request, reserving `reserved_output` tokens of KV growth for it.
-    pub fn dispatch_reserving(
-        &mut self,
-        node: usize,
-        weight: Weight,
-        reserved_output: u64,
-    ) -> Ticket {
-        let t = weight.total();
-        self.inflight_requests += 1;
-        self.inflight_tokens = self.inflight_tokens.saturating_add(t);
-        self.unreflected_requests += 1;
-        self.unreflected_tokens = self.unreflected_tokens.saturating_add(t);
-        self.unreflected_prompt_tokens = self
-            .unreflected_prompt_tokens
-            .saturating_add(weight.prompt_tokens);
-        self.growth_tokens = self.growth_tokens.saturating_add(reserved_output);
-        Ticket {
+    /// Books a request, reserving `reserved_output` tokens of KV growth for it (its expected
+    /// output, or more). The ticket's generation is the caller's to set.
+    pub fn dispatch(&mut self, node: usize, weight: Weight, reserved_output: u64) -> Ticket {
+        let ticket = Ticket {
             node,
-            tenant: self.tenant,
-            epoch: self.epoch,
+            tenant: self.books.tenant,
+            generation: 0,
+            epoch: self.books.epoch,
             weight,
             reserved_output,
-        }
+        };
+        self.books = self.books.apply(&Change::dispatch(&ticket));
+        ticket
     }
 
     /// The request's stream has delivered `before` output tokens so far and now `after`:
-    /// that much of its expected growth has happened (and is in the node's KV use).
+    /// that much of its expected growth has happened (and is in the node's KV use). A ticket
+    /// of another tenant (the slot was given to another address since) changes nothing.
     pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
-        let reserved = ticket.reserved_output;
-        let done = after.min(reserved).saturating_sub(before.min(reserved));
-        self.growth_tokens = self.growth_tokens.saturating_sub(done);
+        if ticket.tenant == self.books.tenant {
+            self.books = self.books.apply(&Change::progress(ticket, before, after));
+        }
     }
 
     /// The request's stream ended; `received` is the output count `progress` was last given.
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
-        let t = ticket.weight.total();
-        self.inflight_requests = self.inflight_requests.saturating_sub(1);
-        self.inflight_tokens = self.inflight_tokens.saturating_sub(t);
-        let remaining = ticket.reserved_output.saturating_sub(received);
-        self.growth_tokens = self.growth_tokens.saturating_sub(remaining);
-        if ticket.epoch == self.epoch {
-            self.unreflected_requests = self.unreflected_requests.saturating_sub(1);
-            self.unreflected_tokens = self.unreflected_tokens.saturating_sub(t);
-            self.unreflected_prompt_tokens = self
-                .unreflected_prompt_tokens
-                .saturating_sub(ticket.weight.prompt_tokens);
+        if ticket.tenant == self.books.tenant {
+            self.books = self.books.apply(&Change::release(ticket, received));
         }
     }
 }
@@ -285,6 +386,9 @@ impl NodeState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ingest::engine::{self, FormatError};
+    use crate::route::balancer::Balancer;
+    use crate::route::testing::*;
 
     fn w(p: u64, o: u64) -> Weight {
         Weight {
@@ -329,7 +433,7 @@ mod tests {
                 } else {
                     n.note_failure()
                 };
-                assert_eq!(n.ejected, *want, "{polls}: after {t} ms");
+                assert_eq!(n.ejected(), *want, "{polls}: after {t} ms");
                 assert_eq!(n.fresh_report(t, 1_000).is_none(), *want, "{polls}");
                 if let Some(tr) = transition {
                     assert_eq!(tr == Transition::Ejected, *want, "{polls}");
@@ -348,70 +452,233 @@ mod tests {
         }
         // One failed poll leaves the last report in use (below the ejection threshold).
         n.note_failure();
-        assert_eq!(n.failures_in_row, 1);
+        assert_eq!(n.failures_in_row(), 1);
         assert_eq!(
             n.fresh_report(200, 1000).map(|r| r.load_tokens_per_sec),
             Some(5.0)
         );
         n.accept_report(report(6.0), 300);
-        assert_eq!(n.failures_in_row, 0);
+        assert_eq!(n.failures_in_row(), 0);
         assert_eq!(n.reported_at(), Some(300));
     }
 
     #[test]
     fn inflight_books_balance_across_reports() {
         let mut n = NodeState::new("127.0.0.1:1", None, None);
-        let a = n.dispatch(0, w(100, 10));
-        let b = n.dispatch(0, w(5, 5));
-        assert_eq!((n.inflight_requests, n.inflight_tokens), (2, 120));
-        assert_eq!((n.unreflected_requests, n.unreflected_tokens), (2, 120));
+        let a = n.dispatch(0, w(100, 10), 10);
+        let b = n.dispatch(0, w(5, 5), 5);
+        assert_eq!(
+            (n.books().inflight_requests, n.books().inflight_tokens),
+            (2, 120)
+        );
+        assert_eq!(
+            (n.books().unreflected_requests, n.books().unreflected_tokens),
+            (2, 120)
+        );
         // A report now covers a and b.
         n.accept_report(report(1.0), 10);
-        assert_eq!((n.unreflected_requests, n.unreflected_tokens), (0, 0));
-        let c = n.dispatch(0, w(1, 1));
+        assert_eq!(
+            (n.books().unreflected_requests, n.books().unreflected_tokens),
+            (0, 0)
+        );
+        let c = n.dispatch(0, w(1, 1), 1);
         n.progress(&a, 0, 10);
         n.release(&a, 10);
-        assert_eq!(n.unreflected_tokens, 2, "a was reflected already");
-        assert_eq!(n.unreflected_prompt_tokens, 1);
+        assert_eq!(n.books().unreflected_tokens, 2, "a was reflected already");
+        assert_eq!(n.books().unreflected_prompt_tokens, 1);
         n.release(&c, 0);
-        assert_eq!(n.unreflected_tokens, 0);
+        assert_eq!(n.books().unreflected_tokens, 0);
         n.progress(&b, 0, 2);
         n.release(&b, 2);
         assert_eq!(
-            (n.inflight_requests, n.inflight_tokens, n.growth_tokens),
+            (
+                n.books().inflight_requests,
+                n.books().inflight_tokens,
+                n.books().growth_tokens
+            ),
             (0, 0, 0)
         );
         // Releasing twice never underflows.
         n.release(&b, 5);
-        assert_eq!((n.inflight_requests, n.inflight_tokens), (0, 0));
+        assert_eq!(
+            (n.books().inflight_requests, n.books().inflight_tokens),
+            (0, 0)
+        );
     }
 
     #[test]
     fn growth_follows_the_reservation_not_the_expectation() {
         let mut n = NodeState::new("127.0.0.1:1", None, None);
-        let t = n.dispatch_reserving(0, w(10, 100), 250);
-        assert_eq!(n.growth_tokens, 250);
+        let t = n.dispatch(0, w(10, 100), 250);
+        assert_eq!(n.books().growth_tokens, 250);
         n.progress(&t, 0, 120);
-        assert_eq!(n.growth_tokens, 130);
+        assert_eq!(n.books().growth_tokens, 130);
         n.release(&t, 120);
-        assert_eq!((n.growth_tokens, n.inflight_tokens), (0, 0));
+        assert_eq!((n.books().growth_tokens, n.books().inflight_tokens), (0, 0));
     }
 
     #[test]
     fn growth_is_the_expected_output_still_to_come() {
         let mut n = NodeState::new("127.0.0.1:1", None, None);
-        let a = n.dispatch(0, w(100, 50));
-        let b = n.dispatch(0, w(100, 20));
-        assert_eq!(n.growth_tokens, 70);
+        let a = n.dispatch(0, w(100, 50), 50);
+        let b = n.dispatch(0, w(100, 20), 20);
+        assert_eq!(n.books().growth_tokens, 70);
         n.progress(&a, 0, 30);
-        assert_eq!(n.growth_tokens, 40);
+        assert_eq!(n.books().growth_tokens, 40);
         // Output past the expectation grows nothing the books hold.
         n.progress(&b, 0, 25);
-        assert_eq!(n.growth_tokens, 20);
+        assert_eq!(n.books().growth_tokens, 20);
         n.release(&b, 25);
-        assert_eq!(n.growth_tokens, 20);
+        assert_eq!(n.books().growth_tokens, 20);
         // A stream that ends early (aborted) returns what it never generated.
         n.release(&a, 30);
-        assert_eq!(n.growth_tokens, 0);
+        assert_eq!(n.books().growth_tokens, 0);
+    }
+
+    #[test]
+    fn capacity_is_configured_else_reported_else_assumed() {
+        // (configured, reported, want) with 50 assumed for the fleet.
+        let cases = [
+            (Some(600.0), Some(900.0), 600.0),
+            (Some(600.0), None, 600.0),
+            (None, Some(900.0), 900.0),
+            (None, None, 50.0),
+        ];
+        for (configured, reported, want) in cases {
+            let n = NodeState::new("a", configured, None);
+            let r = Report {
+                capacity_tokens_per_sec: reported,
+                ..report(1.0)
+            };
+            assert_eq!(n.capacity(&r, 50.0), want, "{configured:?} {reported:?}");
+        }
+    }
+
+    /// Books taken from shared memory may hold anything: booking on top of them saturates.
+    #[test]
+    fn books_at_the_top_of_the_range_saturate() {
+        let mut n = NodeState::new("a", None, None);
+        let full = Books {
+            epoch: 0,
+            tenant: 0,
+            inflight_requests: u64::MAX,
+            inflight_tokens: u64::MAX,
+            unreflected_tokens: u64::MAX,
+            unreflected_requests: u64::MAX,
+            unreflected_prompt_tokens: u64::MAX,
+            growth_tokens: u64::MAX,
+        };
+        n.set_books(&full);
+        assert_eq!(
+            n.books().tenant,
+            tenant_of("a"),
+            "the books stay this node's"
+        );
+        let t = n.dispatch(0, w(u64::MAX, u64::MAX), u64::MAX);
+        assert_eq!(
+            *n.books(),
+            Books {
+                tenant: tenant_of("a"),
+                ..full
+            }
+        );
+        n.progress(&t, 0, 10);
+        n.release(&t, 10);
+        assert_eq!(n.books().inflight_requests, u64::MAX - 1);
+    }
+
+    /// A ticket of another tenant (the slot's former address) changes nothing.
+    #[test]
+    fn a_ticket_of_another_tenant_changes_nothing() {
+        let mut old = NodeState::new("10.0.0.1:80", None, None);
+        let t = old.dispatch(0, w(10, 10), 10);
+        let mut n = NodeState::new("10.0.0.2:80", None, None);
+        n.dispatch(0, w(5, 5), 5);
+        let before = *n.books();
+        n.progress(&t, 0, 5);
+        n.release(&t, 5);
+        assert_eq!(*n.books(), before);
+    }
+
+    #[test]
+    fn engine_metrics_become_reports_with_a_rate() {
+        let mut b = Balancer::new(&engine_cfg(&[r#","format":"vllm""#]));
+        let first = b.on_health(0, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        assert_eq!(
+            first,
+            Report {
+                load_tokens_per_sec: 0.0,
+                capacity_tokens_per_sec: None,
+                vram_used_bytes: None,
+                vram_total_bytes: None,
+                kv_cache_usage: Some(0.4375),
+                kv_cache_tokens: Some(131072.0),
+                queue_depth: Some(3.0),
+                running_requests: Some(14.0),
+            },
+            "the first poll: gauges, no rate yet"
+        );
+        let second = b
+            .on_health(0, Some(vllm_later(3000, 1000).as_bytes()), 2000)
+            .unwrap();
+        assert_eq!(second.load_tokens_per_sec, 2000.0);
+        assert_eq!(second.capacity_tokens_per_sec, Some(2000.0));
+        assert_eq!(b.nodes()[0].reported_at(), Some(2000));
+        // A failed poll leaves the report and the baseline alone.
+        assert!(b.on_health(0, Some(b"<html>"), 2500).is_err());
+        let third = b
+            .on_health(0, Some(vllm_later(4000, 2000).as_bytes()), 3000)
+            .unwrap();
+        assert_eq!(third.load_tokens_per_sec, 2000.0);
+        // The engine restarted: counters from zero, no rate for that interval.
+        let restarted = VLLM_V1
+            .replace("} 1234567.0", "} 10.0")
+            .replace("} 456789.0", "} 5.0");
+        let r = b.on_health(0, Some(restarted.as_bytes()), 4000).unwrap();
+        assert_eq!(r.load_tokens_per_sec, 0.0);
+        assert_eq!(r.queue_depth, Some(3.0));
+    }
+
+    #[test]
+    fn each_node_is_read_in_its_own_format() {
+        let mut b = Balancer::new(&engine_cfg(&[
+            "",
+            r#","format":"seed""#,
+            r#","format":"vllm""#,
+            r#","format":"sglang","capacity_tokens_per_sec":900"#,
+        ]));
+        let seed = br#"{"tokens_per_sec_load": 7}"#;
+        assert_eq!(
+            b.on_health(0, Some(seed), 0).unwrap().load_tokens_per_sec,
+            7.0
+        );
+        assert_eq!(
+            b.on_health(0, Some(VLLM_V1.as_bytes()), 0)
+                .unwrap()
+                .queue_depth,
+            Some(3.0)
+        );
+        assert_eq!(
+            b.on_health(1, Some(VLLM_V1.as_bytes()), 0),
+            Err(HealthError::Unparsable(FormatError::Seed(
+                crate::ingest::telemetry::ReportError::NotJson
+            )))
+        );
+        assert_eq!(
+            b.on_health(2, Some(seed), 0),
+            Err(HealthError::Unparsable(FormatError::JsonNotMetrics(
+                engine::Engine::Vllm
+            )))
+        );
+        assert!(matches!(
+            b.on_health(3, Some(VLLM_V1.as_bytes()), 0),
+            Err(HealthError::Unparsable(FormatError::NothingUsable { .. }))
+        ));
+        let sglang = include_bytes!("../../tests/data/metrics/sglang.prom");
+        let r = b.on_health(3, Some(sglang), 0).unwrap();
+        assert_eq!(r.capacity_tokens_per_sec, None, "nothing learned yet");
+        assert_eq!(b.nodes()[3].capacity(&r, 1.0), 900.0, "configured capacity");
+        assert_eq!(b.nodes()[1].failures_in_row(), 1);
+        assert_eq!(b.nodes()[3].failures_in_row(), 0);
     }
 }

@@ -61,10 +61,14 @@
 //! `max_lora`). vLLM never removes an old label set of that gauge and sets the current one's
 //! value to the time, so only the series with the largest value is the present; older series
 //! name adapters that may have been unloaded since. Other engines are not read for models.
+//!
+//! This file is longer than the others: the five engines are read by one accumulation, and
+//! its tests, which are most of the file, check each engine's real `/metrics` fixture against
+//! that same code, so the table above, the code and its per-engine cases stay side by side.
 
 use crate::fleet::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
 use crate::ingest::prometheus::{parse_prometheus_samples, Labels, Sample};
-use crate::ingest::telemetry::{self, Report, ReportError};
+use crate::ingest::telemetry::{self, believable, Report, ReportError};
 use std::fmt;
 
 /// What a node's health endpoint serves, from `nodes[].format`.
@@ -327,13 +331,6 @@ impl fmt::Display for FormatError {
             ),
         }
     }
-}
-
-/// Values beyond this are not believed, as in the seed format.
-const ABSURD: f64 = 1e15;
-
-fn believable(v: f64) -> bool {
-    (0.0..ABSURD).contains(&v)
 }
 
 /// Sum, maximum and count of the accepted series of one field.
@@ -1081,7 +1078,7 @@ mod tests {
             for (f, tracker) in HealthFormat::ALL.into_iter().zip(trackers.iter_mut()) {
                 let report = match read(f, &body) {
                     Ok(Health::Seed(r)) => r,
-                    Ok(Health::Engine(s)) => tracker.observe(&s, round * 1000, None, Some(1000)),
+                    Ok(Health::Engine(s)) => tracker.observe(&s, round * 1000, Some(1000)),
                     Err(e) => {
                         assert!(!e.to_string().is_empty());
                         continue;

@@ -26,8 +26,9 @@
 //!   a window that short measures the engine's batching (counters move per iteration, TGI's per
 //!   finished request) rather than its throughput.
 //!
-//! Capacity. A configured `capacity_tokens_per_sec` wins. Engines report none, so otherwise it
-//! is learned as a decaying peak of the measured rate,
+//! Capacity. Engines report none, so it is learned as a decaying peak of the measured rate (a
+//! configured `capacity_tokens_per_sec` wins over it where a node's capacity is resolved,
+//! `NodeState::capacity`),
 //! `peak = max(rate, peak * 0.5^(Δt / PEAK_HALF_LIFE_S))`, with one refinement: the peak decays
 //! only while the node has requests waiting (or does not say). A node with no queue is not
 //! saturated, so its rate is a lower bound on what it can do and proves nothing against the
@@ -48,7 +49,7 @@
 //! format's `kv_cache_usage`.
 
 use crate::ingest::engine::{Counter, Engine, Scrape};
-use crate::ingest::telemetry::Report;
+use crate::ingest::telemetry::{Report, ABSURD};
 
 /// Scrapes closer than this keep the baseline: the window would measure batching, not rate.
 pub const MIN_WINDOW_MS: u64 = 500;
@@ -56,8 +57,6 @@ pub const MIN_WINDOW_MS: u64 = 500;
 pub const PEAK_HALF_LIFE_S: f64 = 120.0;
 /// A learned peak below this (tokens/s) is not believed as a capacity.
 pub const LEARNED_CAPACITY_FLOOR: f64 = 10.0;
-/// Rates at or beyond this are a broken exporter, as in the seed format.
-const ABSURD: f64 = 1e15;
 
 /// What one scrape did to the rate.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,7 +114,6 @@ impl Tracker {
         &mut self,
         scrape: &Scrape,
         now_ms: u64,
-        configured_capacity: Option<f64>,
         configured_kv_tokens: Option<u64>,
     ) -> Report {
         let step = self.advance(scrape, now_ms);
@@ -131,7 +129,7 @@ impl Tracker {
         });
         Report {
             load_tokens_per_sec: self.rate.unwrap_or(0.0),
-            capacity_tokens_per_sec: configured_capacity.or(self.learned_capacity()),
+            capacity_tokens_per_sec: self.learned_capacity(),
             vram_used_bytes: None,
             vram_total_bytes: None,
             kv_cache_usage: kv_usage,
@@ -372,7 +370,7 @@ mod tests {
         for (name, polls) in cases {
             let mut t = Tracker::default();
             for (i, (s, at, step, load)) in polls.into_iter().enumerate() {
-                let r = t.observe(&s, at, None, None);
+                let r = t.observe(&s, at, None);
                 assert_eq!(t.last_step(), Some(step), "{name}: poll {i}");
                 assert_eq!(r.load_tokens_per_sec, load, "{name}: poll {i}");
             }
@@ -389,7 +387,7 @@ mod tests {
             kv_total_tokens: Some(100_000.0),
             ..counters(1e6, 2e6)
         };
-        let r = t.observe(&s, 0, None, None);
+        let r = t.observe(&s, 0, None);
         assert_eq!(
             r,
             Report {
@@ -410,12 +408,12 @@ mod tests {
         let mut t = Tracker::default();
         let queued = |p: f64| scrape(Some(p), Some(0.0), Some(5.0));
         let idle = |p: f64| scrape(Some(p), Some(0.0), Some(0.0));
-        t.observe(&queued(0.0), 0, None, None);
+        t.observe(&queued(0.0), 0, None);
         // 4000 tokens/s while saturated: the peak.
-        let r = t.observe(&queued(4000.0), 1000, None, None);
+        let r = t.observe(&queued(4000.0), 1000, None);
         assert_eq!(r.capacity_tokens_per_sec, Some(4000.0));
         // Lower rates do not lower it at once.
-        let r = t.observe(&queued(5000.0), 2000, None, None);
+        let r = t.observe(&queued(5000.0), 2000, None);
         assert_eq!(r.load_tokens_per_sec, 1000.0);
         let c = r.capacity_tokens_per_sec.unwrap();
         assert!((c - 4000.0 * 0.5f64.powf(1.0 / 120.0)).abs() < 1e-6, "{c}");
@@ -425,48 +423,43 @@ mod tests {
         for _ in 0..119 {
             p += 1000.0;
             at += 1000;
-            t.observe(&queued(p), at, None, None);
+            t.observe(&queued(p), at, None);
         }
         let c = t.learned_capacity().unwrap();
         assert!((c - 2000.0).abs() < 1e-6, "after a half-life: {c}");
         // Idle (no queue) for an hour: the peak holds.
         for _ in 0..3600 {
             at += 1000;
-            t.observe(&idle(p), at, None, None);
+            t.observe(&idle(p), at, None);
         }
         assert!((t.learned_capacity().unwrap() - c).abs() < 1e-9);
         // A higher rate raises it at once.
         at += 1000;
-        let r = t.observe(&idle(p + 9000.0), at, None, None);
+        let r = t.observe(&idle(p + 9000.0), at, None);
         assert_eq!(r.capacity_tokens_per_sec, Some(9000.0));
     }
 
     #[test]
-    fn learned_capacity_has_a_floor_and_configured_capacity_wins() {
+    fn learned_capacity_has_a_floor() {
         let mut t = Tracker::default();
-        t.observe(&counters(0.0, 0.0), 0, None, None);
+        t.observe(&counters(0.0, 0.0), 0, None);
         // 5 tokens/s is below the floor: no capacity, the choice's fleet rule applies.
-        let r = t.observe(&counters(3.0, 2.0), 1000, None, None);
+        let r = t.observe(&counters(3.0, 2.0), 1000, None);
         assert_eq!(r.load_tokens_per_sec, 5.0);
         assert_eq!(r.capacity_tokens_per_sec, None);
-        let r = t.observe(&counters(3.0, 2.0), 2000, Some(7000.0), None);
-        assert_eq!(r.capacity_tokens_per_sec, Some(7000.0));
-        let r = t.observe(&counters(5003.0, 2.0), 3000, Some(700.0), None);
-        assert_eq!(
-            r.capacity_tokens_per_sec,
-            Some(700.0),
-            "configured wins over learned"
-        );
+        t.observe(&counters(3.0, 2.0), 2000, None);
+        let r = t.observe(&counters(5003.0, 2.0), 3000, None);
+        assert_eq!(r.capacity_tokens_per_sec, Some(5000.0));
         assert_eq!(t.learned_capacity(), Some(5000.0));
         // Saturated long enough, a peak decays below the floor and stops being a capacity.
         let mut at = 3000;
         while t.learned_capacity().is_some() {
             at += 60_000;
-            t.observe(&scrape(Some(5003.0), Some(2.0), Some(1.0)), at, None, None);
+            t.observe(&scrape(Some(5003.0), Some(2.0), Some(1.0)), at, None);
             assert!(at < 3_000_000, "never decayed");
         }
         assert_eq!(
-            t.observe(&counters(5003.0, 2.0), at + 1000, None, None)
+            t.observe(&counters(5003.0, 2.0), at + 1000, None)
                 .capacity_tokens_per_sec,
             None
         );
@@ -516,7 +509,7 @@ mod tests {
                 kv_total_tokens: geometry,
                 ..base.clone()
             };
-            let r = t.observe(&s, i as u64 * 1000, None, configured);
+            let r = t.observe(&s, i as u64 * 1000, configured);
             assert_eq!(r.kv_cache_usage, want_usage, "case {i}");
             assert_eq!(r.kv_cache_tokens, want_tokens, "case {i}");
         }

@@ -53,13 +53,18 @@ impl fmt::Display for ReportError {
     }
 }
 
-/// Values beyond this are not believed (1e15 tokens/s, 1 PB of VRAM): an astronomically large
-/// number is a broken exporter, and would otherwise dominate every comparison.
-const ABSURD: f64 = 1e15;
+/// Values at or beyond this are not believed (1e15 tokens/s, 1 PB of VRAM), whatever the
+/// format: an astronomically large number is a broken exporter, and would otherwise dominate
+/// every comparison.
+pub const ABSURD: f64 = 1e15;
+
+/// Whether a figure a node reports is believable: finite, not negative, below `ABSURD`.
+pub fn believable(v: f64) -> bool {
+    (0.0..ABSURD).contains(&v)
+}
 
 fn sane(v: Option<&Value>) -> Option<f64> {
-    v.and_then(Value::as_f64)
-        .filter(|x| x.is_finite() && *x >= 0.0 && *x < ABSURD)
+    v.and_then(Value::as_f64).filter(|x| believable(*x))
 }
 
 fn optional(obj: &Map<String, Value>, key: &str) -> Option<f64> {

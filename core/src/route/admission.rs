@@ -21,7 +21,7 @@
 
 use crate::ingest::request::Weight;
 use crate::rng::Rng;
-use crate::route::balancer::{Balancer, BookSource, Outcome, OwnBooks};
+use crate::route::balancer::{Balancer, BookSource, Outcome};
 use std::collections::VecDeque;
 
 /// One request waiting for a node.
@@ -103,19 +103,10 @@ impl<T> HoldQueue<T> {
     }
 
     /// Routes held requests from the head for as long as the balancer finds them a node with
-    /// room; a request held past `max_hold_ms` is routed even over the ceiling. Stops at the
-    /// first request that must keep waiting, so the order of arrival is kept.
+    /// room, deciding with the books `books` gives (see `Balancer::route`); a request held past
+    /// `max_hold_ms` is routed even over the ceiling. Stops at the first request that must keep
+    /// waiting, so the order of arrival is kept.
     pub fn admit(
-        &mut self,
-        now_ms: u64,
-        balancer: &mut Balancer,
-        rng: &mut dyn Rng,
-    ) -> Vec<(Held<T>, Outcome)> {
-        self.admit_with_books(now_ms, balancer, rng, &mut OwnBooks)
-    }
-
-    /// `admit`, deciding with the books `books` gives (see `Balancer::route_with_books`).
-    pub fn admit_with_books(
         &mut self,
         now_ms: u64,
         balancer: &mut Balancer,
@@ -125,7 +116,7 @@ impl<T> HoldQueue<T> {
         let mut out = Vec::new();
         while let Some(head) = self.entries.front() {
             let expired = now_ms.saturating_sub(head.since_ms) >= self.max_hold_ms;
-            let outcome = balancer.route_with_books(
+            let outcome = balancer.route(
                 head.weight,
                 head.model.as_deref(),
                 now_ms,
@@ -151,6 +142,7 @@ mod tests {
     use crate::config::Config;
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
+    use crate::route::balancer::OwnBooks;
 
     /// One node with a 1,000-token cache and a 0.9 ceiling.
     fn balancer() -> Balancer {
@@ -186,17 +178,17 @@ mod tests {
         report(&mut b, 0.85, 0);
         // 850 used + 100 + 10 > 900: over the ceiling, so the balancer asks to hold.
         assert!(matches!(
-            b.route(w(100), None, 0, &mut rng, true),
+            b.route(w(100), None, 0, &mut rng, true, &mut OwnBooks),
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
         q.push(1, w(100), None, 0, "first").unwrap();
         q.push(2, w(20), None, 10, "second").unwrap();
-        assert!(q.admit(100, &mut b, &mut rng).is_empty());
+        assert!(q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty());
         assert_eq!(q.len(), 2);
         // The node drains: both fit, and they leave in the order they came.
         report(&mut b, 0.1, 200);
-        let out = q.admit(200, &mut b, &mut rng);
+        let out = q.admit(200, &mut b, &mut rng, &mut OwnBooks);
         let order: Vec<_> = out.iter().map(|(h, _)| h.payload).collect();
         assert_eq!(order, vec!["first", "second"]);
         assert!(out
@@ -213,7 +205,7 @@ mod tests {
         let mut q = HoldQueue::new(8, 5_000);
         q.push(1, w(600), None, 0, ()).unwrap(); // 500 + 600 + 10 > 900
         q.push(2, w(10), None, 0, ()).unwrap(); // would fit on its own
-        assert!(q.admit(10, &mut b, &mut rng).is_empty());
+        assert!(q.admit(10, &mut b, &mut rng, &mut OwnBooks).is_empty());
         assert_eq!(q.len(), 2);
     }
 
@@ -225,7 +217,7 @@ mod tests {
         let mut q = HoldQueue::new(8, 1_000);
         q.push(1, w(10), None, 0, ()).unwrap();
         q.push(2, w(10), None, 600, ()).unwrap();
-        let out = q.admit(1_000, &mut b, &mut rng);
+        let out = q.admit(1_000, &mut b, &mut rng, &mut OwnBooks);
         assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
         assert_eq!(out[0].0.id, 1);
         assert!(matches!(
@@ -247,7 +239,7 @@ mod tests {
         q.push(1, w(10), None, 0, ()).unwrap();
         // Long after the report went stale, no node is fresh: the request leaves for Envoy's
         // own balancer instead of waiting for a report that may never come.
-        let out = q.admit(100_000, &mut b, &mut rng);
+        let out = q.admit(100_000, &mut b, &mut rng, &mut OwnBooks);
         assert!(matches!(out[0].1, Outcome::NoFreshNodes));
     }
 
@@ -281,7 +273,7 @@ mod tests {
         report(&mut b, 0.85, 0);
         // 0.85 + 0.11 passes the 0.9 ceiling but fits the cache: routed, flagged.
         assert!(matches!(
-            b.route(w(100), None, 0, &mut rng, true),
+            b.route(w(100), None, 0, &mut rng, true, &mut OwnBooks),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
@@ -289,7 +281,7 @@ mod tests {
         ));
         // 0.85 + 0.11 booked + 0.11 more: past the whole cache, held.
         assert!(matches!(
-            b.route(w(100), None, 0, &mut rng, true),
+            b.route(w(100), None, 0, &mut rng, true, &mut OwnBooks),
             Outcome::Saturated
         ));
     }
@@ -300,7 +292,7 @@ mod tests {
         let mut rng = SplitMix64::new(5);
         report(&mut b, 0.95, 0);
         assert!(matches!(
-            b.route(w(10), None, 0, &mut rng, false),
+            b.route(w(10), None, 0, &mut rng, false, &mut OwnBooks),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
@@ -330,22 +322,22 @@ mod tests {
         kv(&mut b, 1, 0.0, 0);
         b.on_models(1, br#"{"data":[{"id":"m2"}]}"#).unwrap();
         assert!(matches!(
-            b.route(w(10), Some("m1"), 0, &mut rng, true),
+            b.route(w(10), Some("m1"), 0, &mut rng, true, &mut OwnBooks),
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
         q.push(1, w(10), Some("m1".to_string()), 0, "m1").unwrap();
         assert!(
-            q.admit(100, &mut b, &mut rng).is_empty(),
+            q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty(),
             "node 1 does not serve m1"
         );
         // Without a model the same request would have gone to node 1 at once.
         assert!(matches!(
-            b.route(w(10), None, 100, &mut rng, true),
+            b.route(w(10), None, 100, &mut rng, true, &mut OwnBooks),
             Outcome::Routed { ticket, .. } if ticket.node == 1
         ));
         kv(&mut b, 0, 0.1, 200);
-        let out = q.admit(200, &mut b, &mut rng);
+        let out = q.admit(200, &mut b, &mut rng, &mut OwnBooks);
         assert!(
             matches!(&out[..], [(h, Outcome::Routed { ticket, .. })] if h.payload == "m1" && ticket.node == 0),
             "{out:?}"
@@ -362,7 +354,44 @@ mod tests {
         q.push(2, w(10), Some("lora-x".to_string()), 0, "lora-x")
             .unwrap();
         b.on_models(0, br#"{"data":[{"id":"m2"}]}"#).unwrap();
-        let out = q.admit(300, &mut b, &mut rng);
+        let out = q.admit(300, &mut b, &mut rng, &mut OwnBooks);
         assert!(matches!(&out[..], [(_, Outcome::UnknownModel)]), "{out:?}");
+    }
+
+    /// Requests held while a thousand nodes are over the ceiling: trying them again on an
+    /// event reads a bounded number of books per request tried, not one per node; and once
+    /// a node has room they leave for it.
+    #[test]
+    fn admission_under_saturation_costs_a_bounded_number_of_book_reads() {
+        use crate::route::balancer::COMPARISON_READS;
+        use crate::route::testing::{cfg, Counting, FULL, ROOM};
+        let bound = 2 * 2 + COMPARISON_READS;
+        let mut b = Balancer::new(&cfg(1000, r#","kv_bytes_per_token":1,"max_hold_ms":60000"#));
+        for i in 0..1000 {
+            b.on_health(i, Some(FULL), 0).unwrap();
+        }
+        let mut rng = SplitMix64::new(8);
+        let mut q = HoldQueue::new(100, 60_000);
+        for id in 0..50 {
+            q.push(id, w(100), None, 0, id).unwrap();
+        }
+        for event in 1..20 {
+            let mut books = Counting::new(|_| false);
+            assert!(q.admit(event, &mut b, &mut rng, &mut books).is_empty());
+            assert!(books.reads <= bound, "{} reads", books.reads);
+        }
+        b.on_health(5, Some(ROOM), 30).unwrap();
+        let mut books = Counting::new(|_| false);
+        let out = q.admit(40, &mut b, &mut rng, &mut books);
+        assert!(!out.is_empty());
+        assert!(out
+            .iter()
+            .all(|(_, o)| matches!(o, Outcome::Routed { ticket, .. } if ticket.node == 5)));
+        assert!(
+            books.reads <= bound * (out.len() + 1),
+            "{} reads for {} admitted",
+            books.reads,
+            out.len()
+        );
     }
 }

@@ -22,7 +22,7 @@
 use crate::config::Rule;
 use crate::fleet::node::NodeState;
 use crate::rng::Rng;
-use crate::route::choice::{evaluate, may_serve, Ask, Fleet, Params, Ranked};
+use crate::route::choice::{evaluate, may_serve, Ask, AssumedCapacity, FleetWide, Params, Ranked};
 
 /// Longest the pool's weights go without a rebuild.
 pub const REBUILD_MS: u64 = 1000;
@@ -62,31 +62,24 @@ impl Pool {
     fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {
         self.members.clear();
         self.cumulative.clear();
-        let mut known_capacity: Option<f64> = None;
-        let mut max_load = 0.0_f64;
+        let mut assumed = AssumedCapacity::default();
         let mut valid_until = u64::MAX;
         for n in nodes {
             let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
-            if let Some(c) = n.capacity_override.or(r.capacity_tokens_per_sec) {
-                known_capacity = Some(known_capacity.map_or(c, |m| m.max(c)));
-            }
-            max_load = max_load.max(r.load_tokens_per_sec);
+            assumed.add(n, r);
             if let Some(at) = n.reported_at() {
                 valid_until = valid_until.min(at.saturating_add(stale_after_ms).saturating_add(1));
             }
         }
-        self.assumed_capacity = known_capacity.unwrap_or(2.0 * max_load + 1.0);
+        self.assumed_capacity = assumed.value();
         let mut total = 0.0;
         for (i, n) in nodes.iter().enumerate() {
             let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
-            let c = n
-                .capacity_override
-                .or(r.capacity_tokens_per_sec)
-                .unwrap_or(self.assumed_capacity);
+            let c = n.capacity(r, self.assumed_capacity);
             // A node reporting no usable capacity is still drawn, as rarely as a node of a
             // thousandth of the fleet's largest.
             let weight = if c.is_finite() && c > 0.0 {
@@ -139,7 +132,9 @@ impl Pool {
 /// that). Draws are bounded, so a request whose model few nodes serve costs a few draws and
 /// then the full comparison. `load_books` brings a drawn node's in-flight books up to date
 /// just before it is weighed, for the nodes compared (the retry hosts are weighed on the
-/// books at hand).
+/// books at hand), at most `2 * choices` times: the nodes compared and as many drawn without
+/// room, so that a saturated fleet costs a bounded number of reads before the full
+/// comparison.
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
     nodes: &mut [NodeState],
@@ -149,18 +144,19 @@ pub fn sample(
     now_ms: u64,
     p: &Params,
     rng: &mut dyn Rng,
-    load_books: &mut dyn FnMut(usize, &mut NodeState),
+    load_books: &mut dyn FnMut(usize, &mut NodeState) -> bool,
 ) -> Option<Vec<Ranked>> {
     let d = p.choices;
     if d == 0 || pool.len() <= d || p.rule != Rule::TokenThroughput {
         return None;
     }
     let want = d.max(p.keep.min(pool.len()));
-    let fleet = Fleet {
+    let fleet = FleetWide {
         assumed_capacity: pool.assumed_capacity(),
         mean_request_tokens,
     };
     let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
+    let mut reads = 0;
     let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
     for _ in 0..(4 * want + 8) {
         if admitted.len() >= want {
@@ -178,7 +174,8 @@ pub fn sample(
         // Only the compared nodes' books are read: with books in shared data that is a host
         // call each, and a decision must not cost one per node of the fleet. The nodes drawn
         // past the `d` compared only fill the retry list, where this VM's own books will do.
-        if admitted.len() < d {
+        if admitted.len() < d && reads < 2 * d {
+            reads += 1;
             load_books(i, n);
         }
         let n = &*n;
@@ -208,9 +205,12 @@ pub fn sample(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use crate::config::Rule;
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
+    use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+    use crate::route::testing::*;
 
     const P: Params = Params {
         rule: Rule::TokenThroughput,
@@ -241,7 +241,7 @@ mod tests {
         let mut ejected = node(Some(100.0), Some(0));
         ejected.note_failure();
         ejected.note_failure();
-        assert!(ejected.ejected);
+        assert!(ejected.ejected());
         let nodes = vec![
             node(Some(100.0), Some(0)),
             node(Some(100.0), None),
@@ -311,5 +311,136 @@ mod tests {
         assert_eq!(pool.members, vec![0, 1]);
         pool.refresh(&nodes, 30 + REBUILD_MS, p.stale_after_ms);
         assert_eq!(pool.members, vec![0, 1, 2]);
+    }
+
+    /// Sixteen routers (replicas) hold the same reports: one node idle, 99 half loaded. Each
+    /// sends one request before the next report. Comparing every node sends all sixteen to the
+    /// idle one (herding); two choices spread them.
+    #[test]
+    fn two_choices_do_not_herd_on_the_same_stale_reports() {
+        let idle = |i: usize| if i == 42 { 0 } else { 500 };
+        let cases: &[(&str, usize, usize)] = &[
+            // (config, fewest and most requests the idle node gets out of 16)
+            (r#","choices":0"#, 16, 16),
+            (r#","choices":2"#, 0, 3),
+        ];
+        for (extra, low, high) in cases {
+            let mut at_idle = 0;
+            for replica in 0..16u64 {
+                let mut b = sampled_fleet(100, extra, idle);
+                let o = b.route(
+                    W,
+                    None,
+                    10,
+                    &mut SplitMix64::new(replica),
+                    false,
+                    &mut OwnBooks,
+                );
+                at_idle += usize::from(routed_to(&o) == Some(42));
+            }
+            assert!(
+                (*low..=*high).contains(&at_idle),
+                "{extra}: {at_idle} of 16 at the idle node"
+            );
+        }
+    }
+
+    /// The drawn nodes are compared: with two choices a request never goes to the more
+    /// loaded of its two candidates, so the most loaded nodes get the least.
+    #[test]
+    fn two_choices_prefer_the_less_loaded() {
+        let mut b = sampled_fleet(10, r#","choices":2"#, |i| 100 * i as u32);
+        let mut rng = SplitMix64::new(3);
+        let mut counts = [0u32; 10];
+        for _ in 0..2000 {
+            let o = b.route(W, None, 10, &mut rng, false, &mut OwnBooks);
+            if let Outcome::Routed { ticket, .. } = o {
+                counts[ticket.node] += 1;
+                b.release(&ticket, 0);
+            }
+        }
+        // Two distinct nodes drawn uniformly, the less loaded kept: node i wins the pairs with a
+        // more loaded node, with probability (n-1-i) / (n(n-1)/2); the most loaded never wins.
+        for (i, c) in counts.iter().enumerate() {
+            let want = 2000.0 * (9 - i) as f64 / 45.0;
+            assert!(
+                (*c as f64 - want).abs() < 0.25 * want + 10.0,
+                "node {i}: {c}, want about {want}: {counts:?}"
+            );
+        }
+    }
+
+    /// Drawing never bends the rules of the full comparison: no stale or ejected node, no node
+    /// that would pass the ceiling, no node that does not serve the model, and a saturated
+    /// fleet is still told apart (held) rather than routed by luck of the draw.
+    #[test]
+    fn two_choices_keep_the_rules() {
+        let config = cfg(
+            20,
+            r#","choices":2,"kv_bytes_per_token":1,"max_hold_ms":1000"#,
+        );
+        let mut b = Balancer::new(&config);
+        let full = br#"{"tokens_per_sec_load":0,"vram_used_bytes":990,"vram_total_bytes":1000}"#;
+        let room = br#"{"tokens_per_sec_load":900,"tokens_per_sec_capacity":1000,"vram_used_bytes":0,"vram_total_bytes":100000}"#;
+        for i in 0..20 {
+            b.on_health(i, Some(&full[..]), 0).unwrap();
+        }
+        let mut rng = SplitMix64::new(5);
+        assert_eq!(
+            b.route(W, None, 10, &mut rng, true, &mut OwnBooks),
+            Outcome::Saturated
+        );
+        // Only node 7 has room, and node 3 has room but stops answering (ejected).
+        b.on_health(7, Some(&room[..]), 20).unwrap();
+        b.on_health(3, Some(&room[..]), 20).unwrap();
+        b.on_health(3, None, 30).unwrap_err();
+        b.on_health(3, None, 40).unwrap_err();
+        for _ in 0..50 {
+            let o = b.route(W, None, 50, &mut rng, true, &mut OwnBooks);
+            assert_eq!(routed_to(&o), Some(7), "{o:?}");
+            if let Outcome::Routed { ticket, .. } = o {
+                b.release(&ticket, 0);
+            }
+        }
+        // Later every report but node 7's (taken at 20) is stale: only node 7 is drawn.
+        let late = 20 + config.stale_after_ms;
+        for _ in 0..20 {
+            let o = b.route(W, None, late, &mut rng, false, &mut OwnBooks);
+            assert_eq!(routed_to(&o), Some(7), "{o:?}");
+        }
+    }
+
+    #[test]
+    fn two_choices_respect_the_model() {
+        let nodes: Vec<String> = (0..30)
+            .map(|i| {
+                let model = if i % 10 == 4 { "rare" } else { "common" };
+                format!(
+                    r#"{{"address":"127.0.0.1:{}","models":["{model}"]}}"#,
+                    9000 + i
+                )
+            })
+            .collect();
+        let cfg = Config::parse(
+            format!(r#"{{"nodes":[{}],"health_cluster":"h"}}"#, nodes.join(",")).as_bytes(),
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        for i in 0..30 {
+            b.on_health(i, Some(br#"{"tokens_per_sec_load":1}"#), 0)
+                .unwrap();
+        }
+        let mut rng = SplitMix64::new(9);
+        for _ in 0..200 {
+            let o = b.route(W, Some("rare"), 10, &mut rng, false, &mut OwnBooks);
+            let node = routed_to(&o).unwrap();
+            assert_eq!(node % 10, 4, "{o:?}");
+            let o = b.route(W, Some("common"), 10, &mut rng, false, &mut OwnBooks);
+            assert_ne!(routed_to(&o).unwrap() % 10, 4, "{o:?}");
+        }
+        assert_eq!(
+            b.route(W, Some("none"), 10, &mut rng, false, &mut OwnBooks),
+            Outcome::UnknownModel
+        );
     }
 }

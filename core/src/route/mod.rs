@@ -6,3 +6,6 @@ pub mod balancer;
 pub mod candidates;
 pub mod choice;
 pub mod outputs;
+pub mod ranking;
+#[cfg(test)]
+pub(crate) mod testing;

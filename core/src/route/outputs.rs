@@ -16,12 +16,19 @@
 //! Moments are plain while few samples exist, then exponentially weighted so they follow a
 //! changing traffic mix (West's incremental mean and variance).
 
+use crate::ingest::request::Weight;
+use crate::route::choice::Growth;
+
 /// Samples a class (or the fleet) needs before its moments replace the fallback.
 pub const MIN_SAMPLES: u64 = 20;
 /// Weight of the newest sample once a class has `1 / ALPHA` samples.
 const ALPHA: f64 = 0.05;
 /// Prompt classes: [0, 2), [2, 4), ... [2^(CLASSES-1), inf) estimated tokens.
 const CLASSES: usize = 20;
+/// Standard deviations of the output of a node's in-flight requests, taken together, reserved
+/// as KV growth beyond their means (2: a 2% chance a node's total outgrows it if lengths were
+/// normal and independent; they are skewed right, so this is a floor, not a bound).
+const RESERVE_SIGMAS: f64 = 2.0;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Moments {
@@ -39,8 +46,8 @@ impl Moments {
         self.var = (1.0 - alpha) * (self.var + alpha * diff * diff);
     }
 
-    fn learned(&self) -> Option<Estimate> {
-        (self.samples >= MIN_SAMPLES).then(|| Estimate {
+    fn learned(&self) -> Option<OutputLength> {
+        (self.samples >= MIN_SAMPLES).then(|| OutputLength {
             mean: self.mean,
             sd: self.var.max(0.0).sqrt(),
         })
@@ -49,7 +56,7 @@ impl Moments {
 
 /// A learned output length: mean and standard deviation, tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Estimate {
+pub struct OutputLength {
     pub mean: f64,
     pub sd: f64,
 }
@@ -78,7 +85,7 @@ impl OutputModel {
 
     /// The expected output of a request with this prompt: its class's moments once learned,
     /// else the fleet's, else nothing (the caller keeps the cap).
-    pub fn estimate(&self, prompt_tokens: u64) -> Option<Estimate> {
+    pub fn estimate(&self, prompt_tokens: u64) -> Option<OutputLength> {
         self.classes
             .get(class_of(prompt_tokens))
             .and_then(Moments::learned)
@@ -86,13 +93,39 @@ impl OutputModel {
     }
 
     /// The fleet-wide moments, once learned: the spread of a node's mix of requests.
-    pub fn fleet(&self) -> Option<Estimate> {
+    pub fn fleet(&self) -> Option<OutputLength> {
         self.fleet.learned()
     }
 
     /// Streams seen to completion.
     pub fn samples(&self) -> u64 {
         self.fleet.samples
+    }
+
+    /// What a request is expected to cost: its prompt, and as output the smaller of its cap
+    /// and the mean output learned for its prompt's size class (clients set caps far above
+    /// what models generate: the Azure trace's outputs average a fifth of a typical 1024 cap).
+    /// Until enough streams have completed, the cap stands: the safe side for the VRAM guard.
+    pub fn expected(&self, weight: Weight) -> Weight {
+        match self.estimate(weight.prompt_tokens) {
+            Some(e) => Weight {
+                prompt_tokens: weight.prompt_tokens,
+                output_tokens: weight.output_tokens.min(e.mean.ceil() as u64),
+            },
+            None => weight,
+        }
+    }
+
+    /// KV growth to reserve for a request of `weight` (with its cap): its expected output, and
+    /// the pooled margin of `RESERVE_SIGMAS` fleet-wide standard deviations per square root of
+    /// the requests in flight (see `choice`); the cap and no margin until outputs are learned.
+    pub fn growth(&self, weight: Weight) -> Growth {
+        let fleet = self.fleet();
+        Growth {
+            own: self.expected(weight).output_tokens,
+            margin_per_sqrt: fleet.map_or(0.0, |e| RESERVE_SIGMAS * e.sd),
+            per_running: fleet.map_or(0.0, |e| e.mean / 2.0),
+        }
     }
 }
 
@@ -160,5 +193,40 @@ mod tests {
             m.observe(10, 500);
         }
         assert!(m.estimate(10).unwrap().mean > 490.0);
+    }
+
+    #[test]
+    fn learned_output_length_replaces_the_cap_once_enough_streams_completed() {
+        let mut m = OutputModel::default();
+        let capped = Weight {
+            prompt_tokens: 10,
+            output_tokens: 1024,
+        };
+        for i in 0..MIN_SAMPLES {
+            assert_eq!(
+                m.expected(capped),
+                capped,
+                "after {i} samples the cap stands"
+            );
+            m.observe(10, if i % 2 == 0 { 100 } else { 300 });
+        }
+        assert_eq!(m.expected(capped).output_tokens, 200);
+        // Outputs of 100 and 300: each request books the mean, 200, and the node's pooled
+        // margin is 2 sd = 200 per square root of its requests in flight.
+        let g = m.growth(capped);
+        assert_eq!(g.own, 200);
+        assert!((g.margin_per_sqrt - 200.0).abs() < 1e-6, "{g:?}");
+        assert!((g.per_running - 100.0).abs() < 1e-6, "{g:?}");
+        let below = Weight {
+            prompt_tokens: 10,
+            output_tokens: 150,
+        };
+        assert_eq!(m.growth(below).own, 150);
+        // Never above the request's own cap.
+        let small = Weight {
+            prompt_tokens: 10,
+            output_tokens: 50,
+        };
+        assert_eq!(m.expected(small), small);
     }
 }

@@ -37,7 +37,7 @@ use token_balancer_core::config::Config;
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::{Rng, SplitMix64};
-use token_balancer_core::route::balancer::{Balancer, Outcome as Routed};
+use token_balancer_core::route::balancer::{Balancer, Outcome as Routed, OwnBooks};
 
 /// KV bytes per token the simulated nodes report (Llama-2-7B fp16), as the mock does.
 pub const KV_BYTES_PER_TOKEN: u64 = 512 * 1024;
@@ -452,7 +452,14 @@ impl Sim<'_> {
                     .filter(|(h, _)| *h == id)
                     .map_or(0.0, |(_, since)| now - since);
                 let may_hold = self.max_hold_ms > 0.0 && waited < self.max_hold_ms;
-                match b.route(weight, None, now as u64, &mut self.rng, may_hold) {
+                match b.route(
+                    weight,
+                    None,
+                    now as u64,
+                    &mut self.rng,
+                    may_hold,
+                    &mut OwnBooks,
+                ) {
                     Routed::Routed { ticket, .. } => {
                         let node = ticket.node;
                         if books {
@@ -704,7 +711,7 @@ impl Sim<'_> {
             .replicas
             .iter()
             .filter_map(|r| r.balancer.as_ref())
-            .flat_map(|b| b.nodes().iter().map(|n| n.inflight_requests))
+            .flat_map(|b| b.nodes().iter().map(|n| n.books().inflight_requests))
             .sum();
         out.utilization = self
             .caps

@@ -1,0 +1,301 @@
+//! One node's in-flight books, and the one set of rules that changes them.
+//!
+//! The books count what was sent to a node and has not ended: requests and tokens in flight,
+//! the part sent since the node's last report ("unreflected": that report cannot show it
+//! yet), the prompt tokens of that part (KV the report does not show yet), and the output the
+//! requests in flight are still expected to generate (KV growth still to come). The choice
+//! adds them to the node's last report (see `choice`).
+//!
+//! The same books are kept in two places: by a balancer for itself (`NodeState`), and in the
+//! shared data every VM of one Envoy writes (`share::Ledger`). Both change them only by
+//! applying a `Change`, the signed deltas of a dispatch, of a stream's progress or of its end,
+//! built from the request's `Ticket`; so the accounting is written once, and what a VM could
+//! not write to shared data yet is a `Change` too, merged into its next write.
+//!
+//! Two rules are part of applying a change:
+//! - **The epoch rule**: a node's report epoch grows with every report taken. A report newer
+//!   than the books' epoch reflects their unreflected part, which resets (`at_epoch`); a
+//!   change's unreflected part applies only to books still at the epoch it was booked at, so a
+//!   release never takes away work a newer report already cleared.
+//! - **Saturation**: every figure stays within `0..=u64::MAX` whatever the deltas (the shared
+//!   books are read from memory any VM may have written): a count never wraps.
+
+use crate::fleet::node::Ticket;
+
+/// One node's in-flight books. Plain figures, as read from and written to shared data; they
+/// change by `apply` and `at_epoch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Books {
+    /// The report epoch the unreflected part belongs to.
+    pub epoch: u64,
+    /// The address these books count for (`node::tenant_of`): a change booked for another
+    /// tenant of a reused slot is dropped, since its node has left and its work with it.
+    pub tenant: u64,
+    pub inflight_requests: u64,
+    pub inflight_tokens: u64,
+    /// Tokens (prompt + output) dispatched since the report of `epoch`.
+    pub unreflected_tokens: u64,
+    /// Requests dispatched since the report of `epoch`.
+    pub unreflected_requests: u64,
+    /// Prompt tokens dispatched since the report of `epoch`.
+    pub unreflected_prompt_tokens: u64,
+    /// Output tokens the in-flight requests are still expected to generate.
+    pub growth_tokens: u64,
+}
+
+/// `v` moved by `d`, saturating at both ends.
+fn add(v: u64, d: i64) -> u64 {
+    if d >= 0 {
+        v.saturating_add(d.unsigned_abs())
+    } else {
+        v.saturating_sub(d.unsigned_abs())
+    }
+}
+
+impl Books {
+    /// Empty books of `tenant`.
+    pub fn of(tenant: u64) -> Books {
+        Books {
+            tenant,
+            ..Books::default()
+        }
+    }
+
+    /// The epoch rule: a report newer than the books' epoch reflects their unreflected part.
+    pub fn at_epoch(mut self, report_epoch: u64) -> Books {
+        if report_epoch > self.epoch {
+            self.epoch = report_epoch;
+            self.unreflected_tokens = 0;
+            self.unreflected_requests = 0;
+            self.unreflected_prompt_tokens = 0;
+        }
+        self
+    }
+
+    /// The books after `c` (whose unreflected part counts only at the books' epoch).
+    pub fn apply(mut self, c: &Change) -> Books {
+        self.inflight_requests = add(self.inflight_requests, c.requests);
+        self.inflight_tokens = add(self.inflight_tokens, c.tokens);
+        self.growth_tokens = add(self.growth_tokens, c.growth);
+        if let Some(u) = &c.unreflected {
+            if u.epoch == self.epoch {
+                self.unreflected_requests = add(self.unreflected_requests, u.requests);
+                self.unreflected_tokens = add(self.unreflected_tokens, u.tokens);
+                self.unreflected_prompt_tokens =
+                    add(self.unreflected_prompt_tokens, u.prompt_tokens);
+            }
+        }
+        self
+    }
+
+    /// Both books' figures added up, saturating (the epoch and tenant of `self` stay).
+    pub fn plus(self, o: &Books) -> Books {
+        Books {
+            inflight_requests: self.inflight_requests.saturating_add(o.inflight_requests),
+            inflight_tokens: self.inflight_tokens.saturating_add(o.inflight_tokens),
+            unreflected_tokens: self.unreflected_tokens.saturating_add(o.unreflected_tokens),
+            unreflected_requests: self
+                .unreflected_requests
+                .saturating_add(o.unreflected_requests),
+            unreflected_prompt_tokens: self
+                .unreflected_prompt_tokens
+                .saturating_add(o.unreflected_prompt_tokens),
+            growth_tokens: self.growth_tokens.saturating_add(o.growth_tokens),
+            ..self
+        }
+    }
+
+    /// Nothing in flight, nothing unreflected (the epoch and tenant aside).
+    pub fn is_zero(&self) -> bool {
+        Books {
+            epoch: 0,
+            tenant: 0,
+            ..*self
+        } == Books::default()
+    }
+}
+
+/// The unreflected part of a change and the epoch it was booked at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unreflected {
+    pub epoch: u64,
+    pub requests: i64,
+    pub tokens: i64,
+    pub prompt_tokens: i64,
+}
+
+/// A change to one node's books, as signed deltas: changes add up, so one that could not be
+/// written merges with the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Change {
+    pub requests: i64,
+    pub tokens: i64,
+    pub growth: i64,
+    pub unreflected: Option<Unreflected>,
+}
+
+/// `v` as a delta, saturating at `i64::MAX`.
+fn signed(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl Change {
+    /// The request of `t` was dispatched: in flight, unreflected at the ticket's epoch, and its
+    /// reserved output still to come.
+    pub fn dispatch(t: &Ticket) -> Change {
+        let tokens = signed(t.weight.total());
+        Change {
+            requests: 1,
+            tokens,
+            growth: signed(t.reserved_output),
+            unreflected: Some(Unreflected {
+                epoch: t.epoch,
+                requests: 1,
+                tokens,
+                prompt_tokens: signed(t.weight.prompt_tokens),
+            }),
+        }
+    }
+
+    /// Its stream went from `before` to `after` output tokens: that much of its reserved
+    /// growth has happened (and is in the node's KV use). Output past the reservation grows
+    /// nothing the books hold.
+    pub fn progress(t: &Ticket, before: u64, after: u64) -> Change {
+        let r = t.reserved_output;
+        let done = after.min(r).saturating_sub(before.min(r));
+        Change {
+            growth: -signed(done),
+            ..Change::default()
+        }
+    }
+
+    /// Its stream ended; `received` is the output count the last progress was booked with. A
+    /// stream that ends early returns the growth it never generated.
+    pub fn release(t: &Ticket, received: u64) -> Change {
+        let tokens = signed(t.weight.total());
+        Change {
+            requests: -1,
+            tokens: -tokens,
+            growth: -signed(t.reserved_output.saturating_sub(received)),
+            unreflected: Some(Unreflected {
+                epoch: t.epoch,
+                requests: -1,
+                tokens: -tokens,
+                prompt_tokens: -signed(t.weight.prompt_tokens),
+            }),
+        }
+    }
+
+    /// Both changes, as one. Of two unreflected parts at different epochs only the newer is
+    /// kept: the older could only apply to books still at its epoch, and the books have
+    /// passed it by the time the newer one was booked (epochs never go back).
+    pub fn merge(self, o: Change) -> Change {
+        let unreflected = match (self.unreflected, o.unreflected) {
+            (Some(a), Some(b)) if a.epoch == b.epoch => Some(Unreflected {
+                epoch: a.epoch,
+                requests: a.requests.saturating_add(b.requests),
+                tokens: a.tokens.saturating_add(b.tokens),
+                prompt_tokens: a.prompt_tokens.saturating_add(b.prompt_tokens),
+            }),
+            (Some(a), Some(b)) => Some(if a.epoch > b.epoch { a } else { b }),
+            (a, b) => a.or(b),
+        };
+        Change {
+            requests: self.requests.saturating_add(o.requests),
+            tokens: self.tokens.saturating_add(o.tokens),
+            growth: self.growth.saturating_add(o.growth),
+            unreflected,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests == 0
+            && self.tokens == 0
+            && self.growth == 0
+            && self.unreflected.map_or(true, |u| {
+                u.requests == 0 && u.tokens == 0 && u.prompt_tokens == 0
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::request::Weight;
+
+    fn ticket(epoch: u64, p: u64, o: u64, reserved: u64) -> Ticket {
+        Ticket {
+            node: 0,
+            tenant: 7,
+            generation: 0,
+            epoch,
+            weight: Weight {
+                prompt_tokens: p,
+                output_tokens: o,
+            },
+            reserved_output: reserved,
+        }
+    }
+
+    #[test]
+    fn a_dispatch_progress_and_release_cancel_out() {
+        let t = ticket(3, 100, 50, 80);
+        let b = Books::of(7).at_epoch(3).apply(&Change::dispatch(&t));
+        assert_eq!(
+            (b.inflight_requests, b.inflight_tokens, b.growth_tokens),
+            (1, 150, 80)
+        );
+        assert_eq!(
+            (
+                b.unreflected_requests,
+                b.unreflected_tokens,
+                b.unreflected_prompt_tokens
+            ),
+            (1, 150, 100)
+        );
+        let b = b.apply(&Change::progress(&t, 0, 30));
+        assert_eq!(b.growth_tokens, 50);
+        // Past the reservation nothing more is taken off.
+        let b = b.apply(&Change::progress(&t, 30, 200));
+        assert_eq!(b.growth_tokens, 0);
+        let b = b.apply(&Change::release(&t, 200));
+        assert!(b.is_zero(), "{b:?}");
+        assert_eq!((b.epoch, b.tenant), (3, 7));
+    }
+
+    #[test]
+    fn the_unreflected_part_counts_only_at_its_epoch() {
+        let t = ticket(3, 10, 10, 10);
+        let b = Books::of(7).at_epoch(3).apply(&Change::dispatch(&t));
+        // A newer report reflects the dispatch; the release takes only what is in flight.
+        let b = b.at_epoch(4);
+        assert_eq!(b.unreflected_tokens, 0);
+        let b = b.apply(&Change::release(&t, 0));
+        assert!(b.is_zero(), "{b:?}");
+        // An older report changes nothing.
+        assert_eq!(b.at_epoch(2).epoch, 4);
+    }
+
+    /// Figures read from shared memory may be anything: applying a change never wraps.
+    #[test]
+    fn figures_saturate_at_both_ends() {
+        let full = Books {
+            epoch: 1,
+            tenant: 7,
+            inflight_requests: u64::MAX,
+            inflight_tokens: u64::MAX,
+            unreflected_tokens: u64::MAX,
+            unreflected_requests: u64::MAX,
+            unreflected_prompt_tokens: u64::MAX,
+            growth_tokens: u64::MAX,
+        };
+        let huge = ticket(1, u64::MAX, u64::MAX, u64::MAX);
+        let b = full.apply(&Change::dispatch(&huge));
+        assert_eq!(b, full);
+        assert_eq!(full.plus(&full), full);
+        let empty = Books::of(7).at_epoch(1).apply(&Change::release(&huge, 0));
+        assert!(empty.is_zero());
+        let merged = Change::dispatch(&huge).merge(Change::dispatch(&huge));
+        assert_eq!(merged.tokens, i64::MAX);
+    }
+}

@@ -43,6 +43,8 @@
 //! every VM did before shared books), and this VM sees it only in its own view (`view` adds
 //! its pending changes).
 
+pub mod sync;
+
 use crate::fleet::node::Ticket;
 use crate::ingest::telemetry::Report;
 use std::collections::HashMap;

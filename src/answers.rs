@@ -9,6 +9,7 @@
 
 use crate::host::Host;
 use crate::metrics::{NodeStat, Stat};
+use crate::polls::Polls;
 use crate::state::State;
 use log::{debug, info, warn};
 use token_balancer_core::fleet::callouts::{Answer, Outstanding};
@@ -111,11 +112,7 @@ impl<H: Host> State<H> {
 
     /// Takes the call `token` out of `table` of the polls: the node it is for, if that node
     /// still holds its slot.
-    fn answered(
-        &mut self,
-        token: u32,
-        table: fn(&mut crate::polls::Polls) -> &mut Outstanding,
-    ) -> Option<usize> {
+    fn answered(&mut self, token: u32, table: fn(&mut Polls) -> &mut Outstanding) -> Option<usize> {
         let balancer = &self.balancer;
         let polls = self.role.polls()?;
         match table(polls).answer(token, |slot| tenant_at(balancer, slot)) {

@@ -279,3 +279,29 @@ fn a_reader_without_a_live_service_falls_back() {
     assert_eq!(host.request_header_of(2, ROUTING), None);
     assert_eq!(host.metric("token_balancer.fallback.no_fleet"), 1);
 }
+
+#[test]
+fn a_model_list_answer_becomes_its_nodes_list() {
+    let (host, mut root) =
+        configured(&config("").replace(r#""models_poll_ms":0"#, r#""models_poll_ms":1000"#));
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let lists: Vec<_> = calls.iter().filter(|c| c.path == "/v1/models").collect();
+    assert_eq!(lists.len(), 2, "{calls:?}");
+    let a = lists.iter().find(|c| c.authority == A).unwrap();
+    answer(
+        &host,
+        &mut root,
+        a.token,
+        Some("200"),
+        r#"{"object":"list","data":[{"id":"m"}]}"#,
+    );
+    let b = lists.iter().find(|c| c.authority == B).unwrap();
+    answer(&host, &mut root, b.token, Some("500"), "");
+    assert_eq!(host.metric("token_balancer.models.ok"), 1);
+    assert_eq!(host.metric("token_balancer.models.failed"), 1);
+    let state = root.state().borrow();
+    let nodes = state.as_ref().unwrap().balancer.nodes();
+    assert_eq!(nodes[0].models.listed(), Some(&["m".to_string()][..]));
+    assert_eq!(nodes[1].models.listed(), None);
+}

@@ -3,8 +3,11 @@
 
 use super::*;
 use crate::config::Config;
+use crate::fleet::node::{tenant_of, Ticket};
 use crate::ingest::request::Weight;
-use crate::share::SetError;
+use crate::route::balancer::{Balancer, BookSource};
+use crate::share::{Books, Change, SetError, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY};
+use std::collections::HashMap;
 
 /// Envoy's shared data as the host keeps it: a CAS token per key, new on every write.
 #[derive(Default)]

@@ -3,6 +3,7 @@
 //! polled next.
 
 pub mod books;
+pub mod callouts;
 pub mod membership;
 pub mod models;
 pub mod node;

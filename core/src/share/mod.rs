@@ -48,10 +48,11 @@
 //!
 //! The parts: `codec` (the bytes of the snapshot, the version record and the books), `ledger`
 //! (the read-modify-writes of the books), `fleet` (a balancer's nodes to the snapshot and
-//! back).
+//! back), `sync` (the protocol between the poller service and the workers' VMs over them).
 pub mod codec;
 pub mod fleet;
 pub mod ledger;
+pub mod sync;
 
 pub use crate::fleet::books::{Books, Change, Unreflected};
 pub use codec::{Malformed, NodeView, Snapshot, Version, BOOKS_LEN};

@@ -1,0 +1,372 @@
+//! The sync protocol against an in-memory store: what a reader takes in, what it costs, when
+//! the fleet is unusable and why, what the service writes, and how the books keys follow.
+
+use super::*;
+use crate::config::Config;
+use crate::fleet::node::{tenant_of, Ticket};
+use crate::ingest::request::Weight;
+use crate::route::balancer::{Balancer, BookSource};
+use crate::share::{Books, Change, SetError, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY};
+use std::collections::HashMap;
+
+/// Envoy's shared data as the host keeps it: a CAS token per key, new on every write.
+#[derive(Default)]
+struct Mem {
+    data: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+    fail: bool,
+    calls: usize,
+}
+
+impl Store for Mem {
+    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreFailed> {
+        self.calls += 1;
+        if self.fail {
+            return Err(StoreFailed);
+        }
+        Ok(self.data.get(key).cloned())
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.calls += 1;
+        if self.fail {
+            return Err(SetError::Failed);
+        }
+        if let (Some(cas), Some((_, now))) = (cas, self.data.get(key)) {
+            if cas != *now {
+                return Err(SetError::CasMismatch);
+            }
+        }
+        self.next_cas += 1;
+        self.data
+            .insert(key.to_string(), (value.to_vec(), self.next_cas));
+        Ok(())
+    }
+}
+
+impl Mem {
+    fn books(&self, key: &str) -> Books {
+        Books::decode(&self.data[key].0).unwrap()
+    }
+
+    fn version(&self) -> Version {
+        Version::decode(&self.data[VERSION_KEY].0).unwrap()
+    }
+}
+
+const A: &str = "127.0.0.1:8001";
+const B: &str = "127.0.0.1:8002";
+const C: &str = "127.0.0.1:8003";
+const STALE: u64 = 3000;
+
+fn balancer(addresses: &[&str]) -> Balancer {
+    let nodes: Vec<String> = addresses
+        .iter()
+        .map(|a| format!(r#"{{"address":"{a}"}}"#))
+        .collect();
+    let json = format!(r#"{{"nodes":[{}],"health_cluster":"h"}}"#, nodes.join(","));
+    Balancer::new(&Config::parse(json.as_bytes()).unwrap())
+}
+
+fn following() -> Balancer {
+    let json = r#"{"health_cluster":"h","membership":{"cluster":"c","admin_cluster":"a"}}"#;
+    Balancer::new(&Config::parse(json.as_bytes()).unwrap())
+}
+
+fn report(b: &mut Balancer, node: usize, now: u64) {
+    let body = br#"{"tokens_per_sec_load":100,"tokens_per_sec_capacity":1000}"#;
+    b.on_health(node, Some(body), now).unwrap();
+}
+
+/// A service over `addresses` that has created the books and published once at `now`.
+fn started(store: &mut Mem, addresses: &[&str], now: u64) -> (Service, Balancer) {
+    let mut b = balancer(addresses);
+    report(&mut b, 0, now);
+    let mut s = Service::new(addresses.iter().copied(), now);
+    assert_eq!(s.claim_all(store), Counts::default());
+    assert_eq!(s.publish(store, &b, now).published, 1);
+    (s, b)
+}
+
+fn ticket(node: usize, address: &str) -> Ticket {
+    Ticket {
+        node,
+        tenant: tenant_of(address),
+        epoch: 0,
+        weight: Weight {
+            prompt_tokens: 100,
+            output_tokens: 50,
+        },
+        reserved_output: 60,
+        // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
+        generation: 0,
+    }
+}
+
+#[test]
+fn a_reader_takes_in_what_the_service_publishes() {
+    let mut store = Mem::default();
+    started(&mut store, &[A, B], 1000);
+    let mut r = Reader::default();
+    let mut rb = balancer(&[A, B]);
+    let synced = r.sync(&mut store, &mut rb, 1005, STALE);
+    assert!(synced.usable);
+    assert!(synced.new_reports, "node A's report came with the snapshot");
+    assert_eq!(synced.counts.imported, 1);
+    assert_eq!(synced.event, Some(FleetEvent::InUse));
+    assert_eq!(synced.lacking, 0);
+    assert!(rb.nodes()[0].report_taken().is_some());
+    assert!(rb.nodes()[1].report_taken().is_none());
+    assert_eq!(r.key(1), Some(&BookKey::new(1, tenant_of(B))));
+}
+
+#[test]
+fn an_unchanged_version_costs_one_get_and_a_recent_look_none() {
+    let mut store = Mem::default();
+    started(&mut store, &[A], 1000);
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A]));
+    assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
+    let calls = store.calls;
+    let again = r.sync(&mut store, &mut rb, 1005, STALE);
+    assert!(again.usable);
+    assert_eq!(
+        store.calls, calls,
+        "within VERSION_RECHECK_MS: no look at all"
+    );
+    let later = r.sync(&mut store, &mut rb, 1000 + VERSION_RECHECK_MS, STALE);
+    assert!(later.usable);
+    assert_eq!(store.calls, calls + 1, "the version record only");
+    assert_eq!(later.counts, Counts::default());
+    assert_eq!(later.event, None);
+    assert!(!later.new_reports);
+}
+
+#[test]
+fn a_stale_heartbeat_makes_the_fleet_unusable_until_a_new_snapshot() {
+    let mut store = Mem::default();
+    let (mut s, mut sb) = started(&mut store, &[A], 1000);
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A]));
+    assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
+    let late = 1000 + STALE + 1;
+    let lost = r.sync(&mut store, &mut rb, late, STALE);
+    assert!(!lost.usable);
+    assert_eq!(lost.event, Some(FleetEvent::Lost(Lost::Stale)));
+    let still = r.sync(&mut store, &mut rb, late + 20, STALE);
+    assert!(!still.usable);
+    assert_eq!(still.event, None, "said once until it is back");
+    // The service is back with news: the fleet is in use again.
+    report(&mut sb, 0, late + 30);
+    s.publish(&mut store, &sb, late + 30);
+    let back = r.sync(&mut store, &mut rb, late + 40, STALE);
+    assert!(back.usable);
+    assert_eq!(back.event, Some(FleetEvent::InUse));
+}
+
+#[test]
+fn an_unreadable_or_missing_snapshot_is_unusable_with_its_reason() {
+    let mut store = Mem::default();
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A]));
+    let none = r.sync(&mut store, &mut rb, 1000, STALE);
+    assert!(!none.usable);
+    assert_eq!(none.event, Some(FleetEvent::Lost(Lost::NoSnapshot)));
+    assert_eq!(none.counts, Counts::default());
+
+    let mut store = Mem::default();
+    let record = Version {
+        version: 5,
+        heartbeat_ms: 1000,
+    };
+    store.set(VERSION_KEY, &record.encode(), None).unwrap();
+    store.set(FLEET_KEY, b"not a snapshot", None).unwrap();
+    let mut r = Reader::default();
+    let bad = r.sync(&mut store, &mut rb, 1000, STALE);
+    assert!(!bad.usable);
+    assert_eq!(bad.event, Some(FleetEvent::Lost(Lost::Unreadable)));
+    assert_eq!(bad.counts.failed, 1);
+    assert_eq!(
+        Lost::Unreadable.to_string(),
+        "the fleet snapshot is unreadable"
+    );
+
+    // A store that fails counts its failures, and the fleet is not usable.
+    let mut r = Reader::default();
+    store.fail = true;
+    let failing = r.sync(&mut store, &mut rb, 1000, STALE);
+    assert!(!failing.usable);
+    assert_eq!(failing.counts.failed, 1);
+}
+
+#[test]
+fn the_service_publishes_only_changes_but_always_its_heartbeat() {
+    let mut store = Mem::default();
+    let (mut s, mut b) = started(&mut store, &[A], 1000);
+    let first = store.version();
+    assert_eq!(
+        first.version, 1001,
+        "versions start after the service's start time"
+    );
+    let fleet_cas = store.data[FLEET_KEY].1;
+    let quiet = s.publish(&mut store, &b, 1100);
+    assert_eq!(quiet, Counts::default(), "nothing published");
+    assert_eq!(
+        store.data[FLEET_KEY].1, fleet_cas,
+        "the snapshot was not written"
+    );
+    assert_eq!(
+        store.version(),
+        Version {
+            version: 1001,
+            heartbeat_ms: 1100
+        }
+    );
+    report(&mut b, 0, 1200);
+    assert_eq!(s.publish(&mut store, &b, 1200).published, 1);
+    assert_eq!(store.version().version, 1002);
+    // A failing store: counted, and the version does not move.
+    store.fail = true;
+    report(&mut b, 0, 1300);
+    assert_eq!(s.publish(&mut store, &b, 1300).failed, 2);
+    store.fail = false;
+    assert_eq!(s.publish(&mut store, &b, 1400).published, 1);
+    assert_eq!(store.version().version, 1003);
+}
+
+#[test]
+fn a_reused_slot_has_its_books_claimed_for_the_new_address_once_empty() {
+    let mut store = Mem::default();
+    let mut b = following();
+    let mut s = Service::new(std::iter::empty(), 1000);
+    let addresses = |list: &[&str]| list.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let (change, counts) = s.follow_members(&mut store, &mut b, &addresses(&[A, B]));
+    assert_eq!((change.joined, counts), (vec![0, 1], Counts::default()));
+    assert_eq!(store.books(&books_key(0)).tenant, tenant_of(A));
+    // A worker has a request in flight on A when A leaves: its slot is not reused.
+    let mut busy = Books::of(tenant_of(A));
+    busy.inflight_requests = 1;
+    store.set(&books_key(0), &busy.encode(), None).unwrap();
+    let (change, _) = s.follow_members(&mut store, &mut b, &addresses(&[B, C]));
+    assert_eq!((change.joined, change.left), (vec![2], vec![0]));
+    assert_eq!(store.books(&books_key(0)).tenant, tenant_of(A));
+    assert_eq!(s.key(2), Some(&BookKey::new(2, tenant_of(C))));
+    // Once A's books are empty, the next new address takes slot 0 and its books.
+    store
+        .set(&books_key(0), &Books::of(tenant_of(A)).encode(), None)
+        .unwrap();
+    let d = "127.0.0.1:8004";
+    let (change, counts) = s.follow_members(&mut store, &mut b, &addresses(&[B, C, d]));
+    assert_eq!((change.joined, counts), (vec![0], Counts::default()));
+    assert_eq!(store.books(&books_key(0)).tenant, tenant_of(d));
+    assert_eq!(s.key(0), Some(&BookKey::new(0, tenant_of(d))));
+    // A store that cannot be read keeps every departed slot busy.
+    store.fail = true;
+    let (change, counts) = s.follow_members(&mut store, &mut b, &addresses(&[B]));
+    assert_eq!(change.left.len(), 2);
+    assert_eq!(counts, Counts::default(), "no slot claimed, nothing failed");
+}
+
+#[test]
+fn books_keys_follow_the_snapshot_by_address() {
+    let mut store = Mem::default();
+    started(&mut store, &[A, B, C], 1000);
+    let mut r = Reader::default();
+    // The reader lists the nodes in another order, and one the poller does not have.
+    let d = "127.0.0.1:8004";
+    let mut rb = balancer(&[C, d, A]);
+    let synced = r.sync(&mut store, &mut rb, 1000, STALE);
+    assert!(synced.usable);
+    assert_eq!(synced.lacking, 1, "node D is not in the poller's fleet");
+    assert_eq!(r.key(0), Some(&BookKey::new(2, tenant_of(C))));
+    assert_eq!(r.key(1), None);
+    assert_eq!(r.key(2), Some(&BookKey::new(0, tenant_of(A))));
+    // A write for D goes nowhere; one for A lands in slot 0's books.
+    assert_eq!(
+        r.write(
+            &mut store,
+            &rb,
+            &ticket(1, d),
+            Change::dispatch(&ticket(1, d)),
+            None
+        ),
+        Counts::default()
+    );
+    let t = ticket(2, A);
+    assert_eq!(
+        r.write(&mut store, &rb, &t, Change::dispatch(&t), None),
+        Counts::default()
+    );
+    assert_eq!(store.books(&books_key(0)).inflight_requests, 1);
+}
+
+#[test]
+fn changes_kept_for_later_are_flushed_once_the_books_exist() {
+    let mut store = Mem::default();
+    let mut sb = balancer(&[A]);
+    report(&mut sb, 0, 1000);
+    let mut s = Service::new([A], 1000);
+    // Published before the books were made (a store that failed at the start).
+    s.publish(&mut store, &sb, 1000);
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A]));
+    assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
+    let t = ticket(0, A);
+    let missing = r.write(&mut store, &rb, &t, Change::dispatch(&t), None);
+    assert_eq!(missing.books_missing, 1);
+    assert_eq!(r.pending(), 1);
+    assert_eq!(s.claim_all(&mut store), Counts::default());
+    assert_eq!(r.flush(&mut store, &rb), Counts::default());
+    assert_eq!(r.pending(), 0);
+    assert_eq!(store.books(&books_key(0)).inflight_requests, 1);
+    let calls = store.calls;
+    assert_eq!(r.flush(&mut store, &rb), Counts::default());
+    assert_eq!(store.calls, calls, "nothing kept: no store call");
+    // A release after the slot went to another address is dropped.
+    store
+        .set(&books_key(0), &Books::of(tenant_of(B)).encode(), None)
+        .unwrap();
+    let gone = r.write(&mut store, &rb, &t, Change::release(&t, 0), None);
+    assert_eq!(gone.books_gone, 1);
+    assert_eq!(r.pending(), 0);
+}
+
+#[test]
+fn a_decision_reads_the_weighed_nodes_books_and_counts_failures() {
+    let mut store = Mem::default();
+    started(&mut store, &[A, B], 1000);
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
+    r.sync(&mut store, &mut rb, 1000, STALE);
+    let mut books = r.books(&mut store);
+    assert!(books.books(1, 0).is_some());
+    assert!(books.books(5, 0).is_none(), "no such node: no read");
+    let (reads, counts) = books.finish();
+    assert_eq!(counts, Counts::default());
+    let read = reads.clone().take(1).expect("node B's read");
+    assert_eq!(Books::decode(&read.0).unwrap().tenant, tenant_of(B));
+    assert!(reads.take(0).is_none());
+    store.fail = true;
+    let mut books = r.books(&mut store);
+    assert!(books.books(0, 0).is_none());
+    assert_eq!(books.finish().1.failed, 1);
+}
+
+#[test]
+fn counts_follow_what_each_write_became() {
+    let mut c = Counts::of(Written::Yes {
+        books: Books::default(),
+        retries: 2,
+    });
+    c.add(Written::Exhausted);
+    c.add(Written::Missing);
+    c.add(Written::Gone);
+    c.add(Written::Failed);
+    assert_eq!(
+        c,
+        Counts {
+            failed: 1,
+            cas_retries: 2 + MAX_CAS_RETRIES,
+            cas_exhausted: 1,
+            books_missing: 1,
+            books_gone: 1,
+            published: 0,
+            imported: 0,
+        }
+    );
+}

@@ -1,0 +1,283 @@
+//! A fake Envoy for the glue's unit tests: the `Host` trait over an in-memory world of
+//! streams (each context's headers and bodies, and whether it was resumed or answered),
+//! callouts sent, stats by name, shared data with CAS tokens, and a clock the test moves.
+//!
+//! Like Envoy, it acts on the effective context: a test `enter`s a context before calling
+//! one of its callbacks, and `set_effective_context` moves it as the real host does.
+
+use crate::host::Host;
+use proxy_wasm::types::{MetricType, Status};
+use std::cell::{RefCell, RefMut};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+use token_balancer_core::share::{SetError, Store, StoreFailed};
+
+/// One stream (HTTP context) as the host sees it.
+#[derive(Debug, Default)]
+pub struct Stream {
+    pub request: Vec<(String, String)>,
+    pub response: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub response_body: Vec<u8>,
+    /// Times the paused request was resumed.
+    pub resumed: u32,
+    /// The status of the filter's own answer, if it sent one.
+    pub reply: Option<u32>,
+}
+
+/// A callout sent.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub token: u32,
+    pub cluster: String,
+    pub path: String,
+    /// `:authority`: the node's address, for the health cluster.
+    pub authority: String,
+}
+
+#[derive(Debug, Default)]
+pub struct World {
+    pub now_ms: u64,
+    /// The effective context.
+    pub current: u32,
+    pub streams: HashMap<u32, Stream>,
+    /// Callouts sent, oldest first.
+    pub calls: Vec<Call>,
+    next_token: u32,
+    /// The callout being answered: its status (`None`: reset) and body.
+    pub answer: (Option<String>, Vec<u8>),
+    pub configuration: Vec<u8>,
+    pub root_id: Option<Vec<u8>>,
+    pub tick: Option<Duration>,
+    /// (kind, name, value), id = index + 1.
+    metrics: Vec<(MetricType, String, i64)>,
+    pub shared: HashMap<String, (Vec<u8>, u32)>,
+    cas: u32,
+    /// Header writes fail (Envoy refusing them).
+    pub refuse_headers: bool,
+}
+
+fn get<'a>(list: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    list.iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+fn set(list: &mut Vec<(String, String)>, name: &str, value: &str) {
+    list.retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+    list.push((name.to_string(), value.to_string()));
+}
+
+impl World {
+    fn stream(&mut self) -> &mut Stream {
+        self.streams.entry(self.current).or_default()
+    }
+}
+
+/// The fake host; clones share one world.
+#[derive(Debug, Clone, Default)]
+pub struct FakeHost(Rc<RefCell<World>>);
+
+impl FakeHost {
+    pub fn world(&self) -> RefMut<'_, World> {
+        self.0.borrow_mut()
+    }
+
+    /// Makes `context_id` the effective context (Envoy does before each callback).
+    pub fn enter(&self, context_id: u32) {
+        self.world().current = context_id;
+    }
+
+    /// The stream of `context_id`, made if new.
+    pub fn stream(&self, context_id: u32) -> RefMut<'_, Stream> {
+        RefMut::map(self.world(), |w| w.streams.entry(context_id).or_default())
+    }
+
+    /// A request header of stream `context_id`.
+    pub fn request_header_of(&self, context_id: u32, name: &str) -> Option<String> {
+        get(&self.stream(context_id).request, name).map(str::to_string)
+    }
+
+    /// The value of the stat `name` (0 if it was never defined).
+    pub fn metric(&self, name: &str) -> i64 {
+        let w = self.world();
+        w.metrics
+            .iter()
+            .find(|(_, n, _)| n == name)
+            .map_or(0, |(_, _, v)| *v)
+    }
+
+    /// Every stat defined, with its kind, in definition order.
+    pub fn metric_names(&self) -> Vec<(MetricType, String)> {
+        let w = self.world();
+        w.metrics.iter().map(|(k, n, _)| (*k, n.clone())).collect()
+    }
+
+    /// The callouts sent and not yet taken by the test.
+    pub fn take_calls(&self) -> Vec<Call> {
+        std::mem::take(&mut self.world().calls)
+    }
+
+    pub fn advance(&self, ms: u64) {
+        self.world().now_ms += ms;
+    }
+}
+
+impl Store for FakeHost {
+    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreFailed> {
+        Ok(self.world().shared.get(key).cloned())
+    }
+
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        let mut w = self.world();
+        if let (Some(cas), Some((_, now))) = (cas, w.shared.get(key)) {
+            if cas != *now {
+                return Err(SetError::CasMismatch);
+            }
+        }
+        w.cas += 1;
+        let cas = w.cas;
+        w.shared.insert(key.to_string(), (value.to_vec(), cas));
+        Ok(())
+    }
+}
+
+impl Host for FakeHost {
+    fn now_ms(&self) -> u64 {
+        self.world().now_ms
+    }
+
+    fn request_header(&self, name: &str) -> Option<String> {
+        get(&self.world().stream().request, name).map(str::to_string)
+    }
+
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), Status> {
+        let mut w = self.world();
+        if w.refuse_headers {
+            return Err(Status::InternalFailure);
+        }
+        set(&mut w.stream().request, name, value);
+        Ok(())
+    }
+
+    fn remove_request_header(&self, name: &str) {
+        self.world()
+            .stream()
+            .request
+            .retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+    }
+
+    fn response_header(&self, name: &str) -> Option<String> {
+        get(&self.world().stream().response, name).map(str::to_string)
+    }
+
+    fn set_response_header(&self, name: &str, value: &str) {
+        set(&mut self.world().stream().response, name, value);
+    }
+
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        let mut w = self.world();
+        let body = &w.stream().body;
+        Some(body.get(..size.min(body.len()))?.to_vec())
+    }
+
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        let mut w = self.world();
+        let body = &w.stream().response_body;
+        Some(body.get(..size.min(body.len()))?.to_vec())
+    }
+
+    fn send_response(
+        &self,
+        status: u32,
+        headers: Vec<(&str, &str)>,
+        body: &[u8],
+    ) -> Result<(), Status> {
+        let mut w = self.world();
+        let s = w.stream();
+        s.reply = Some(status);
+        s.response = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        s.response_body = body.to_vec();
+        Ok(())
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> Result<(), Status> {
+        self.world().current = context_id;
+        Ok(())
+    }
+
+    fn resume_request(&self) {
+        self.world().stream().resumed += 1;
+    }
+
+    fn dispatch(
+        &self,
+        cluster: &str,
+        headers: Vec<(&str, &str)>,
+        _timeout: Duration,
+    ) -> Result<u32, Status> {
+        let mut w = self.world();
+        w.next_token += 1;
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+                .unwrap_or_default()
+        };
+        let call = Call {
+            token: w.next_token,
+            cluster: cluster.to_string(),
+            path: header(":path"),
+            authority: header(":authority"),
+        };
+        w.calls.push(call);
+        Ok(w.next_token)
+    }
+
+    fn call_status(&self) -> Option<String> {
+        self.world().answer.0.clone()
+    }
+
+    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
+        let w = self.world();
+        Some(w.answer.1.get(..size.min(w.answer.1.len()))?.to_vec())
+    }
+
+    fn plugin_configuration(&self) -> Vec<u8> {
+        self.world().configuration.clone()
+    }
+
+    fn root_id(&self) -> Option<Vec<u8>> {
+        self.world().root_id.clone()
+    }
+
+    fn set_tick_period(&self, period: Duration) {
+        self.world().tick = Some(period);
+    }
+
+    fn define_metric(&self, kind: MetricType, name: &str) -> u32 {
+        let mut w = self.world();
+        if let Some(i) = w.metrics.iter().position(|(_, n, _)| n == name) {
+            return i as u32 + 1;
+        }
+        w.metrics.push((kind, name.to_string(), 0));
+        w.metrics.len() as u32
+    }
+
+    fn increment_metric(&self, id: u32, delta: i64) {
+        if let Some(m) = self.world().metrics.get_mut(id as usize - 1) {
+            m.2 += delta;
+        }
+    }
+
+    fn record_metric(&self, id: u32, value: u64) {
+        if let Some(m) = self.world().metrics.get_mut(id as usize - 1) {
+            m.2 = value as i64;
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! The callouts a polling VM sends on its tick: every node's health, less often its
+//! `/v1/models`, and Envoy's admin list of the cluster's members (`membership`).
+//!
+//! A callout is a GET through a cluster: the health cluster, which sends it to the address
+//! the target header names (the only way the filter reaches a node outside a request), or
+//! the admin cluster. Each sent callout is remembered with the node (slot and tenant) it asks
+//! about (`fleet::callouts::Outstanding`), so its answer (see `answers`) goes to that node or
+//! is dropped if the node has left, and a node is not asked again while it has not answered.
+
+use crate::host::Host;
+use crate::metrics::Stat;
+use crate::state::State;
+use log::warn;
+use proxy_wasm::types::Status;
+use std::time::Duration;
+use token_balancer_core::config::Config;
+use token_balancer_core::fleet::callouts::Outstanding;
+use token_balancer_core::fleet::models::ListPoll;
+use token_balancer_core::fleet::polling::{self, Schedule};
+
+/// What a polling VM (`Role::Vm`, `Role::Service`) keeps of its polls.
+pub struct Polls {
+    /// Health callouts in flight.
+    pub health: Outstanding,
+    /// `/v1/models` callouts in flight.
+    pub models: Outstanding,
+    /// When to ask each node for its model list (see `models::ListPoll`), by node.
+    pub list_polls: Vec<ListPoll>,
+    /// The admin `/clusters` callout in flight, and when the next is due.
+    pub members: Option<u32>,
+    pub members_due_ms: u64,
+    /// Which slices of the fleet to poll when (see `polling`).
+    pub schedule: Schedule,
+}
+
+impl Polls {
+    pub fn new(config: &Config) -> Polls {
+        Polls {
+            health: Outstanding::default(),
+            models: Outstanding::default(),
+            list_polls: config
+                .nodes
+                .iter()
+                .map(|_| ListPoll::new(config.tick_ms, config.models_poll_ms))
+                .collect(),
+            members: None,
+            members_due_ms: 0,
+            schedule: Schedule::default(),
+        }
+    }
+
+    /// Node `i` is new in its slot: its model list is asked afresh.
+    pub fn joined(&mut self, i: usize, config: &Config) {
+        let fresh = ListPoll::new(config.tick_ms, config.models_poll_ms);
+        if self.list_polls.len() <= i {
+            self.list_polls.resize(i + 1, fresh);
+        } else if let Some(p) = self.list_polls.get_mut(i) {
+            *p = fresh;
+        }
+    }
+}
+
+/// A GET to `target` (`ip:port`) through the health cluster, which sends it to the address
+/// the target header names.
+fn callout<H: Host>(
+    host: &H,
+    config: &Config,
+    target: &str,
+    path: &str,
+    timeout: Duration,
+) -> Result<u32, Status> {
+    get(
+        host,
+        &config.health_cluster,
+        target,
+        Some((config.health_target_header.as_str(), target)),
+        path,
+        timeout,
+    )
+}
+
+/// A GET through `cluster`, with the header that names its target when the cluster needs one.
+fn get<H: Host>(
+    host: &H,
+    cluster: &str,
+    authority: &str,
+    target_header: Option<(&str, &str)>,
+    path: &str,
+    timeout: Duration,
+) -> Result<u32, Status> {
+    let mut headers = vec![
+        (":method", "GET"),
+        (":path", path),
+        (":authority", authority),
+        (":scheme", "http"),
+        ("user-agent", "token-balancer"),
+    ];
+    headers.extend(target_header);
+    host.dispatch(cluster, headers, timeout)
+}
+
+impl<H: Host> State<H> {
+    /// Sends one health callout to every node of the slices now due (see `polling`) that has
+    /// none outstanding. Returns the slices polled, and the timer period the schedule wants.
+    pub fn poll_health(&mut self, now_ms: u64) -> (Vec<usize>, u64) {
+        let State {
+            host,
+            config,
+            balancer,
+            metrics,
+            role,
+            ..
+        } = self;
+        let Some(polls) = role.polls() else {
+            return (Vec::new(), config.tick_ms);
+        };
+        // The fleet may grow or shrink (membership): the slices follow it.
+        let due = polls
+            .schedule
+            .due(balancer.nodes().len(), config.tick_ms, now_ms);
+        let slices = polls.schedule.slices();
+        let timeout = Duration::from_millis(config.health_timeout_ms);
+        for (i, state) in balancer.nodes().iter().enumerate() {
+            let Some(node) = balancer.node_config(i) else {
+                continue;
+            };
+            // A node whose last poll is still outstanding is not polled again: slow nodes must
+            // not pile up callouts. A node out of the cluster is not polled at all.
+            if !state.member()
+                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
+                || polls.health.is_asked(i, state.tenant())
+            {
+                continue;
+            }
+            let target = node.health_target();
+            match callout(host, config, target, &node.health_path, timeout) {
+                Ok(token) => polls.health.sent(token, i, state.tenant()),
+                Err(e) => {
+                    metrics.bump(Stat::HealthFailed);
+                    warn!(
+                        "health call to {target} via cluster {:?} could not start: {e:?}",
+                        config.health_cluster
+                    );
+                }
+            }
+        }
+        (due, polls.schedule.period_ms())
+    }
+
+    /// Asks every node of the slices `due` whose model list is due, and not configured, for
+    /// its `/v1/models`. The list lives where requests are served, so the callout goes to
+    /// `address`, not to a `health_address` (a metrics sidecar serves no model list).
+    pub fn poll_models(&mut self, due: &[usize], now_ms: u64) {
+        let State {
+            host,
+            config,
+            balancer,
+            metrics,
+            role,
+            ..
+        } = self;
+        let Some(polls) = role.polls() else { return };
+        if config.models_poll_ms == 0 {
+            return;
+        }
+        let slices = polls.schedule.slices();
+        let timeout = Duration::from_millis(config.health_timeout_ms);
+        for (i, state) in balancer.nodes().iter().enumerate() {
+            let Some(node) = balancer.node_config(i) else {
+                continue;
+            };
+            let Some(p) = polls.list_polls.get_mut(i) else {
+                continue;
+            };
+            // Lists are asked in the slice their node's health is: a thousand nodes due at
+            // once (at start) are asked a slice at a time too.
+            if !state.member()
+                || !balancer.learns_models(i)
+                || !p.due(now_ms)
+                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
+                || polls.models.is_asked(i, state.tenant())
+            {
+                continue;
+            }
+            let target = node.address.as_str();
+            match callout(host, config, target, "/v1/models", timeout) {
+                Ok(token) => {
+                    polls.models.sent(token, i, state.tenant());
+                    p.sent(now_ms);
+                }
+                Err(e) => {
+                    metrics.bump(Stat::ModelsFailed);
+                    p.answered(false, now_ms);
+                    warn!("model list call to {target} could not start: {e:?}");
+                }
+            }
+        }
+    }
+
+    /// Asks Envoy's admin for the members of the inference cluster, when due (see
+    /// `membership`).
+    pub fn poll_members(&mut self, now_ms: u64) {
+        let State {
+            host,
+            config,
+            metrics,
+            role,
+            ..
+        } = self;
+        let Some(polls) = role.polls() else { return };
+        let Some(m) = &config.membership else {
+            return;
+        };
+        if polls.members.is_some() || now_ms < polls.members_due_ms {
+            return;
+        }
+        polls.members_due_ms = now_ms.saturating_add(m.poll_ms);
+        let timeout = Duration::from_millis(config.health_timeout_ms.max(1000));
+        match get(
+            host,
+            &m.admin_cluster,
+            "envoy-admin",
+            None,
+            "/clusters?format=json",
+            timeout,
+        ) {
+            Ok(token) => polls.members = Some(token),
+            Err(e) => {
+                metrics.bump(Stat::MembersFailed);
+                warn!(
+                    "member list call via cluster {:?} could not start: {e:?}",
+                    m.admin_cluster
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! What the root context and its requests share in one VM (`State`), and how a routing
+//! decision reaches a request: the routing header set and counted, or the request answered
+//! by the filter itself (`place`), now or, for a held request, once it is admitted
+//! (`admit_held`).
+//!
+//! One VM is single-threaded, so the state is an `Rc<RefCell<..>>` that every context of the
+//! VM holds (`Shared`); a callback that finds it borrowed (it never should) or empty (no
+//! configuration) does nothing, which leaves the request to Envoy's own balancer.
+
+use crate::host::Host;
+use crate::metrics::{Metrics, NodeStat, Stat};
+use crate::roles::Role;
+use log::info;
+use std::cell::RefCell;
+use std::rc::Rc;
+use token_balancer_core::config::{Config, UnknownModel};
+use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::request::Weight;
+use token_balancer_core::rng::SplitMix64;
+use token_balancer_core::route::admission::HoldQueue;
+use token_balancer_core::route::balancer::{Balancer, Outcome};
+use token_balancer_core::share::sync::Reads;
+use token_balancer_core::share::Change;
+
+/// The state of one VM's plugin configuration.
+pub struct State<H> {
+    pub host: H,
+    /// Shared with the requests by reference count: no per-request copies of its strings.
+    pub config: Rc<Config>,
+    pub balancer: Balancer,
+    pub rng: SplitMix64,
+    pub metrics: Metrics<H>,
+    /// Requests waiting for a node with VRAM room (see `admission`).
+    pub held: HoldQueue<Placement>,
+    /// What this VM does besides routing, with that role's own state.
+    pub role: Role,
+}
+
+/// The state every context of a VM holds; `None` until the plugin is configured.
+pub type Shared<H> = Rc<RefCell<Option<State<H>>>>;
+
+/// Where a held request finds its placement once it is admitted: written by whichever
+/// callback admits it (a tick, a health answer, another request's end), read by the request.
+pub type Placement = Rc<RefCell<Option<Placed>>>;
+
+/// A routed request's booking and debug header value.
+#[derive(Debug, Default)]
+pub struct Placed {
+    pub ticket: Option<Ticket>,
+    pub debug: Option<String>,
+    /// The filter answered the request itself: it must not be resumed.
+    pub answered: bool,
+}
+
+impl<H: Host> State<H> {
+    /// The state of a newly configured VM; `seed` starts its random sequence.
+    pub fn new(host: H, config: Config, role: Role, seed: u64) -> State<H> {
+        let metrics = Metrics::define(
+            host.clone(),
+            config.nodes.iter().map(|n| n.address.as_str()),
+        );
+        State {
+            host,
+            balancer: Balancer::new(&config),
+            rng: SplitMix64::new(seed),
+            metrics,
+            held: HoldQueue::new(config.max_held_requests, config.max_hold_ms),
+            config: Rc::new(config),
+            role,
+        }
+    }
+
+    /// Says what was configured (one line).
+    pub fn log_configured(&self) {
+        let c = &self.config;
+        match self.role {
+            Role::Reader(_) => info!(
+                "token-balancer configured: {} nodes, read from the poller service's snapshot",
+                c.nodes.len()
+            ),
+            Role::Service(..) => info!(
+                "token-balancer poller service configured: {} nodes, health via cluster {:?} every {} ms",
+                c.nodes.len(),
+                c.health_cluster,
+                c.tick_ms
+            ),
+            Role::Vm(_) => info!(
+                "token-balancer configured: {} nodes, health via cluster {:?} every {} ms",
+                c.nodes.len(),
+                c.health_cluster,
+                c.tick_ms
+            ),
+        }
+    }
+
+    /// Applies a routing outcome to the effective request: sets the routing header and counts
+    /// it, or answers the request itself. `model` is the body's; `held_ms` is how long the
+    /// request waited in the hold queue, if it did; `reads` are the shared-books reads its
+    /// decision made (the dispatch is written from the chosen node's).
+    pub fn place(
+        &mut self,
+        outcome: Outcome,
+        cap: Weight,
+        model: Option<&str>,
+        held_ms: Option<u64>,
+        reads: Reads,
+    ) -> Placed {
+        let debug_on = self.config.debug_header.is_some();
+        let held = held_ms
+            .map(|ms| format!("; held_ms={ms}"))
+            .unwrap_or_default();
+        match outcome {
+            Outcome::Routed {
+                ticket,
+                header_value,
+                predicted_seconds,
+                over_ceiling,
+                inflight_before,
+            } => {
+                if self
+                    .host
+                    .set_request_header(&self.config.routing_header, &header_value)
+                    .is_err()
+                {
+                    // Without the header Envoy balances on its own; undo the booking.
+                    self.balancer.release(&ticket, 0);
+                    self.metrics.bump(Stat::FallbackInternal);
+                    return Placed::default();
+                }
+                self.metrics.bump(Stat::Routed);
+                let known = reads.take(ticket.node);
+                self.share(&ticket, Change::dispatch(&ticket), known);
+                self.metrics.shift(Stat::InflightNow, 1);
+                self.metrics.bump_node(ticket.node, NodeStat::Picks);
+                if over_ceiling {
+                    self.metrics.bump(Stat::RoutedOverVramCeiling);
+                    if held_ms.is_some() {
+                        self.metrics.bump(Stat::HeldRoutedOverCeiling);
+                    }
+                }
+                let debug = debug_on.then(|| {
+                    format!(
+                        "node={header_value}; prompt_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}{held}",
+                        ticket.weight.prompt_tokens,
+                        ticket.weight.output_tokens,
+                        cap.output_tokens,
+                        predicted_seconds * 1000.0
+                    )
+                });
+                Placed {
+                    ticket: Some(ticket),
+                    debug,
+                    answered: false,
+                }
+            }
+            Outcome::UnknownModel if self.config.unknown_model == UnknownModel::Reject => {
+                let debug = debug_on.then(|| format!("rejected=unknown_model{held}"));
+                let body = model_not_found_body(model.unwrap_or_default());
+                let mut headers = vec![("content-type", "application/json")];
+                if let (Some(name), Some(value)) = (&self.config.debug_header, &debug) {
+                    headers.push((name.as_str(), value.as_str()));
+                }
+                if self.host.send_response(404, headers, &body).is_err() {
+                    // Envoy would not take the answer: let its balancer route the request.
+                    self.metrics.bump(Stat::FallbackInternal);
+                    return Placed::default();
+                }
+                self.metrics.bump(Stat::RejectedUnknownModel);
+                Placed {
+                    ticket: None,
+                    debug,
+                    answered: true,
+                }
+            }
+            Outcome::UnknownModel => {
+                self.metrics.bump(Stat::FallbackUnknownModel);
+                Placed {
+                    ticket: None,
+                    debug: debug_on.then(|| format!("fallback=unknown_model{held}")),
+                    answered: false,
+                }
+            }
+            Outcome::NoFreshNodes | Outcome::Saturated => {
+                self.metrics.bump(Stat::FallbackNoFreshNodes);
+                Placed {
+                    ticket: None,
+                    debug: debug_on.then(|| format!("fallback=no_fresh_nodes{held}")),
+                    answered: false,
+                }
+            }
+        }
+    }
+}
+
+/// vLLM's answer to a model it does not serve (OpenAI's error shape), as JSON.
+fn model_not_found_body(model: &str) -> Vec<u8> {
+    serde_json::json!({"error": {
+        "message": format!("The model `{model}` does not exist."),
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }})
+    .to_string()
+    .into_bytes()
+}
+
+/// Routes the held requests that now have a node (or have waited long enough) and lets them
+/// go. Called from the root's callbacks and from a request's end, which frees room. Envoy
+/// defers the resumption until this VM call returns, so no callback re-enters the VM here.
+/// `current` is the context this runs in, restored as the effective context afterwards.
+pub fn admit_held<H: Host>(state: &Shared<H>, current: u32) {
+    let Ok(mut guard) = state.try_borrow_mut() else {
+        return;
+    };
+    let Some(s) = guard.as_mut() else { return };
+    if s.held.is_empty() {
+        return;
+    }
+    let now = s.host.now_ms();
+    let admitted = s.admit(now);
+    if admitted.is_empty() {
+        return;
+    }
+    s.metrics.shift(Stat::HeldNow, -(admitted.len() as i64));
+    for (held, outcome) in admitted {
+        if s.host.set_effective_context(held.id).is_err() {
+            // The stream is gone without its end being seen: give the booking back.
+            if let Outcome::Routed { ticket, .. } = &outcome {
+                s.balancer.release(ticket, 0);
+            }
+            continue;
+        }
+        let placed = s.place(
+            outcome,
+            held.weight,
+            held.model.as_deref(),
+            Some(now.saturating_sub(held.since_ms)),
+            // Several may go at once, each changing the books the next read: no reuse.
+            Reads::default(),
+        );
+        let answered = placed.answered;
+        if let Ok(mut placement) = held.payload.try_borrow_mut() {
+            *placement = Some(placed);
+        }
+        if !answered {
+            s.host.resume_request();
+        }
+    }
+    let _ = s.host.set_effective_context(current);
+}

@@ -1,0 +1,207 @@
+//! A request's key paths: the client's routing header removed, the body read and routed, an
+//! over-limit body left alone, a held request resumed once admitted, and the booking released
+//! exactly once.
+
+use super::*;
+
+#[test]
+fn a_client_supplied_routing_header_is_removed() {
+    let (host, root) = configured(&config(r#","debug_header":"x-debug""#));
+    let mut req = request(
+        &host,
+        &root,
+        2,
+        &[
+            (":path", "/v1/completions"),
+            (ROUTING, "6.6.6.6:666"),
+            ("x-debug", "forged"),
+        ],
+    );
+    host.enter(2);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    assert_eq!(host.request_header_of(2, "x-debug"), None);
+    assert_eq!(
+        host.metric("token_balancer.client_routing_header_removed"),
+        1
+    );
+    // Without a body there is nothing to route on: the request goes on, to Envoy's balancer.
+    let mut bare = request(&host, &root, 3, &[(":path", "/v1/completions")]);
+    host.enter(3);
+    assert_eq!(bare.on_http_request_headers(0, true), Action::Continue);
+    assert_eq!(host.metric("token_balancer.fallback.no_body"), 1);
+    assert_eq!(
+        host.metric("token_balancer.client_routing_header_removed"),
+        1
+    );
+}
+
+#[test]
+fn a_read_body_is_routed_with_the_routing_header_set() {
+    let (host, root) = reported(&config(""), IDLE);
+    assert_eq!(host.metric("token_balancer.health.ok"), 2);
+    let (_req, headers, body) = post(&host, &root, 2, BODY);
+    assert_eq!((headers, body), (Action::Pause, Action::Continue));
+    let routed = host.request_header_of(2, ROUTING).expect("routing header");
+    let first = routed.split(',').next().unwrap().to_string();
+    assert!(first == A || first == B, "{routed}");
+    assert_eq!(host.metric("token_balancer.routed"), 1);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 1);
+    let picks = format!(
+        "token_balancer.node.{}.picks",
+        first.replace(['.', ':'], "_")
+    );
+    assert_eq!(host.metric(&picks), 1);
+    assert_eq!(host.stream(2).resumed, 0, "never paused past the body");
+}
+
+#[test]
+fn with_no_fresh_node_the_request_falls_back_untouched() {
+    let (host, root) = configured(&config(r#","debug_header":"x-debug""#));
+    let (mut req, _, body) = post(&host, &root, 2, BODY);
+    assert_eq!(body, Action::Continue);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    assert_eq!(host.metric("token_balancer.fallback.no_fresh_nodes"), 1);
+    respond(&host, &mut req, 2, "200");
+    let debug = host.stream(2).response.clone();
+    assert!(debug.contains(&("x-debug".into(), "fallback=no_fresh_nodes".into())));
+}
+
+#[test]
+fn an_unreadable_body_falls_back() {
+    let (host, root) = reported(&config(""), IDLE);
+    let (_req, _, body) = post(&host, &root, 2, "not json");
+    assert_eq!(body, Action::Continue);
+    assert_eq!(host.metric("token_balancer.fallback.body_unusable"), 1);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+}
+
+#[test]
+fn an_over_limit_content_length_falls_back_without_pausing() {
+    let (host, root) = reported(&config(r#","max_body_bytes":100"#), IDLE);
+    let mut req = request(
+        &host,
+        &root,
+        2,
+        &[(":path", "/v1/completions"), ("content-length", "1000")],
+    );
+    host.enter(2);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Continue);
+    assert_eq!(host.metric("token_balancer.fallback.body_over_limit"), 1);
+    // The body then streams through untouched, unread and uncounted.
+    host.stream(2).body = vec![b'x'; 1000];
+    assert_eq!(req.on_http_request_body(1000, true), Action::Continue);
+    assert_eq!(host.metric("token_balancer.fallback.body_over_limit"), 1);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    // A body without a content-length that grows past the limit is let go at once too.
+    let mut chunked = request(&host, &root, 3, &[(":path", "/v1/completions")]);
+    host.enter(3);
+    assert_eq!(chunked.on_http_request_headers(0, false), Action::Pause);
+    assert_eq!(chunked.on_http_request_body(60, false), Action::Pause);
+    assert_eq!(chunked.on_http_request_body(120, false), Action::Continue);
+    assert_eq!(host.metric("token_balancer.fallback.body_over_limit"), 2);
+}
+
+#[test]
+fn a_held_request_resumes_when_a_report_shows_room() {
+    let (host, mut root) = reported(&config(r#","max_hold_ms":10000,"choices":0"#), FULL);
+    let (mut req, _, body) = post(&host, &root, 2, BODY);
+    assert_eq!(body, Action::Pause, "held: every node is full");
+    assert_eq!(host.metric("token_balancer.held"), 1);
+    assert_eq!(host.metric("token_balancer.held_now"), 1);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    // The next round of polls finds room: the held request is routed and resumed.
+    host.advance(1000);
+    tick(&host, &mut root);
+    assert_eq!(host.stream(2).resumed, 0, "still full at the tick");
+    answer_health(&host, &mut root, IDLE);
+    assert_eq!(host.stream(2).resumed, 1);
+    assert!(host.request_header_of(2, ROUTING).is_some());
+    assert_eq!(host.metric("token_balancer.held_now"), 0);
+    assert_eq!(host.metric("token_balancer.routed"), 1);
+    assert_eq!(
+        host.world().current,
+        ROOT,
+        "the root is the effective context again"
+    );
+    // The request takes its booking over, and gives it back at its end.
+    respond(&host, &mut req, 2, "200");
+    assert_eq!(host.metric("token_balancer.inflight_now"), 1);
+    end(&host, &mut req, 2);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 0);
+    assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0);
+}
+
+#[test]
+fn a_held_request_whose_stream_ends_leaves_the_queue() {
+    let (host, root) = reported(&config(r#","max_hold_ms":10000,"choices":0"#), FULL);
+    let (mut req, _, body) = post(&host, &root, 2, BODY);
+    assert_eq!(body, Action::Pause);
+    end(&host, &mut req, 2);
+    assert_eq!(host.metric("token_balancer.held_now"), 0);
+    drop(req);
+    assert_eq!(host.metric("token_balancer.held_now"), 0);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 0);
+}
+
+#[test]
+fn the_booking_is_released_exactly_once() {
+    let (host, root) = reported(&config(""), IDLE);
+    let (mut req, _, _) = post(&host, &root, 2, BODY);
+    let node = usize::from(host.request_header_of(2, ROUTING).unwrap().starts_with(B));
+    assert_eq!(inflight(&root, node), 1);
+    respond(&host, &mut req, 2, "200");
+    host.stream(2).response_body = b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n".to_vec();
+    assert_eq!(req.on_http_response_body(40, true), Action::Continue);
+    end(&host, &mut req, 2);
+    assert_eq!(inflight(&root, node), 0);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 0);
+    drop(req);
+    assert_eq!(
+        host.metric("token_balancer.inflight_now"),
+        0,
+        "not released again"
+    );
+    // A context dropped without its end being seen still gives its booking back.
+    let (req, _, _) = post(&host, &root, 3, BODY);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 1);
+    drop(req);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 0);
+    assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0);
+}
+
+#[test]
+fn a_refused_routing_header_undoes_the_booking() {
+    let (host, root) = reported(&config(""), IDLE);
+    host.world().refuse_headers = true;
+    let (_req, _, body) = post(&host, &root, 2, BODY);
+    assert_eq!(body, Action::Continue);
+    assert_eq!(host.metric("token_balancer.fallback.internal"), 1);
+    assert_eq!(host.metric("token_balancer.routed"), 0);
+    assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0);
+}
+
+#[test]
+fn an_unknown_model_is_answered_404_when_configured_to_reject() {
+    let json = format!(
+        r#"{{"nodes":[{{"address":"{A}","models":["m"]}}],"health_cluster":"h","unknown_model":"reject"}}"#
+    );
+    let (host, root) = reported(&json, IDLE);
+    let (_req, _, body) = post(&host, &root, 2, r#"{"model":"other","prompt":"x"}"#);
+    assert_eq!(body, Action::Pause, "answered by the filter: not resumed");
+    assert_eq!(host.stream(2).reply, Some(404));
+    assert_eq!(host.metric("token_balancer.rejected.unknown_model"), 1);
+}
+
+#[test]
+fn without_a_configuration_every_callback_lets_the_request_go() {
+    let host = FakeHost::default();
+    let root = Root::new(ROOT, host.clone());
+    let mut req = request(&host, &root, 2, &[(ROUTING, "6.6.6.6:666")]);
+    host.enter(2);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Continue);
+    assert_eq!(req.on_http_request_body(10, true), Action::Continue);
+    assert_eq!(req.on_http_response_headers(0, false), Action::Continue);
+    assert_eq!(req.on_http_response_body(10, true), Action::Continue);
+    req.on_log();
+}

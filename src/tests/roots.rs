@@ -1,0 +1,307 @@
+//! The root context: the stats it defines, the roles, and the callout answers (one for a node
+//! that left the cluster is dropped).
+
+use super::*;
+use proxy_wasm::types::MetricType;
+use token_balancer_core::share::{books_key, Books, POLLER_ROOT_ID};
+
+/// Every stat name the filter has always had: dashboards, the README and the integration
+/// tests read them, so none may change.
+const NAMES: &[&str] = &[
+    "routed",
+    "routed_over_vram_ceiling",
+    "fallback.no_fresh_nodes",
+    "fallback.no_body",
+    "fallback.body_unusable",
+    "fallback.body_over_limit",
+    "fallback.encoded_body",
+    "fallback.internal",
+    "fallback.unknown_model",
+    "fallback.no_fleet",
+    "rejected.unknown_model",
+    "client_routing_header_removed",
+    "held",
+    "held_routed_over_ceiling",
+    "health.ok",
+    "health.failed",
+    "health.unparsable",
+    "health.no_answer",
+    "health.bad_status",
+    "health.too_large",
+    "nodes_ejected",
+    "nodes_readmitted",
+    "models.ok",
+    "models.failed",
+    "models.unparsable",
+    "members.ok",
+    "members.failed",
+    "nodes_joined",
+    "nodes_left",
+    "shared.failed",
+    "shared.cas_retries",
+    "shared.cas_exhausted",
+    "shared.books_missing",
+    "shared.books_gone",
+    "shared.published",
+    "shared.imported",
+];
+const GAUGES: &[&str] = &[
+    "held_now",
+    "inflight_now",
+    "vm_memory_bytes",
+    "members_now",
+    "shared.inflight_requests",
+    "shared.inflight_tokens",
+];
+
+#[test]
+fn every_stat_keeps_its_name_and_kind() {
+    let (host, _root) = configured(&config(""));
+    let mut got = host.metric_names();
+    let node = |a: &str, what: &str| {
+        let safe = a.replace(['.', ':'], "_");
+        (
+            MetricType::Counter,
+            format!("token_balancer.node.{safe}.{what}"),
+        )
+    };
+    let mut want: Vec<(MetricType, String)> = NAMES
+        .iter()
+        .map(|n| (MetricType::Counter, format!("token_balancer.{n}")))
+        .chain(
+            GAUGES
+                .iter()
+                .map(|n| (MetricType::Gauge, format!("token_balancer.{n}"))),
+        )
+        .chain(
+            [A, B]
+                .iter()
+                .flat_map(|a| [node(a, "picks"), node(a, "health_failures")]),
+        )
+        .collect();
+    let key = |(k, n): &(MetricType, String)| (*k as u32, n.clone());
+    got.sort_by_key(key);
+    want.sort_by_key(key);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_bad_configuration_is_refused() {
+    let host = FakeHost::default();
+    host.world().configuration = br#"{"nodes":[]}"#.to_vec();
+    assert!(!Root::new(ROOT, host.clone()).on_configure(0));
+    // The poller service needs `poller: singleton`.
+    host.world().configuration = config("").into_bytes();
+    host.world().root_id = Some(POLLER_ROOT_ID.as_bytes().to_vec());
+    assert!(!Root::new(ROOT, host.clone()).on_configure(0));
+}
+
+#[test]
+fn the_first_tick_polls_every_node_and_sets_the_tick() {
+    let (host, mut root) = configured(&config(r#","tick_ms":200"#));
+    assert_eq!(
+        host.world().tick,
+        Some(std::time::Duration::from_millis(50))
+    );
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let mut polled: Vec<&str> = calls.iter().map(|c| c.authority.as_str()).collect();
+    polled.sort_unstable();
+    assert_eq!(polled, [A, B]);
+    assert!(calls.iter().all(|c| c.cluster == "gpu_health"));
+    assert_eq!(
+        host.world().tick,
+        Some(std::time::Duration::from_millis(200))
+    );
+    // A node that has not answered is not asked again.
+    host.advance(200);
+    tick(&host, &mut root);
+    assert!(host.take_calls().is_empty());
+    // Failed answers count, per node too.
+    for c in &calls {
+        answer(&host, &mut root, c.token, None, "");
+    }
+    assert_eq!(host.metric("token_balancer.health.failed"), 2);
+    assert_eq!(host.metric("token_balancer.health.no_answer"), 2);
+    let safe = A.replace(['.', ':'], "_");
+    let failures = format!("token_balancer.node.{safe}.health_failures");
+    assert_eq!(host.metric(&failures), 1);
+}
+
+/// An admin `/clusters?format=json` answer listing `addresses` in cluster gpu_nodes.
+fn members(addresses: &[&str]) -> String {
+    let hosts: Vec<String> = addresses
+        .iter()
+        .map(|a| {
+            let (ip, port) = a.split_once(':').unwrap();
+            format!(
+                r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"cluster_statuses":[{{"name":"gpu_nodes","host_statuses":[{}]}}]}}"#,
+        hosts.join(",")
+    )
+}
+
+const FOLLOWING: &str = r#"{"health_cluster":"gpu_health","models_poll_ms":0,"tick_ms":100,
+    "membership":{"cluster":"gpu_nodes","admin_cluster":"admin","poll_ms":100}}"#;
+
+#[test]
+fn a_departed_nodes_late_health_answer_does_not_land_on_its_slots_new_tenant() {
+    let (host, mut root) = configured(FOLLOWING);
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].path, "/clusters?format=json");
+    answer(
+        &host,
+        &mut root,
+        calls[0].token,
+        Some("200"),
+        &members(&[A]),
+    );
+    assert_eq!(host.metric("token_balancer.nodes_joined"), 1);
+    // The next tick asks A for its health and the admin for the members again.
+    host.advance(100);
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let health = calls.iter().find(|c| c.path == "/health").unwrap();
+    let admin = calls.iter().find(|c| c.cluster == "admin").unwrap();
+    assert_eq!(health.authority, A);
+    // A is replaced by B before its answer comes: B takes A's slot.
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[B]));
+    assert_eq!(host.metric("token_balancer.nodes_joined"), 2);
+    {
+        let state = root.state().borrow();
+        let nodes = state.as_ref().unwrap().balancer.nodes();
+        assert_eq!((nodes.len(), nodes[0].address()), (1, B));
+    }
+    // A's answer comes late: it is not B's report.
+    answer(&host, &mut root, health.token, Some("200"), IDLE);
+    assert_eq!(host.metric("token_balancer.health.ok"), 0);
+    {
+        let state = root.state().borrow();
+        let b = &state.as_ref().unwrap().balancer.nodes()[0];
+        assert!(b.report_taken().is_none(), "A's report landed on B");
+    }
+    // B is asked for its own health on the next tick, and its answer is taken.
+    host.advance(100);
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let health = calls.iter().find(|c| c.path == "/health").unwrap();
+    assert_eq!(health.authority, B);
+    answer(&host, &mut root, health.token, Some("200"), IDLE);
+    assert_eq!(host.metric("token_balancer.health.ok"), 1);
+}
+
+#[test]
+fn a_departed_nodes_failed_answer_does_not_eject_its_successor() {
+    let json = FOLLOWING.replace(
+        "\"tick_ms\":100",
+        "\"tick_ms\":100,\"unhealthy_after_failures\":1",
+    );
+    let (host, mut root) = configured(&json);
+    tick(&host, &mut root);
+    let admin = host.take_calls().remove(0);
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[A]));
+    host.advance(100);
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let health = calls.iter().find(|c| c.path == "/health").unwrap();
+    let admin = calls.iter().find(|c| c.cluster == "admin").unwrap();
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[B]));
+    answer(&host, &mut root, health.token, None, "");
+    assert_eq!(host.metric("token_balancer.health.failed"), 0);
+    assert_eq!(host.metric("token_balancer.nodes_ejected"), 0);
+}
+
+/// A poller service and a worker reading its fleet, over one Envoy's shared data.
+fn singleton() -> (FakeHost, Root<FakeHost>, Root<FakeHost>) {
+    let json = config(r#","poller":"singleton""#);
+    let (host, mut service) = {
+        let host = FakeHost::default();
+        {
+            let mut w = host.world();
+            w.configuration = json.as_bytes().to_vec();
+            w.root_id = Some(POLLER_ROOT_ID.as_bytes().to_vec());
+            w.now_ms = 1_000_000;
+        }
+        host.enter(ROOT);
+        let mut service = Root::new(ROOT, host.clone());
+        assert!(service.on_configure(0));
+        (host, service)
+    };
+    tick(&host, &mut service);
+    answer_health(&host, &mut service, IDLE);
+    assert_eq!(
+        host.metric("token_balancer.shared.published"),
+        2,
+        "at start, then the round"
+    );
+    host.world().root_id = None;
+    host.enter(100);
+    let mut worker = Root::new(100, host.clone());
+    assert!(worker.on_configure(0));
+    (host, service, worker)
+}
+
+fn shared_books(host: &FakeHost, slot: usize) -> Books {
+    let data = host.world().shared[&books_key(slot)].0.clone();
+    Books::decode(&data).unwrap()
+}
+
+#[test]
+fn a_reader_routes_on_the_services_fleet_and_shares_its_books() {
+    let (host, _service, mut worker) = singleton();
+    host.enter(100);
+    worker.on_tick();
+    assert!(host.take_calls().is_empty(), "a reader polls nothing");
+    assert_eq!(host.metric("token_balancer.shared.imported"), 1);
+    let (mut req, _, body) = post(&host, &worker, 2, BODY);
+    assert_eq!(body, Action::Continue);
+    let first = host.request_header_of(2, ROUTING).unwrap();
+    let slot = usize::from(first.starts_with(B));
+    assert_eq!(shared_books(&host, slot).inflight_requests, 1);
+    end(&host, &mut req, 2);
+    assert_eq!(shared_books(&host, slot).inflight_requests, 0);
+    assert_eq!(host.metric("token_balancer.shared.failed"), 0);
+}
+
+#[test]
+fn a_reader_without_a_live_service_falls_back() {
+    let (host, _service, worker) = singleton();
+    // The service's heartbeat goes stale (default stale_after_ms: 3 s).
+    host.advance(5000);
+    let (_req, _, body) = post(&host, &worker, 2, BODY);
+    assert_eq!(body, Action::Continue);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    assert_eq!(host.metric("token_balancer.fallback.no_fleet"), 1);
+}
+
+#[test]
+fn a_model_list_answer_becomes_its_nodes_list() {
+    let (host, mut root) =
+        configured(&config("").replace(r#""models_poll_ms":0"#, r#""models_poll_ms":1000"#));
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let lists: Vec<_> = calls.iter().filter(|c| c.path == "/v1/models").collect();
+    assert_eq!(lists.len(), 2, "{calls:?}");
+    let a = lists.iter().find(|c| c.authority == A).unwrap();
+    answer(
+        &host,
+        &mut root,
+        a.token,
+        Some("200"),
+        r#"{"object":"list","data":[{"id":"m"}]}"#,
+    );
+    let b = lists.iter().find(|c| c.authority == B).unwrap();
+    answer(&host, &mut root, b.token, Some("500"), "");
+    assert_eq!(host.metric("token_balancer.models.ok"), 1);
+    assert_eq!(host.metric("token_balancer.models.failed"), 1);
+    let state = root.state().borrow();
+    let nodes = state.as_ref().unwrap().balancer.nodes();
+    assert_eq!(nodes[0].models().listed(), Some(&["m".to_string()][..]));
+    assert_eq!(nodes[1].models().listed(), None);
+}

@@ -18,7 +18,7 @@ cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 echo "== cargo clippy (native and wasm32-wasip1)"
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --all-targets --target wasm32-wasip1 -- -D warnings
-echo "== native unit tests (with tests/fuzz_corpus.rs: every committed fuzz input through its target)"
+echo "== native unit tests (with core/tests/fuzz_corpus.rs: every committed fuzz input through its target)"
 cargo test --quiet --workspace
 echo "== fuzz smoke: each libFuzzer target for ${FUZZ_SECONDS:-10} s on stable (docs/FUZZING.md)"
 FUZZ_SANITIZER=none scripts/fuzz.sh "${FUZZ_SECONDS:-10}"

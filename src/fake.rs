@@ -260,6 +260,9 @@ impl Host for FakeHost {
         self.world().tick = Some(period);
     }
 
+    /// The tests install no logger: nothing to follow.
+    fn follow_log_level(&self) {}
+
     fn define_metric(&self, kind: MetricType, name: &str) -> u32 {
         let mut w = self.world();
         if let Some(i) = w.metrics.iter().position(|(_, n, _)| n == name) {

@@ -71,6 +71,11 @@ pub trait Host: Store + Clone + 'static {
     fn root_id(&self) -> Option<Vec<u8>>;
     /// The period of the root context's timer.
     fn set_tick_period(&self, period: Duration);
+    /// Makes the VM log at the level Envoy's `wasm` logger has now (`-l debug` or
+    /// `--component-log-level wasm:debug` shows the debug lines); the level stays as it is when
+    /// Envoy cannot say. Envoy refuses the question while the VM starts, so the configuration
+    /// asks it.
+    fn follow_log_level(&self);
 
     /// Defines a metric; 0 (never a valid id) when the host refuses, which makes every later
     /// update of it a no-op.
@@ -201,6 +206,12 @@ impl Host for Envoy {
 
     fn set_tick_period(&self, period: Duration) {
         let _ = hostcalls::set_tick_period(period);
+    }
+
+    fn follow_log_level(&self) {
+        if let Ok(level) = hostcalls::get_log_level() {
+            proxy_wasm::set_log_level(level);
+        }
     }
 
     fn define_metric(&self, kind: MetricType, name: &str) -> u32 {

@@ -29,7 +29,8 @@ mod state;
 #[cfg(test)]
 mod fake;
 
-/// Installs the root context of this VM (the request contexts come from it).
+/// Installs the root context of this VM (the request contexts come from it). Logging starts at
+/// info level; the configuration then takes Envoy's own level (`Host::follow_log_level`).
 #[cfg_attr(test, allow(dead_code))]
 fn start() {
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);

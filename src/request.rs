@@ -254,7 +254,7 @@ impl<H: Host> HttpContext for Request<H> {
         let path = self.host.request_header(":path").unwrap_or_default();
         self.api = Api::from_path(&path);
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter config, or Envoy
-        // stops all iteration and the body never comes (see README).
+        // stops all iteration and the body never comes (see docs/CONFIGURATION.md).
         Action::Pause
     }
 

@@ -131,6 +131,7 @@ impl<H: Host> Context for Root<H> {
 
 impl<H: Host> RootContext for Root<H> {
     fn on_configure(&mut self, _size: usize) -> bool {
+        self.host.follow_log_level();
         let config = match Config::parse(&self.host.plugin_configuration()) {
             Ok(c) => c,
             Err(e) => {

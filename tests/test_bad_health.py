@@ -132,3 +132,21 @@ def test_a_flapping_node_is_not_ejected(setup):
     wait_until(lambda: STATE["polls"] >= polls + 30, 15, "30 polls of flapping")
     STATE["mode"] = "ok"
     assert envoy.counter("token_balancer.nodes_ejected") == ejected
+
+
+@pytest.mark.parametrize("level,shown", [("debug", True), ("info", False)])
+def test_why_a_poll_failed_is_logged_at_envoys_debug_level(level, shown):
+    """The reason of each failed poll is a debug line: the VM logs at the level Envoy's wasm
+    logger has when it starts, so `-l debug` shows it and `-l info` does not."""
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    envoy = Envoy(envoy_config([dead], free_port(), free_port(), poller="vm"), log_level=level)
+    try:
+        wait_until(lambda: envoy.counter("token_balancer.health.failed") >= 2, 10, "two failed polls")
+        # Envoy answers a refused callout itself, with a 503.
+        line = f"health call to {dead}: status 503"
+        if shown:
+            wait_until(lambda: line in envoy.log_text(), 5, f"the debug line {line!r} in the log")
+        else:
+            assert line not in envoy.log_text()
+    finally:
+        envoy.stop()

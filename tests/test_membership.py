@@ -1,4 +1,4 @@
-"""Node membership follows the Envoy cluster (issue 4, item 4).
+"""Node membership follows the Envoy cluster.
 
 The inference cluster's endpoints come from a file-based EDS source, the way a control plane
 pushes them. The filter reads the cluster's members from Envoy's admin (`membership`): a node

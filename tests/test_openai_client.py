@@ -1,4 +1,4 @@
-"""(f) The official openai Python client, pointed at Envoy, gets correct completions."""
+"""The official openai Python client, pointed at Envoy, gets correct completions."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def test_requests_are_routed_by_the_filter(envoy):
 
 
 def test_a_node_reporting_high_load_gets_no_new_requests(cluster, envoy):
-    """(a) A node whose tokens_per_sec_load is near its capacity is passed over while others
+    """A node whose tokens_per_sec_load is near its capacity is passed over while others
     are free."""
     # Control: idle and equal, every node gets a share.
     assert set(spread(envoy, 30, chat("hi", 2))) == {"node-a", "node-b", "node-c"}
@@ -88,7 +88,7 @@ def test_a_node_reporting_high_load_gets_no_new_requests(cluster, envoy):
 
 
 def test_a_long_prompt_avoids_a_node_whose_vram_would_overflow(cluster, envoy):
-    """(b) node-a is the least loaded but its KV cache is 85% full: a short request still goes
+    """node-a is the least loaded but its KV cache is 85% full: a short request still goes
     there, a long one (whose KV would pass the 0.9 ceiling) goes elsewhere."""
     capacity = cluster[0].health()["tokens_per_sec_capacity"]
     total = KV_TOKENS * KV_BYTES_PER_TOKEN
@@ -105,7 +105,7 @@ def test_a_long_prompt_avoids_a_node_whose_vram_would_overflow(cluster, envoy):
 
 
 def test_a_client_supplied_routing_header_is_ignored(cluster, envoy):
-    """(c) A client naming a node in x-gateway-destination-endpoint does not get it."""
+    """A client naming a node in x-gateway-destination-endpoint does not get it."""
     capacity = cluster[0].health()["tokens_per_sec_capacity"]
     cluster[0].set_health(tokens_per_sec_load=capacity * 0.99)
     polls_seen(cluster)
@@ -123,7 +123,7 @@ def test_a_client_supplied_routing_header_is_ignored(cluster, envoy):
 
 
 def test_with_every_health_endpoint_down_requests_still_succeed(cluster, envoy):
-    """(d) Health down everywhere: once the data is stale the filter sets no routing header and
+    """Health down everywhere: once the data is stale the filter sets no routing header and
     Envoy's least_request fallback serves every request."""
     for n in cluster.nodes:
         n.set_health(fail=True)
@@ -137,7 +137,7 @@ def test_with_every_health_endpoint_down_requests_still_succeed(cluster, envoy):
 
 
 def test_health_endpoints_unreachable_still_fail_open(cluster):
-    """(d) The same with the health endpoints refusing connections from the start."""
+    """The same with the health endpoints refusing connections from the start."""
     dead = {n.address: f"127.0.0.1:{free_port()}" for n in cluster.nodes}
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
                        plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}, health_addresses=dead)
@@ -153,7 +153,7 @@ def test_health_endpoints_unreachable_still_fail_open(cluster):
 
 
 def test_streaming_responses_arrive_intact_chunk_by_chunk(envoy):
-    """(e) SSE events pass through Envoy as the node emits them, not buffered, none lost."""
+    """SSE events pass through Envoy as the node emits them, not buffered, none lost."""
     n_tokens = 40
     conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=30)
     body = json.dumps(chat("tell me a story", n_tokens, stream=True))

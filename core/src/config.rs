@@ -57,7 +57,7 @@ impl NodeConfig {
 }
 
 /// The whole plugin configuration. Durations are integer milliseconds (`*_ms`). The defaults
-/// are documented in the README's configuration table and asserted by the tests below.
+/// are documented in docs/CONFIGURATION.md and asserted by the tests below.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// The GPU nodes this filter balances over: at least one, unless `membership` is set; then
@@ -122,7 +122,7 @@ pub struct Config {
     pub poller: Poller,
 }
 
-/// Who polls the nodes (see `shared`).
+/// Who polls the nodes (see `share`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Poller {
     /// Every VM (each Envoy worker and the main thread) polls every node and keeps its own

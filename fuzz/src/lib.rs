@@ -2,14 +2,14 @@
 //! and panicking (through `assert!`) when an invariant of the code under test breaks.
 //!
 //! These functions are used twice: by the libFuzzer binaries in `fuzz/fuzz_targets/` (run with
-//! `cargo fuzz run <target>`, see fuzz/README.md), and by the root crate's corpus replay test
-//! `tests/fuzz_corpus.rs`, which includes this file as a module (`#[path]`) and runs every
+//! `cargo fuzz run <target>`, see fuzz/README.md), and by the core crate's corpus replay test
+//! `core/tests/fuzz_corpus.rs`, which includes this file as a module (`#[path]`) and runs every
 //! committed corpus file through the same function on stable Rust in `cargo test`. So this file
-//! must only use `std`, `serde_json` and `token_balancer`, the dependencies both sides have.
+//! must only use `std`, `serde_json` and `token_balancer_core`, the dependencies both sides have.
 //!
-//! The invariants asserted are the ones the code documents (module comments, the README's
-//! configuration table); where a bound is a private constant of `src/`, it is repeated here with
-//! the place it comes from.
+//! The invariants asserted are the ones the code documents (module comments and
+//! docs/CONFIGURATION.md); where a bound is a private constant of `core/src/`, it is repeated
+//! here with the place it comes from.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -237,7 +237,7 @@ pub fn config(data: &[u8]) {
             return;
         }
     };
-    // The invariants the README's configuration table documents.
+    // The invariants docs/CONFIGURATION.md documents.
     assert!(
         !c.nodes.is_empty() || c.membership.is_some(),
         "no node and no membership"
@@ -467,7 +467,10 @@ pub fn response_usage(data: &[u8]) {
     if reply {
         assert_eq!(more, ended, "an event counted in a reply");
     } else {
-        assert!((ended..=ended + 1).contains(&more), "{ended} then {more}");
+        assert!(
+            (ended..=ended.saturating_add(1)).contains(&more),
+            "{ended} then {more}"
+        );
     }
 
     // A count reported after everything else is the sample.

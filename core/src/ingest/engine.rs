@@ -5,7 +5,7 @@
 //! seed JSON; each exports Prometheus text with its own names. This module reads one scrape into
 //! a `Scrape`: the gauges the choice needs (requests running and waiting, KV-cache use, the
 //! cache's size when the engine publishes its geometry) and the cumulative prompt and
-//! generation token counters. Counters are not a load: `throughput` turns two scrapes into
+//! generation token counters. Counters are not a load: `rates` turns two scrapes into
 //! tokens per second and a `telemetry::Report`.
 //!
 //! Names read, per engine (sources: vLLM "Production Metrics" docs and `vllm/v1/metrics`;
@@ -242,7 +242,7 @@ enum Field {
 }
 
 /// A cumulative counter summed over its series. The series count is part of its identity: a
-/// sum over a different set of series is not comparable with the last one (see `throughput`).
+/// sum over a different set of series is not comparable with the last one (see `rates`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Counter {
     pub total: f64,

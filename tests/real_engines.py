@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -57,12 +58,12 @@ def missing() -> str | None:
             if not (p.is_file() and (what == "model" or os.access(p, os.X_OK)))]
     if not gone:
         return None
-    return f"no {' and no '.join(gone)}: run scripts/llama-server.sh (builds llama.cpp once, ~10 min)"
+    return f"no {' and no '.join(gone)}: run scripts/llama-server.sh (builds llama.cpp once, 6 to 12 min on 2 cores)"
 
 
 def require():
-    """Skips the calling test (or module, at import) when no real engine is available, or fails
-    it when TB_REAL_ENGINES=1 says one must be."""
+    """Skips the calling test (or fixture) when no real engine is available, or fails it when
+    TB_REAL_ENGINES=1 says one must be."""
     import pytest
 
     reason = missing()
@@ -93,6 +94,8 @@ class LlamaServer:
     proc: subprocess.Popen
     log_path: Path
     _log: object = field(repr=False, default=None)
+    # The log folder, when this server made it (removed on stop; a failure quotes the log's tail).
+    _own_dir: Path | None = field(repr=False, default=None)
 
     @property
     def name(self) -> str:
@@ -139,6 +142,9 @@ class LlamaServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir = None
 
 
 def command(binary: Path, model: Path, spec: Spec, port: int) -> list[str]:
@@ -163,12 +169,12 @@ def start(spec: Spec, port: int | None = None, log_dir: Path | None = None, wait
     """Starts one llama-server; with `wait`, returns once /health says ok (the model is loaded)."""
     binary, model = paths()
     port = port or free_port()
-    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="tb-llama-"))
-    log_path = log_dir / f"llama-server-{spec.name}-{port}.log"
+    own_dir = None if log_dir else Path(tempfile.mkdtemp(prefix="tb-llama-"))
+    log_path = (log_dir or own_dir) / f"llama-server-{spec.name}-{port}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(command(binary, model, spec, port), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
-    server = LlamaServer(spec, port, proc, log_path, log)
+    server = LlamaServer(spec, port, proc, log_path, log, own_dir)
     if wait:
         try:
             wait_ready(server)
@@ -212,6 +218,7 @@ class Fleet:
     def stop(self):
         for s in self.servers:
             s.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def chat(prompt: str, max_tokens: int = 8, model: str = "smollm2", **extra) -> dict:

@@ -1,0 +1,355 @@
+"""Integration tests with real inference engines: the real Envoy and the filter in front of real
+llama.cpp `llama-server` processes (CPU, SmolLM2-135M; scripts/llama-server.sh builds and fetches
+them once into a cache outside the repository, tests/real_engines.py runs them).
+
+The servers are unequal (slots and context size). The filter is configured as it must be today
+for llama.cpp: per node `health_path: /metrics` and `format: llamacpp` (the server started with
+`--metrics`), and `models` naming what the clients send. Then:
+- the filter routes by its own choice (`routed` grows, no `fallback.*`);
+- the official openai client gets completions and streams (with the usage chunk when asked);
+- a server killed under load costs no failed non-streaming request (Envoy retries on the
+  filter's next pick, the filter ejects the node) and is taken back when it returns;
+- documented gaps, as strict expected failures that must be un-xfailed when fixed: the README's
+  minimal configuration (node addresses only) routes nothing to llama.cpp, and a prompt longer
+  than a server's context is still sent there (llama.cpp b11434 publishes no KV metric).
+
+Without the binary or the model these tests skip, saying why; with TB_REAL_ENGINES=1 a missing
+engine fails them. Facts about what llama-server answers: tests/REAL_ENGINES.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import http.client
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+import real_engines
+from harness import Envoy, envoy_config, free_port, wait_until, with_node_settings
+from real_engines import Fleet, Spec, chat
+
+MODEL = "smollm2"
+TICK_MS = 100
+# A real server answers /metrics through its task queue, between decode steps: slower than the
+# mock under load, so reports are trusted a little longer than in the mock tests.
+STALE_MS = 2_000
+
+SPECS = [
+    Spec("big", parallel=4, ctx_size=4096, aliases=(MODEL,)),
+    Spec("mid", parallel=2, ctx_size=2048, aliases=(MODEL,)),
+    Spec("small", parallel=1, ctx_size=1024, aliases=(MODEL,)),
+]
+
+
+def llamacpp_node(**extra) -> dict:
+    """The per-node settings a llama.cpp node needs today."""
+    return {"health_path": "/metrics", "format": "llamacpp", "models": [MODEL], **extra}
+
+
+def safe(address: str) -> str:
+    return address.replace(".", "_").replace(":", "_")
+
+
+def fallbacks(envoy) -> dict[str, int]:
+    return {k: v for k, v in envoy.counters().items() if k.startswith("token_balancer.fallback.")}
+
+
+def picked(r) -> str:
+    """The node the filter chose for a response (the first entry of its routing header)."""
+    header = r.headers.get("x-token-balancer", "")
+    assert header.startswith("node="), (r.status, header, r.body[:200])
+    return header.removeprefix("node=").split(";")[0].split(",")[0]
+
+
+def start_envoy(fleet: Fleet, settings: list[dict], plugin: dict | None = None) -> Envoy:
+    cfg = envoy_config([s.address for s in fleet], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, **(plugin or {})})
+    return Envoy(with_node_settings(cfg, settings))
+
+
+def fresh_reports(envoy, nodes: int, rounds: int = 3):
+    """Waits for `rounds` more good polls of every node (the worker's VM and the main thread's
+    both poll, so a round is 2 x nodes answers)."""
+    start = envoy.counter("token_balancer.health.ok")
+    wait_until(lambda: envoy.counter("token_balancer.health.ok") >= start + 2 * nodes * rounds, 20,
+               lambda: f"{rounds} rounds of good health polls: {envoy.counters()}")
+
+
+def test_a_real_engine_is_available():
+    """Skips (or, with TB_REAL_ENGINES=1, fails) when the engine is missing, saying why: the
+    one place a fresh machine learns what to run."""
+    real_engines.require()
+    binary, model = real_engines.paths()
+    assert binary.stat().st_size > 1_000_000 and model.stat().st_size > 50_000_000
+
+
+@pytest.fixture
+def engine():
+    """The engine is there (else skipped, or failed with TB_REAL_ENGINES=1). A fixture, not a
+    call in the test: a missing engine must not count as the expected failure of an xfail."""
+    real_engines.require()
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    real_engines.require()
+    with Fleet(SPECS) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def envoy(fleet):
+    # The third node leaves `format` out: `auto` tells llama.cpp by its metric prefix.
+    settings = [llamacpp_node(), llamacpp_node(), {k: v for k, v in llamacpp_node().items() if k != "format"}]
+    e = start_envoy(fleet, settings)
+    try:
+        fresh_reports(e, len(SPECS))
+        yield e
+    finally:
+        e.stop()
+
+
+def test_the_filter_routes_real_servers_by_its_own_choice(fleet, envoy):
+    before = envoy.counters()
+    fell_back = fallbacks(envoy)
+    n = 24
+
+    def ask(i):
+        return envoy.post("/v1/chat/completions", chat(f"Question {i}: what is {i} plus {i}?", 8), timeout=120)
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(ask, range(n)))
+    for r in responses:
+        assert r.status == 200, (r.status, r.body[:300])
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["content"], body
+        assert 1 <= body["usage"]["completion_tokens"] <= 8, body["usage"]
+    choices = collections.Counter(picked(r) for r in responses)
+    assert set(choices) <= set(fleet.by_address()), choices
+    after = envoy.counters()
+    assert after.get("token_balancer.routed", 0) == before.get("token_balancer.routed", 0) + n
+    assert fallbacks(envoy) == fell_back, "no request fell back to Envoy's balancer"
+    assert after.get("token_balancer.health.unparsable", 0) == 0, "every /metrics answer was read"
+    # With six clients at once the requests in flight spread the choice over the servers.
+    assert len(choices) >= 2, choices
+    picks = {s.name: after.get(f"token_balancer.node.{safe(s.address)}.picks", 0) for s in fleet}
+    assert sum(picks.values()) >= n and sum(1 for v in picks.values() if v) >= 2, picks
+    # The servers did the work: their own counters saw it.
+    served = 0
+    for s in fleet:
+        text = s.get("/metrics").body.decode()
+        served += int(float(next(line.split()[1] for line in text.splitlines()
+                                 if line.startswith("llamacpp:tokens_predicted_total "))))
+    assert served >= n, served
+
+
+def test_the_openai_client_through_envoy(envoy):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{envoy.port}/v1", api_key="not-needed", max_retries=0,
+                           timeout=120)
+    routed = envoy.counter("token_balancer.routed")
+    fell_back = fallbacks(envoy)
+    messages = [{"role": "user", "content": "Name a colour."}]
+
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
+                                                           temperature=0)
+    assert raw.headers["x-token-balancer"].startswith("node=127.0.0.1:")
+    r = raw.parse()
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    # Streamed, with the usage chunk asked for: the last chunk has no choices and the usage.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None, chunks[-1]
+    assert 1 <= chunks[-1].usage.completion_tokens <= 12
+    assert sum(1 for c in chunks if c.usage) == 1
+    # Without stream_options no chunk carries usage (as OpenAI's API says).
+    plain = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
+    assert not any(c.usage for c in plain), [c.usage for c in plain if c.usage]
+
+    # The legacy completions API, plain and streamed.
+    c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert c.choices[0].text and 1 <= c.usage.completion_tokens <= 6
+    streamed = "".join(x.choices[0].text for x in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True) if x.choices)
+    assert streamed == c.choices[0].text, "greedy decoding: the same text streamed or not"
+
+    assert envoy.counter("token_balancer.routed") == routed + 5
+    assert fallbacks(envoy) == fell_back
+
+
+def test_a_real_server_killed_under_load_costs_no_failed_request(engine):
+    specs = [Spec("a", parallel=2, ctx_size=2048, aliases=(MODEL,)),
+             Spec("b", parallel=2, ctx_size=2048, aliases=(MODEL,)),
+             Spec("victim", parallel=2, ctx_size=2048, aliases=(MODEL,))]
+    fleet = Fleet(specs)
+    envoy = None
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
+    clients: list[threading.Thread] = []
+    try:
+        victim = fleet[2]
+        envoy = start_envoy(fleet, [llamacpp_node()] * 3)
+        fresh_reports(envoy, 3)
+        victim_picks = f"token_balancer.node.{safe(victim.address)}.picks"
+
+        def client(i):
+            k = 0
+            while not stop.is_set():
+                k += 1
+                try:
+                    r = envoy.post("/v1/chat/completions", chat(f"Client {i}, question {k}: say a word.", 12),
+                                   timeout=120)
+                    results.append((r.status, r.body[:160].decode("utf-8", "replace") if r.status != 200 else ""))
+                except (OSError, http.client.HTTPException) as e:
+                    results.append((0, repr(e)))
+
+        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+        for t in clients:
+            t.start()
+        wait_until(lambda: envoy.counter(victim_picks) >= 3, 60, "the victim to serve")
+
+        # Killed while it generates: a request in flight there must be retried elsewhere.
+        def generating():
+            text = victim.get("/metrics", timeout=2).body.decode()
+            return any(line.startswith("llamacpp:requests_processing ") and float(line.split()[1]) >= 1
+                       for line in text.splitlines())
+        wait_until(generating, 60, "a request in flight on the victim", interval=0.01)
+        victim.kill()
+        killed_at = time.monotonic()
+        victim.stop()
+        wait_until(lambda: envoy.counter("token_balancer.nodes_ejected") >= 1, 10,
+                   lambda: f"the dead server to be ejected: {envoy.counters()}")
+        ejected_after = time.monotonic() - killed_at
+        assert ejected_after < 2 * TICK_MS / 1000 + 1.0, ejected_after
+        # The VMs' picks settle once every VM ejected it; none lands there afterwards.
+        done = len(results)
+        wait_until(lambda: len(results) >= done + 4, 60, "4 more requests")
+        picks = envoy.counter(victim_picks)
+        done = len(results)
+        wait_until(lambda: len(results) >= done + 12, 60, "12 more requests")
+        assert envoy.counter(victim_picks) == picks, "a request was routed to the dead server"
+
+        # Back on the same port: readmitted after good polls, and chosen again.
+        fleet.servers[2] = real_engines.start(victim.spec, port=victim.port, log_dir=fleet.log_dir)
+        wait_until(lambda: envoy.counter("token_balancer.nodes_readmitted") >= 1, 20, "readmission")
+        wait_until(lambda: envoy.counter(victim_picks) > picks, 60, "the returned server to be chosen again")
+        stop.set()
+        for t in clients:
+            t.join(130)
+
+        failed = [r for r in results if r[0] != 200]
+        retries = envoy.stats("cluster.gpu_nodes.upstream_rq_retry")
+        assert not failed, (len(failed), failed[:3], retries)
+        # (Killed mid-generation, the victim nearly always leaves a request to retry: 1 to 4 here.)
+        assert retries.get("cluster.gpu_nodes.upstream_rq_retry_limit_exceeded", 0) == 0, retries
+        assert retries.get("cluster.gpu_nodes.upstream_rq_retry_overflow", 0) == 0, retries
+        assert len(results) >= 20, len(results)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(130)
+        if envoy is not None:
+            envoy.stop()
+        fleet.stop()
+
+
+class SetupFailed(RuntimeError):
+    """The test's setup failed: for an xfail test, not the failure it expects."""
+
+
+@contextlib.contextmanager
+def setup_step(what: str):
+    """Turns an AssertionError of a setup step into SetupFailed, so that the strict xfails
+    below (raises=AssertionError) expect only the failure of the behaviour they document."""
+    try:
+        yield
+    except AssertionError as e:
+        raise SetupFailed(f"{what}: {e}") from None
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "zero-config trap: with only node addresses (the README's minimal configuration) the filter polls "
+    "llama.cpp's /health, whose {\"status\":\"ok\"} is no report (seed format: no tokens_per_sec_load), so no node "
+    "is ever fresh and every request falls back to Envoy's balancer (fallback.no_fresh_nodes); "
+    "un-xfail once zero-config discovery lands"))
+def test_zero_config_routes_to_llamacpp(engine):
+    # Servers as they are usually started: the model file, --metrics, no alias.
+    with Fleet([Spec("plain-a", parallel=2, ctx_size=2048), Spec("plain-b", parallel=1, ctx_size=1024)]) as fleet:
+        # The client asks for the model by the name the server lists.
+        listed = fleet[0].get("/v1/models").json()["data"][0]["id"]
+        # Nothing but the addresses (the harness adds its ports, the debug header and the poller mode).
+        with setup_step("envoy"):
+            envoy = Envoy(envoy_config([s.address for s in fleet], free_port(), free_port()))
+        try:
+            def polled():
+                c = envoy.counters()
+                return sum(c.get(f"token_balancer.health.{k}", 0)
+                           for k in ("ok", "failed", "unparsable", "no_answer", "bad_status", "too_large")) >= 8
+            with setup_step("health polls"):
+                wait_until(polled, 20, "health polls of both servers")
+            fell_back = fallbacks(envoy)
+            routed = envoy.counter("token_balancer.routed")
+
+            def routes():
+                r = envoy.post("/v1/chat/completions", chat("Hello.", 4, model=listed), timeout=120)
+                assert r.status == 200, (r.status, r.body[:300])
+                return r.headers.get("x-token-balancer", "").startswith("node=")
+            # Zero-config discovery may take a few polls (finding /metrics, the model list).
+            wait_until(routes, 10, lambda: f"a request routed by the filter: {envoy.counters()}", interval=0.2)
+            routed_now = envoy.counter("token_balancer.routed")
+            fell_back_now = fallbacks(envoy)
+            for i in range(6):
+                r = envoy.post("/v1/chat/completions", chat(f"Hello {i}.", 4, model=listed), timeout=120)
+                assert r.status == 200 and picked(r) in fleet.by_address(), r.headers
+            assert envoy.counter("token_balancer.routed") == routed_now + 6 > routed
+            assert fallbacks(envoy) == fell_back_now, (fell_back, fell_back_now, fallbacks(envoy))
+        finally:
+            envoy.stop()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "llama.cpp b11434's /metrics has no KV metric (kv_cache_usage_ratio and kv_cache_tokens are gone) and the "
+    "filter reads no /slots or /props, so its VRAM guard is off for llama.cpp even with kv_cache_tokens "
+    "configured: a prompt longer than a server's context is still sent there and fails with 400 "
+    "exceed_context_size_error; un-xfail once the filter sizes llama.cpp nodes by their context"))
+def test_a_prompt_longer_than_a_servers_context_goes_to_a_server_it_fits(engine):
+    # One slot each: the whole context is the slot's. The cramped server is the one the
+    # ranking prefers (ten times the configured capacity): only a context check can avoid it.
+    roomy = Spec("roomy", parallel=1, ctx_size=4096, aliases=(MODEL,))
+    cramped = Spec("cramped", parallel=1, ctx_size=512, aliases=(MODEL,))
+    with Fleet([roomy, cramped]) as fleet:
+        with setup_step("envoy"):
+            envoy = start_envoy(fleet, [
+                llamacpp_node(kv_cache_tokens=roomy.ctx_size, capacity_tokens_per_sec=1_000),
+                llamacpp_node(kv_cache_tokens=cramped.ctx_size, capacity_tokens_per_sec=10_000),
+            ], plugin={"choices": 0})
+        try:
+            with setup_step("reports, and a short prompt on the preferred server"):
+                fresh_reports(envoy, 2)
+                r = envoy.post("/v1/chat/completions", chat("Hi.", 4), timeout=120)
+                assert r.status == 200 and picked(r) == fleet[1].address, (r.status, r.headers)
+            # About 1,200 tokens: over the cramped server's 512, well inside the roomy one's 4,096.
+            long_prompt = "lorem ipsum dolor sit amet " * 200
+            for _ in range(4):
+                r = envoy.post("/v1/chat/completions", chat(long_prompt, 8), timeout=120)
+                assert r.status == 200, (r.status, r.headers.get("x-token-balancer"), r.body[:300])
+                assert picked(r) == fleet[0].address
+        finally:
+            envoy.stop()

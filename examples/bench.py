@@ -328,7 +328,8 @@ def main():
     rt = ratios(results)
     (out_dir / "summary.md").write_text(md + "\n\n" + rt + "\n")
     (out_dir / "summary.json").write_text(json.dumps(
-        {"args": vars(args), "cluster": CLUSTER, "summaries": {p: d["summary"] for p, d in results.items()}}, indent=1))
+        {"args": vars(args), "cluster": CLUSTER, "summaries": {p: d["summary"] for p, d in results.items()}},
+        indent=1, default=str))
     print("\n" + md + "\n\n" + rt)
     print(f"\nresults in {out_dir}")
     return 0

@@ -52,6 +52,8 @@ pub struct World {
     pub tick: Option<Duration>,
     /// (kind, name, value), id = index + 1.
     metrics: Vec<(MetricType, String, i64)>,
+    /// Calls to `define_metric` (Envoy keeps an id for each, even of a name defined before).
+    pub defines: usize,
     pub shared: HashMap<String, (Vec<u8>, u32)>,
     cas: u32,
     /// Header writes fail (Envoy refusing them).
@@ -265,6 +267,7 @@ impl Host for FakeHost {
 
     fn define_metric(&self, kind: MetricType, name: &str) -> u32 {
         let mut w = self.world();
+        w.defines += 1;
         if let Some(i) = w.metrics.iter().position(|(_, n, _)| n == name) {
             return i as u32 + 1;
         }

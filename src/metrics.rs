@@ -8,7 +8,10 @@
 //! every VM, except the few each VM sets to a value they all agree on (`record`).
 
 use crate::host::Host;
+use log::warn;
 use proxy_wasm::types::MetricType;
+use std::collections::HashMap;
+use token_balancer_core::route::balancer::MAX_NODES;
 use token_balancer_core::share::sync::Counts;
 
 /// Whether a stat counts events or holds a level.
@@ -85,8 +88,10 @@ stats! {
     SharedInflightTokens Gauge "token_balancer.shared.inflight_tokens",
 }
 
-/// A counter per node, named `token_balancer.node.<address>.<name>` with every character of
-/// the address that is not a letter or digit as `_` (`token_balancer.node.10_0_0_1_8000.picks`).
+/// A counter per node, named `token_balancer.node.<address>.<name>`
+/// (`token_balancer.node.10.0.0.1:8000.picks`). Envoy takes a Wasm stat's name as it is, dots
+/// and colons included, so the shipped YAML's tag extractor can make the address a tag:
+/// `token_balancer_node_picks{node="10.0.0.1:8000"}` in `/stats/prometheus`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NodeStat {
     /// Requests routed to the node (first in the routing header).
@@ -101,22 +106,45 @@ pub const NODE_STATS: [(NodeStat, &str); 2] = [
     (NodeStat::HealthFailures, "health_failures"),
 ];
 
-/// The full name of node counter `what` of the node at `address`.
+/// The distinct addresses a VM defines per-node counters for: twice the nodes it can follow,
+/// so that a full fleet can be replaced once under new addresses. Envoy never deletes a stat,
+/// so without a bound a fleet whose nodes come back under new addresses (replaced pods) would
+/// add stats without end; the nodes at addresses past the bound count under `OTHER_NODE`.
+pub const MAX_NODE_ADDRESSES: usize = 2 * MAX_NODES;
+
+/// The node tag of the counters of the nodes past `MAX_NODE_ADDRESSES` (never an address:
+/// every address has a port).
+pub const OTHER_NODE: &str = "other";
+
+/// The full name of node counter `what` of the node at `address`. An address is `ip:port` (or
+/// `[ipv6]:port`) and stays as it is; any other character than those of an address becomes `_`.
 pub fn node_stat_name(address: &str, what: &str) -> String {
     let safe: String = address
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | ':' | '[' | ']' | '%' | '-' | '_' => c,
+            _ => '_',
+        })
         .collect();
     format!("token_balancer.node.{safe}.{what}")
 }
+
+/// One node's counters' ids, in `NODE_STATS`' order.
+type NodeIds = [u32; NODE_STATS.len()];
 
 /// The stats' ids in one VM. An id of 0 (the host refused to define it) makes its updates
 /// no-ops.
 pub struct Metrics<H> {
     host: H,
     ids: [u32; STATS.len()],
-    /// Each node's counters, by node index, in `NODE_STATS`' order.
-    nodes: Vec<[u32; NODE_STATS.len()]>,
+    /// Each node's counters, by node index.
+    nodes: Vec<NodeIds>,
+    /// The counters defined so far, by address: a node back at an address it had (or another
+    /// node's old one) counts on where it left off, with no new definition. At most
+    /// `MAX_NODE_ADDRESSES` of them.
+    by_address: HashMap<String, NodeIds>,
+    /// The `OTHER_NODE` counters, once a node past the bound needed them.
+    other: Option<NodeIds>,
 }
 
 impl<H: Host> Metrics<H> {
@@ -130,6 +158,8 @@ impl<H: Host> Metrics<H> {
             host,
             ids,
             nodes: Vec::new(),
+            by_address: HashMap::new(),
+            other: None,
         };
         for (i, address) in addresses.into_iter().enumerate() {
             m.name_node(i, address);
@@ -137,16 +167,40 @@ impl<H: Host> Metrics<H> {
         m
     }
 
-    /// Node `i` has (a new) `address`: its counters are named after it.
+    fn define_node(&self, address: &str) -> NodeIds {
+        let mut ids = [0; NODE_STATS.len()];
+        for ((_, what), id) in NODE_STATS.iter().zip(ids.iter_mut()) {
+            *id = self
+                .host
+                .define_metric(MetricType::Counter, &node_stat_name(address, what));
+        }
+        ids
+    }
+
+    /// Node `i` has (a new) `address`: its counters are those of the address, defined the first
+    /// time it is seen, or the `OTHER_NODE` ones once `MAX_NODE_ADDRESSES` are.
     pub fn name_node(&mut self, i: usize, address: &str) {
+        let ids = if let Some(ids) = self.by_address.get(address) {
+            *ids
+        } else if self.by_address.len() < MAX_NODE_ADDRESSES {
+            let ids = self.define_node(address);
+            self.by_address.insert(address.to_string(), ids);
+            ids
+        } else if let Some(ids) = self.other {
+            ids
+        } else {
+            warn!(
+                "per-node stats are defined for {MAX_NODE_ADDRESSES} addresses already: nodes at new addresses count under node \"{OTHER_NODE}\""
+            );
+            let ids = self.define_node(OTHER_NODE);
+            self.other = Some(ids);
+            ids
+        };
         if self.nodes.len() <= i {
             self.nodes.resize(i + 1, [0; NODE_STATS.len()]);
         }
-        let host = &self.host;
-        if let Some(ids) = self.nodes.get_mut(i) {
-            for ((_, what), id) in NODE_STATS.iter().zip(ids.iter_mut()) {
-                *id = host.define_metric(MetricType::Counter, &node_stat_name(address, what));
-            }
+        if let Some(slot) = self.nodes.get_mut(i) {
+            *slot = ids;
         }
     }
 
@@ -226,14 +280,18 @@ mod tests {
     }
 
     #[test]
-    fn node_names_keep_letters_and_digits_only() {
+    fn node_names_carry_the_address_as_it_is() {
         assert_eq!(
             node_stat_name("10.0.0.1:8000", "picks"),
-            "token_balancer.node.10_0_0_1_8000.picks"
+            "token_balancer.node.10.0.0.1:8000.picks"
         );
         assert_eq!(
-            node_stat_name("[::1]:80", "health_failures"),
-            "token_balancer.node.___1__80.health_failures"
+            node_stat_name("[fe80::1]:80", "health_failures"),
+            "token_balancer.node.[fe80::1]:80.health_failures"
+        );
+        assert_eq!(
+            node_stat_name("a b\"c\n", "picks"),
+            "token_balancer.node.a_b_c_.picks"
         );
     }
 }

@@ -156,6 +156,12 @@ class MockCluster:
                 self.proc.wait()
 
 
+def node_stat(address: str, what: str) -> str:
+    """The name of the filter's per-node counter `what` (`picks`, `health_failures`) of the node
+    at `address`, as `Envoy.counters` gives it."""
+    return f"token_balancer.node.{address}.{what}"
+
+
 def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int, plugin: dict | None = None,
                  health_addresses: dict[str, str] | None = None, poller: str | None = None,
                  wasm_file: Path | None = None) -> dict:

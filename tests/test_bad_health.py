@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
+from harness import Envoy, MockCluster, chat, envoy_config, free_port, node_stat, wait_until
 
 GOOD = json.dumps({"tokens_per_sec_load": 0, "tokens_per_sec_capacity": 1e6, "kv_cache_usage": 0.0}).encode()
 STATE = {"mode": "ok", "polls": 0}
@@ -86,7 +86,7 @@ def setup():
 
 
 def picks(envoy, address: str) -> int:
-    return envoy.counter(f"token_balancer.node.{address.replace('.', '_').replace(':', '_')}.picks")
+    return envoy.counter(node_stat(address, "picks"))
 
 
 @pytest.mark.parametrize("mode,stat", [

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until, with_node_settings
+from harness import (Envoy, MockCluster, chat, envoy_config, free_port, node_stat, wait_until,
+                     with_node_settings)
 
 TICK_MS = 100
 STALE_MS = 600
@@ -55,8 +56,7 @@ def test_engine_metrics_are_read_as_health_and_a_misconfigured_node_is_not_used(
         # Both keep answering good reports; the misconfigured one keeps failing, counted.
         wait_until(lambda: envoy.counter("token_balancer.health.ok") >= ok_before + 6, 10,
                    "more good polls")
-        safe = nodes[2].address.replace(".", "_").replace(":", "_")
-        assert envoy.counter(f"token_balancer.node.{safe}.health_failures") >= 5
-        assert envoy.counter(f"token_balancer.node.{safe}.picks") == 0
+        assert envoy.counter(node_stat(nodes[2].address, "health_failures")) >= 5
+        assert envoy.counter(node_stat(nodes[2].address, "picks")) == 0
     finally:
         envoy.stop()

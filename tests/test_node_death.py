@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, request, wait_until
+from harness import Envoy, MockCluster, chat, envoy_config, free_port, node_stat, request, wait_until
 
 TICK_MS = 100
 # Far longer than the ejection takes: exclusion must come from the failed polls, not staleness.
@@ -101,11 +101,11 @@ def test_a_node_killed_under_load(tmp_path):
         assert stream["end"] == "error", stream
         assert stream["ended_at"] - killed_at < 2.0, stream
 
-        picks = envoy.counter(f"token_balancer.node.127_0_0_1_{victim_port}.picks")
+        picks = envoy.counter(node_stat(f"127.0.0.1:{victim_port}", "picks"))
         # Load keeps flowing; none of it may be routed to the dead node.
         done = len(results)
         wait_until(lambda: len(results) >= done + 20, 15, "20 more requests")
-        assert envoy.counter(f"token_balancer.node.127_0_0_1_{victim_port}.picks") == picks
+        assert envoy.counter(node_stat(f"127.0.0.1:{victim_port}", "picks")) == picks
 
         # It comes back on the same port and is readmitted after the good polls.
         victim = MockCluster([("node-c", "gpu=h100")], ports=[victim_port])

@@ -30,7 +30,7 @@ import openai
 import pytest
 
 import real_engines
-from harness import Envoy, envoy_config, free_port, wait_until, with_node_settings
+from harness import Envoy, envoy_config, free_port, node_stat, wait_until, with_node_settings
 from real_engines import Fleet, Spec, chat
 
 MODEL = "smollm2"
@@ -49,10 +49,6 @@ SPECS = [
 def llamacpp_node(**extra) -> dict:
     """The per-node settings a llama.cpp node needs today."""
     return {"health_path": "/metrics", "format": "llamacpp", "models": [MODEL], **extra}
-
-
-def safe(address: str) -> str:
-    return address.replace(".", "_").replace(":", "_")
 
 
 def fallbacks(envoy) -> dict[str, int]:
@@ -138,7 +134,7 @@ def test_the_filter_routes_real_servers_by_its_own_choice(fleet, envoy):
     assert after.get("token_balancer.health.unparsable", 0) == 0, "every /metrics answer was read"
     # With six clients at once the requests in flight spread the choice over the servers.
     assert len(choices) >= 2, choices
-    picks = {s.name: after.get(f"token_balancer.node.{safe(s.address)}.picks", 0) for s in fleet}
+    picks = {s.name: after.get(node_stat(s.address, "picks"), 0) for s in fleet}
     assert sum(picks.values()) >= n and sum(1 for v in picks.values() if v) >= 2, picks
     # The servers did the work: their own counters saw it.
     served = 0
@@ -207,7 +203,7 @@ def test_a_real_server_killed_under_load_costs_no_failed_request(engine):
         victim = fleet[2]
         envoy = start_envoy(fleet, [llamacpp_node()] * 3)
         fresh_reports(envoy, 3)
-        victim_picks = f"token_balancer.node.{safe(victim.address)}.picks"
+        victim_picks = node_stat(victim.address, "picks")
 
         def client(i):
             k = 0

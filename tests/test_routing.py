@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harness import (KV_BYTES_PER_TOKEN, Envoy, MockCluster, chat, envoy_config, free_port,
-                     request, wait_until)
+                     node_stat, request, wait_until)
 
 TICK_MS = 100
 STALE_MS = 600
@@ -255,7 +255,7 @@ def test_stats_count_picks_per_node(cluster, envoy):
     got = spread(envoy, 9, chat("hi", 1))
     after = envoy.counters()
     for n in cluster.nodes:
-        key = f"token_balancer.node.{n.address.replace('.', '_').replace(':', '_')}.picks"
+        key = node_stat(n.address, "picks")
         assert after.get(key, 0) - before.get(key, 0) == got[n.name], (key, got)
     assert after["token_balancer.routed"] - before["token_balancer.routed"] == 9
 

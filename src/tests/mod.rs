@@ -1,6 +1,8 @@
 //! The glue against a fake host (`fake`): a request's way through the filter (`requests`)
-//! and the root context's configure, tick and callout answers (`roots`).
+//! the root context's configure, tick and callout answers (`roots`), and the per-node stats
+//! under churn (`metrics`).
 
+mod metrics;
 mod requests;
 mod roots;
 

@@ -3,6 +3,7 @@ tag extractor making each node's address a `node` tag, for both poller modes."""
 
 from __future__ import annotations
 
+import collections
 import re
 
 import pytest
@@ -48,13 +49,22 @@ def test_prometheus_has_per_node_picks_tagged_with_each_address(cluster, poller)
     try:
         wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2 * len(addresses), 10,
                    "health polls")
-        served = {}
-        for i in range(12):
-            r = envoy.post("/v1/chat/completions", chat(f"request {i}", 1))
+        # Requests until 12 are routed; the debug header says where each went (a worker VM that
+        # has no reports yet sends a request to Envoy's own balancer: no_fresh_nodes).
+        served: collections.Counter = collections.Counter()
+        outcomes: collections.Counter = collections.Counter()
+
+        def send():
+            r = envoy.post("/v1/chat/completions", chat(f"request {sum(outcomes.values())}", 1))
             assert r.status == 200, r.status
-            assert r.headers["x-token-balancer"].startswith("node="), r.headers
-            first = r.headers["x-token-balancer"].removeprefix("node=").split(",")[0]
-            served[first] = served.get(first, 0) + 1
+            debug = r.headers["x-token-balancer"]
+            outcomes[debug.split("=")[0] if debug.startswith("node=") else debug] += 1
+            if debug.startswith("node="):
+                served[debug.removeprefix("node=").split(";")[0].split(",")[0]] += 1
+            return sum(served.values()) >= 12
+
+        wait_until(send, 10, lambda: f"12 routed requests: {outcomes}")
+        assert set(outcomes) <= {"node", "fallback=no_fresh_nodes"}, outcomes
         # Two fallbacks by reason: no body, and a body that is not JSON (Envoy's own balancer
         # sends them on; the mock node refuses them).
         for body, reason in [(b"", "no_body"), (b'{"messages": [', "body_unusable")]:
@@ -82,9 +92,61 @@ def test_prometheus_has_per_node_picks_tagged_with_each_address(cluster, poller)
         assert samples[("token_balancer_routed", frozenset())] == 12
         assert samples[("token_balancer_fallback_no_body", frozenset())] == 1
         assert samples[("token_balancer_fallback_body_unusable", frozenset())] == 1
-        assert samples[("token_balancer_fallback_no_fresh_nodes", frozenset())] == 0
+        assert (samples[("token_balancer_fallback_no_fresh_nodes", frozenset())]
+                == outcomes["fallback=no_fresh_nodes"])
         assert types["token_balancer_routed"] == "counter"
         assert types["token_balancer_inflight_now"] == "gauge"
         assert samples[("token_balancer_health_ok", frozenset())] >= 2 * len(addresses)
     finally:
         envoy.stop()
+
+
+@pytest.mark.parametrize("poller,concurrency", [("vm", 1), ("singleton", 2)])
+def test_a_node_replaced_under_a_new_address_gets_its_own_series(tmp_path, poller, concurrency):
+    """Membership churn: node-a leaves the cluster and node-b joins in its place (the way a
+    replaced pod comes back under a new address). Each has its own series under its own address,
+    equal to the requests routed there; node-a's stops growing once it is gone."""
+    from test_membership import eds_file, following_envoy, push
+
+    nodes = MockCluster([("node-a", ""), ("node-b", "")])
+    a, b = (n.address for n in nodes.nodes)
+    envoy, eds = following_envoy(tmp_path, [a], {}, poller, concurrency)
+
+    routed: collections.Counter = collections.Counter()
+
+    def send(count: int):
+        """Sends `count` requests and counts the nodes they were routed to (first in the debug
+        header; a fallback, while a worker has not seen the new member yet, counts nowhere)."""
+        for i in range(count):
+            r = envoy.post("/v1/chat/completions", chat(f"churn {i}", 1))
+            assert r.status == 200, r.status
+            debug = r.headers["x-token-balancer"]
+            if debug.startswith("node="):
+                routed[debug.removeprefix("node=").split(";")[0].split(",")[0]] += 1
+
+    def picks() -> dict[str, float]:
+        samples, _ = prometheus(envoy)
+        return {dict(labels)["node"]: v for (name, labels), v in samples.items()
+                if name == "token_balancer_node_picks"}
+
+    try:
+        wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2, 10,
+                   lambda: f"node-a to report: {envoy.log_text()[-2000:]}")
+        send(5)
+        assert routed == {a: 5} and picks() == {a: 5}, (routed, picks())
+
+        push(eds, eds_file([b]))
+        wait_until(lambda: envoy.counter("token_balancer.nodes_left") >= 1
+                   and envoy.counter("token_balancer.nodes_joined") >= 1, 10,
+                   lambda: f"node-a to leave and node-b to join: {envoy.counters()}")
+        # A worker may route a few more to node-a (still up) until it sees the departure.
+        wait_until(lambda: send(1) or routed[b] >= 1, 10, "a request routed to node-b")
+        send(7)
+        assert routed[b] >= 7, routed
+        assert picks() == dict(routed), (picks(), routed)
+        before_a = routed[a]
+        send(5)
+        assert routed[a] == before_a and picks() == dict(routed), (picks(), routed)
+    finally:
+        envoy.stop()
+        nodes.stop()

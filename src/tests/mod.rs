@@ -1,6 +1,8 @@
-//! The glue against a fake host (`fake`): a request's way through the filter (`requests`)
-//! and the root context's configure, tick and callout answers (`roots`).
+//! The glue against a fake host (`fake`): a request's way through the filter (`requests`),
+//! the root context's configure, tick and callout answers (`roots`), and how a node's
+//! telemetry is found when only its address is configured (`discovery`).
 
+mod discovery;
 mod requests;
 mod roots;
 

@@ -8,3 +8,4 @@ pub mod membership;
 pub mod models;
 pub mod node;
 pub mod polling;
+pub mod probe;

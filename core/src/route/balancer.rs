@@ -22,8 +22,9 @@ use crate::config::{Config, NodeConfig};
 use crate::fleet::membership::Fleet;
 pub use crate::fleet::membership::{MemberChange, MAX_NODES};
 use crate::fleet::models::{self, ListError, Serves};
-pub use crate::fleet::node::HealthError;
+pub use crate::fleet::node::{Answered, HealthError, Polled};
 use crate::fleet::node::{NodeState, Ticket, Transition};
+pub use crate::fleet::probe::Step;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
@@ -155,6 +156,37 @@ impl Balancer {
             self.pool.invalidate();
         }
         result
+    }
+
+    /// The answer to a poll of node `node`'s `health_path`: a health poll as `on_health`, or a
+    /// step of finding its telemetry (see `probe`), which the answer's `step` says.
+    pub fn on_health_answer(&mut self, node: usize, polled: Polled<'_>, now_ms: u64) -> Answered {
+        let stale_after = self.params.stale_after_ms;
+        let Some(state) = self.fleet.nodes_mut().get_mut(node) else {
+            return Answered {
+                result: Some(Err(HealthError::UnknownNode)),
+                step: Step::Poll,
+            };
+        };
+        let was_candidate = state.fresh_report(now_ms, stale_after).is_some();
+        let answered = state.on_health_answer(polled, now_ms);
+        if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
+            self.pool.invalidate();
+        }
+        answered
+    }
+
+    /// Where node `node`'s health is polled now (see `probe`).
+    pub fn health_path(&self, node: usize) -> Option<&str> {
+        self.nodes().get(node).map(NodeState::health_path)
+    }
+
+    /// Members whose telemetry could not be found (see `probe`).
+    pub fn without_telemetry(&self) -> usize {
+        self.nodes()
+            .iter()
+            .filter(|n| n.member() && n.probe().not_found())
+            .count()
     }
 
     /// A node's `GET /v1/models` answered 200 with `body`: a good list replaces the last one

@@ -80,6 +80,8 @@ pub struct NodeState {
     tracker: Tracker,
     /// What is known of the models the node serves.
     models: ServedModels,
+    /// The models changed since this was last asked (`take_models_changed`).
+    models_changed: bool,
     report: Option<(Report, u64)>,
     /// The in-flight books; their epoch is the node's report epoch and their tenant
     /// `tenant_of(address)`, so a ticket can be matched to the node that issued it.
@@ -148,6 +150,7 @@ impl NodeState {
             probe: Probe::new(None),
             tracker: Tracker::default(),
             models: ServedModels::default(),
+            models_changed: false,
             report: None,
             books: Books::of(tenant_of(address)),
             failures_in_row: 0,
@@ -327,7 +330,9 @@ impl NodeState {
         let report = match read {
             Ok(Health::Seed(report)) => report,
             Ok(Health::Engine(scrape)) => {
-                self.models.observe_metrics(&scrape.models);
+                let added = self.models.observe_metrics(&scrape.models);
+                let engine = self.models.set_engine(scrape.engine);
+                self.models_changed |= added || engine;
                 self.tracker.observe(&scrape, now_ms, self.kv_cache_tokens)
             }
             Err(e) => {
@@ -337,6 +342,12 @@ impl NodeState {
         };
         let _ = self.accept_report(report, now_ms);
         Ok(report)
+    }
+
+    /// Whether the models changed (names seen in the metrics, the engine learned) since this
+    /// was last asked.
+    pub fn take_models_changed(&mut self) -> bool {
+        std::mem::take(&mut self.models_changed)
     }
 
     /// A good report replaces the previous one; work dispatched so far is now in it. An

@@ -22,6 +22,7 @@ use crate::config::{Config, NodeConfig};
 use crate::fleet::membership::Fleet;
 pub use crate::fleet::membership::{MemberChange, MAX_NODES};
 use crate::fleet::models::{self, ListError, Serves};
+use crate::fleet::names::Named;
 pub use crate::fleet::node::{Answered, HealthError, Polled};
 use crate::fleet::node::{NodeState, Ticket, Transition};
 pub use crate::fleet::probe::Step;
@@ -83,6 +84,8 @@ pub struct Balancer {
     outputs: OutputModel,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
+    /// The model names the fleet serves by name (see `names`).
+    named: Named,
 }
 
 impl Balancer {
@@ -103,6 +106,7 @@ impl Balancer {
             mean_request_tokens: None,
             outputs: OutputModel::default(),
             pool: Pool::default(),
+            named: Named::default(),
         }
     }
 
@@ -129,6 +133,7 @@ impl Balancer {
         let change = self.fleet.set_members(addresses, busy);
         if change.moved() {
             self.pool.invalidate();
+            self.named.invalidate();
         }
         change
     }
@@ -155,6 +160,9 @@ impl Balancer {
         if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
             self.pool.invalidate();
         }
+        if state.take_models_changed() {
+            self.named.invalidate();
+        }
         result
     }
 
@@ -173,6 +181,9 @@ impl Balancer {
         if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
             self.pool.invalidate();
         }
+        if state.take_models_changed() {
+            self.named.invalidate();
+        }
         answered
     }
 
@@ -190,13 +201,16 @@ impl Balancer {
     }
 
     /// A node's `GET /v1/models` answered 200 with `body`: a good list replaces the last one
-    /// and its length is returned; a bad one changes nothing. A configured node keeps its
-    /// configured set (the glue does not ask those).
+    /// (with the per-slot context it gives, if any) and its length is returned; a bad one
+    /// changes nothing. A configured node keeps its configured set (the glue does not ask
+    /// those).
     pub fn on_models(&mut self, node: usize, body: &[u8]) -> Result<usize, ListError> {
-        let names = models::parse_model_list(body)?;
-        let n = names.len();
+        let list = models::read_model_list(body)?;
+        let n = list.names.len();
         if let Some(state) = self.fleet.nodes_mut().get_mut(node) {
-            state.models_mut().set_list(names);
+            state.models_mut().set_list(list.names);
+            state.models_mut().set_context_tokens(list.context_tokens);
+            self.named.invalidate();
         }
         Ok(n)
     }
@@ -261,10 +275,14 @@ impl Balancer {
         let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
+        // Only in a fleet with nodes that serve any name does it matter whether some node
+        // names the model (see `models`); the names are gathered when they change.
+        let named = model.is_some_and(|m| self.named.named(self.fleet.nodes(), m));
         let ask = Ask {
             weight,
             growth,
             model,
+            named,
         };
         let sampled = if self.params.choices > 0 {
             self.pool
@@ -405,6 +423,7 @@ impl Balancer {
     pub fn import_fleet(&mut self, snapshot: &Snapshot) -> Imported {
         let imported = share::fleet::import(&mut self.fleet, snapshot);
         self.pool.invalidate();
+        self.named.invalidate();
         imported
     }
 
@@ -424,6 +443,7 @@ impl Balancer {
         );
         if change.moved() {
             self.pool.invalidate();
+            self.named.invalidate();
         }
         change
     }

@@ -32,7 +32,8 @@
 //!
 //! The same list carries llama.cpp's per-slot context (`data[].meta.n_ctx`): a prompt longer
 //! than that is refused with 400 before any work, so the choice leaves such a node out for it
-//! (`context_tokens`).
+//! (`context_tokens`). A llama.cpp node's list is asked for that even when its names are
+//! configured.
 //!
 //! A node whose set is not known (no configuration, no good list yet) is a candidate for any
 //! model: refusing it would turn a transient polling failure, or a node that serves no list,
@@ -86,6 +87,9 @@ pub struct ServedModels {
     any_name: bool,
     /// The per-slot context the last good list gives, tokens (llama.cpp's `meta.n_ctx`).
     context_tokens: Option<u64>,
+    /// The node's engine lists its context (llama.cpp): its list is asked even when its
+    /// names are configured.
+    lists_context: bool,
 }
 
 impl ServedModels {
@@ -141,10 +145,17 @@ impl ServedModels {
         self.any_name
     }
 
-    /// The node's engine is now known (its metrics' names): whether it serves any name.
-    /// Returns whether that changed.
+    /// The node's engine is now known (its metrics' names): whether it serves any name, and
+    /// whether its list gives its context. Returns whether the first changed.
     pub fn set_engine(&mut self, engine: Engine) -> bool {
+        self.lists_context = engine == Engine::LlamaCpp;
         self.set_any_name(serves_any_name(engine))
+    }
+
+    /// Whether the node's `/v1/models` is worth asking: its names are not configured, or its
+    /// engine's list gives the context (llama.cpp), which a configured set does not.
+    pub fn wants_list(&self) -> bool {
+        self.configured.is_none() || self.lists_context
     }
 
     /// Sets whether the node's engine serves any name; returns whether that changed.
@@ -165,7 +176,8 @@ impl ServedModels {
     }
 
     /// A good `/v1/models` list replaces the last one. It is complete as of now, so what the
-    /// metrics added before it is dropped. Ignored for a configured node.
+    /// metrics added before it is dropped. Ignored for a configured node (whose list is asked
+    /// for its context only).
     pub fn set_list(&mut self, names: Vec<String>) {
         if self.configured.is_none() {
             self.listed = Some(names);
@@ -536,6 +548,27 @@ mod tests {
             ]))
         );
         assert_eq!(read_model_list(b"{"), Err(ListError::NotJson));
+    }
+
+    /// A llama.cpp node with configured names still has its list asked, for its context only.
+    #[test]
+    fn a_configured_llamacpp_node_is_asked_its_context() {
+        let llamacpp = include_str!("../../tests/data/metrics/llamacpp_real.prom");
+        let list = include_bytes!("../../tests/data/models/llamacpp_real_noalias.json");
+        let mut b = Balancer::new(&engine_cfg(&[
+            r#","models":["smollm2"]"#,
+            r#","models":["m"]"#,
+        ]));
+        assert!(!b.learns_models(0), "the engine is not known yet");
+        b.on_health(0, Some(llamacpp.as_bytes()), 0).unwrap();
+        b.on_health(1, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        assert!(b.learns_models(0) && !b.learns_models(1));
+        assert_eq!(b.on_models(0, list), Ok(1));
+        let m = b.nodes()[0].models();
+        assert_eq!(m.context_tokens(), Some(512));
+        assert_eq!(m.listed(), None, "the configured names stand");
+        assert_eq!(m.serves("smollm2"), Serves::Yes);
+        assert_eq!(m.serves("gpt-4o"), Serves::No);
     }
 
     /// A prompt longer than a node's per-slot context is not sent there; one that fits no

@@ -215,11 +215,12 @@ impl Balancer {
         Ok(n)
     }
 
-    /// Whether node `node`'s model list is worth asking for (its set is not configured).
+    /// Whether node `node`'s model list is worth asking for: its set is not configured, or
+    /// its engine's list gives its context (see `models`).
     pub fn learns_models(&self, node: usize) -> bool {
         self.nodes()
             .get(node)
-            .is_some_and(|n| !n.models().is_configured())
+            .is_some_and(|n| n.models().wants_list())
     }
 
     /// Whether every node is known not to serve `model`. Staleness does not enter: a model

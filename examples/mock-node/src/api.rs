@@ -46,7 +46,11 @@ pub async fn handle(
         (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
         (Method::GET, "/health") => health(&node).await,
         (Method::GET, "/metrics") => metrics(&node, false),
-        (Method::GET, "/prometheus/metrics") if node.honest() => metrics(&node, true),
+        (Method::GET, "/prometheus/metrics")
+            if node.honest() && node.flavour() == Flavour::Trtllm =>
+        {
+            metrics(&node, true)
+        }
         (Method::GET, "/v1/models") => json_response(StatusCode::OK, &node.model_list()),
         (Method::POST, "/admin/health") => admin_health(&node, req).await,
         (Method::GET, "/admin/stats") => json_response(StatusCode::OK, &admin_stats(&node)),
@@ -437,7 +441,7 @@ impl Body for ChannelBody {
 fn metrics(node: &Node, prometheus: bool) -> Response<BoxBody> {
     let trtllm = node.honest() && node.flavour() == Flavour::Trtllm;
     if node.metrics_off {
-        if node.honest() && node.flavour() == Flavour::Llamacpp {
+        if node.honest() && node.flavour() == Flavour::Llamacpp && !prometheus {
             return json_response(
                 StatusCode::NOT_IMPLEMENTED,
                 &json!({"error": {"code": 501, "type": "not_supported_error",

@@ -831,6 +831,11 @@ fn engine_flavours_answer_health_and_models_as_their_engines() {
     assert_eq!(off.status, 501);
     assert!(off.text().contains("--metrics"));
     assert_eq!(conn(7).call("GET", "/metrics", &[], "").status, 404);
+    // Only trtllm-serve has /prometheus/metrics.
+    assert_eq!(
+        conn(3).call("GET", "/prometheus/metrics", &[], "").status,
+        404
+    );
     // llama.cpp lists its model file (or its first alias in sorted order) with n_ctx.
     let l = conn(3).call("GET", "/v1/models", &[], "").json();
     assert_eq!(l["data"][0]["id"], "/models/mock-model.Q4_1.gguf");

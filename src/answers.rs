@@ -375,6 +375,13 @@ impl<H: Host> State<H> {
         // Each VM sets the gauge to what it follows; they agree but for a poll's lag.
         self.metrics
             .record(Stat::MembersNow, members.addresses.len() as u64);
+        // A node without telemetry that left is no longer one to worry about.
+        if !change.left.is_empty() {
+            self.metrics.record(
+                Stat::TelemetryNotFoundNow,
+                self.balancer.without_telemetry() as u64,
+            );
+        }
     }
 
     fn count_health(

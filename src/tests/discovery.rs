@@ -175,3 +175,43 @@ fn a_configured_health_path_is_polled_as_it_is() {
     assert!(host.take_calls().is_empty());
     assert_eq!(host.metric("token_balancer.telemetry.discovered"), 0);
 }
+
+#[test]
+fn a_node_without_telemetry_that_leaves_the_cluster_leaves_the_gauge() {
+    let (host, mut root) = configured(
+        r#"{"health_cluster":"gpu_health","models_poll_ms":0,"tick_ms":100,
+            "membership":{"cluster":"gpu_nodes","admin_cluster":"admin","poll_ms":100}}"#,
+    );
+    let members = |list: &[&str]| {
+        let hosts: Vec<String> = list
+            .iter()
+            .map(|a| {
+                let (ip, port) = a.split_once(':').unwrap();
+                format!(
+                    r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
+                )
+            })
+            .collect();
+        format!(
+            r#"{{"cluster_statuses":[{{"name":"gpu_nodes","host_statuses":[{}]}}]}}"#,
+            hosts.join(",")
+        )
+    };
+    tick(&host, &mut root);
+    let admin = host.take_calls().remove(0);
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[A]));
+    host.advance(100);
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let health = calls.iter().find(|c| c.path == "/health").unwrap();
+    let admin = calls.iter().find(|c| c.cluster == "admin").unwrap();
+    answer(&host, &mut root, health.token, Some("200"), LLAMACPP_HEALTH);
+    let m = call_to(&host, A);
+    answer(&host, &mut root, m.token, Some("501"), "");
+    let p = call_to(&host, A);
+    answer(&host, &mut root, p.token, Some("404"), "");
+    assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 1);
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[]));
+    assert_eq!(host.metric("token_balancer.nodes_left"), 1);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 0);
+}

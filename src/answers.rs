@@ -9,11 +9,14 @@
 
 use crate::host::Host;
 use crate::metrics::{NodeStat, Stat};
-use crate::polls::Polls;
+use crate::polls::{send_health, Polls};
 use crate::state::State;
 use log::{debug, info, warn};
+use token_balancer_core::config::DEFAULT_HEALTH_PATH;
 use token_balancer_core::fleet::callouts::{Answer, Outstanding};
-use token_balancer_core::fleet::node::Transition;
+use token_balancer_core::fleet::node::{Polled, Transition};
+use token_balancer_core::fleet::probe::{Seen, Step, RETRY_MS};
+use token_balancer_core::ingest::engine::Engine;
 use token_balancer_core::ingest::members;
 use token_balancer_core::ingest::telemetry::Report;
 use token_balancer_core::route::balancer::{Balancer, HealthError, MAX_NODES};
@@ -60,6 +63,17 @@ fn read_answer<H: Host>(host: &H, body_size: usize, limit: usize) -> CallAnswer 
         status,
         body,
         failure,
+    }
+}
+
+/// An engine as users know it.
+fn engine_name(e: Engine) -> &'static str {
+    match e {
+        Engine::Vllm => "vLLM",
+        Engine::Sglang => "SGLang",
+        Engine::Tgi => "TGI",
+        Engine::Trtllm => "trtllm-serve",
+        Engine::LlamaCpp => "llama.cpp",
     }
 }
 
@@ -128,7 +142,9 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// A node's health answer: a good one is its new report; anything else is a failed poll.
+    /// A node's health answer: a good one is its new report; anything else is a failed poll;
+    /// and for a node whose telemetry is looked for, a step of that (see `fleet::probe`): the
+    /// next path is asked at once, and what is found (or not) is said once.
     /// A complete round is published at once rather than a tick later.
     fn on_health(&mut self, token: u32, body_size: usize) -> bool {
         let node = self.answered(token, |p| &mut p.health);
@@ -136,8 +152,40 @@ impl<H: Host> State<H> {
         let fresh = match node {
             Some(node) => {
                 let answer = read_answer(&self.host, body_size, MAX_HEALTH_BODY);
-                let result = self.balancer.on_health(node, answer.body.as_deref(), now);
-                self.count_health(node, result, answer.failure, answer.status.as_deref());
+                let polled = match (&answer.body, answer.failure) {
+                    (Some(body), _) => Polled::Body(body),
+                    (None, Some(CallFailure::TooLarge)) => Polled::Failed(Seen::TooLarge),
+                    (None, _) => Polled::Failed(Seen::of_status(answer.status.as_deref())),
+                };
+                let path = self
+                    .balancer
+                    .health_path(node)
+                    .unwrap_or_default()
+                    .to_string();
+                let answered = self.balancer.on_health_answer(node, polled, now);
+                if let Some(result) = answered.result {
+                    self.count_health(
+                        node,
+                        result,
+                        answer.failure,
+                        answer.status.as_deref(),
+                        &path,
+                    );
+                }
+                self.tell_discovery(node, &answered.step);
+                if answered.step == Step::Next {
+                    let State {
+                        host,
+                        config,
+                        balancer,
+                        metrics,
+                        role,
+                        ..
+                    } = self;
+                    if let Some(polls) = role.polls() {
+                        send_health(host, config, balancer, polls, metrics, node);
+                    }
+                }
                 true
             }
             None => false,
@@ -150,6 +198,52 @@ impl<H: Host> State<H> {
             self.publish(now);
         }
         fresh
+    }
+
+    /// Says, once per node, where its telemetry was found or that it was not (see
+    /// `fleet::probe`), and keeps the gauge of nodes without telemetry.
+    fn tell_discovery(&mut self, node: usize, step: &Step) {
+        let address = self
+            .balancer
+            .nodes()
+            .get(node)
+            .map(|n| n.address().to_string())
+            .unwrap_or_default();
+        match step {
+            Step::Found(d) => {
+                if let (true, Some((path, engine)), Some(health)) =
+                    (d.announce, d.found(), d.health_said())
+                {
+                    self.metrics.bump(Stat::TelemetryDiscovered);
+                    let what = engine.map_or("the health format".to_string(), |e| {
+                        format!("{} metrics", engine_name(e))
+                    });
+                    warn!(
+                        "node {address}: {DEFAULT_HEALTH_PATH} is not telemetry ({health}); reading {path} ({what}) instead; set its health_path to \"{path}\" to silence this"
+                    );
+                }
+            }
+            Step::NotFound(d) => {
+                if d.announce {
+                    self.metrics.bump(Stat::TelemetryNotFound);
+                    let tried: Vec<String> = d
+                        .tried
+                        .iter()
+                        .map(|(path, seen)| format!("{path}: {seen}"))
+                        .collect();
+                    warn!(
+                        "node {address}: no telemetry found ({}), so it is never chosen: start llama-server with --metrics, SGLang with --enable-metrics, or set this node's health_path (and format); the metrics paths are tried again every {} s",
+                        tried.join("; "),
+                        RETRY_MS / 1000
+                    );
+                }
+            }
+            Step::Poll | Step::Next => return,
+        }
+        self.metrics.record(
+            Stat::TelemetryNotFoundNow,
+            self.balancer.without_telemetry() as u64,
+        );
     }
 
     /// A node's `/v1/models` answer: a good list replaces the last one; anything else keeps it.
@@ -281,6 +375,13 @@ impl<H: Host> State<H> {
         // Each VM sets the gauge to what it follows; they agree but for a poll's lag.
         self.metrics
             .record(Stat::MembersNow, members.addresses.len() as u64);
+        // A node without telemetry that left is no longer one to worry about.
+        if !change.left.is_empty() {
+            self.metrics.record(
+                Stat::TelemetryNotFoundNow,
+                self.balancer.without_telemetry() as u64,
+            );
+        }
     }
 
     fn count_health(
@@ -289,6 +390,7 @@ impl<H: Host> State<H> {
         result: Result<Report, HealthError>,
         failure: Option<CallFailure>,
         status: Option<&str>,
+        path: &str,
     ) {
         let m = &self.metrics;
         let address = self
@@ -297,14 +399,19 @@ impl<H: Host> State<H> {
             .get(node)
             .map(|n| n.address())
             .unwrap_or_default();
-        match result {
-            Ok(_) => m.bump(Stat::HealthOk),
+        // Why the poll failed, for the line that takes the node out.
+        let why = match result {
+            Ok(_) => {
+                m.bump(Stat::HealthOk);
+                String::new()
+            }
             Err(e) => {
                 m.bump_node(node, NodeStat::HealthFailures);
                 match e {
                     HealthError::Unparsable(why) => {
                         m.bump(Stat::HealthUnparsable);
                         debug!("health answer from {address} not used: {why}");
+                        why.to_string()
                     }
                     HealthError::CallFailed | HealthError::UnknownNode => {
                         m.bump(Stat::HealthFailed);
@@ -312,29 +419,30 @@ impl<H: Host> State<H> {
                             Some(CallFailure::NoAnswer) | None => {
                                 m.bump(Stat::HealthNoAnswer);
                                 debug!("health call to {address}: no answer (refused, reset or timed out)");
+                                "no answer (refused, reset or timed out)".to_string()
                             }
                             Some(CallFailure::BadStatus) => {
                                 m.bump(Stat::HealthBadStatus);
-                                debug!(
-                                    "health call to {address}: status {}",
-                                    status.unwrap_or("?")
-                                );
+                                let status = status.unwrap_or("?");
+                                debug!("health call to {address}: status {status}");
+                                format!("status {status}")
                             }
                             Some(CallFailure::TooLarge) => {
                                 m.bump(Stat::HealthTooLarge);
                                 debug!("health answer from {address} over {MAX_HEALTH_BODY} bytes, not read");
+                                format!("over {MAX_HEALTH_BODY} bytes")
                             }
                         }
                     }
                 }
             }
-        }
+        };
         let address = address.to_string();
         match self.balancer.take_transition(node) {
             Some(Transition::Ejected) => {
                 self.metrics.bump(Stat::NodesEjected);
                 warn!(
-                    "node {address} taken out of the choice after {} failed health polls in a row",
+                    "node {address} taken out of the choice after {} failed health polls in a row (the last, GET {path}: {why})",
                     self.config.unhealthy_after_failures
                 );
             }

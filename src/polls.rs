@@ -8,7 +8,7 @@
 //! is dropped if the node has left, and a node is not asked again while it has not answered.
 
 use crate::host::Host;
-use crate::metrics::Stat;
+use crate::metrics::{Metrics, Stat};
 use crate::state::State;
 use log::warn;
 use proxy_wasm::types::Status;
@@ -17,6 +17,7 @@ use token_balancer_core::config::Config;
 use token_balancer_core::fleet::callouts::Outstanding;
 use token_balancer_core::fleet::models::ListPoll;
 use token_balancer_core::fleet::polling::{self, Schedule};
+use token_balancer_core::route::balancer::Balancer;
 
 /// What a polling VM (`Role::Vm`, `Role::Service`) keeps of its polls.
 pub struct Polls {
@@ -99,6 +100,36 @@ fn get<H: Host>(
     host.dispatch(cluster, headers, timeout)
 }
 
+/// Sends node `i` its health callout, at the path its probe says (see `fleet::probe`).
+pub fn send_health<H: Host>(
+    host: &H,
+    config: &Config,
+    balancer: &Balancer,
+    polls: &mut Polls,
+    metrics: &Metrics<H>,
+    i: usize,
+) {
+    let (Some(node), Some(state), Some(path)) = (
+        balancer.node_config(i),
+        balancer.nodes().get(i),
+        balancer.health_path(i),
+    ) else {
+        return;
+    };
+    let target = node.health_target();
+    let timeout = Duration::from_millis(config.health_timeout_ms);
+    match callout(host, config, target, path, timeout) {
+        Ok(token) => polls.health.sent(token, i, state.tenant()),
+        Err(e) => {
+            metrics.bump(Stat::HealthFailed);
+            warn!(
+                "health call to {target} via cluster {:?} could not start: {e:?}",
+                config.health_cluster
+            );
+        }
+    }
+}
+
 impl<H: Host> State<H> {
     /// Sends one health callout to every node of the slices now due (see `polling`) that has
     /// none outstanding. Returns the slices polled, and the timer period the schedule wants.
@@ -119,11 +150,7 @@ impl<H: Host> State<H> {
             .schedule
             .due(balancer.nodes().len(), config.tick_ms, now_ms);
         let slices = polls.schedule.slices();
-        let timeout = Duration::from_millis(config.health_timeout_ms);
         for (i, state) in balancer.nodes().iter().enumerate() {
-            let Some(node) = balancer.node_config(i) else {
-                continue;
-            };
             // A node whose last poll is still outstanding is not polled again: slow nodes must
             // not pile up callouts. A node out of the cluster is not polled at all.
             if !state.member()
@@ -132,17 +159,7 @@ impl<H: Host> State<H> {
             {
                 continue;
             }
-            let target = node.health_target();
-            match callout(host, config, target, &node.health_path, timeout) {
-                Ok(token) => polls.health.sent(token, i, state.tenant()),
-                Err(e) => {
-                    metrics.bump(Stat::HealthFailed);
-                    warn!(
-                        "health call to {target} via cluster {:?} could not start: {e:?}",
-                        config.health_cluster
-                    );
-                }
-            }
+            send_health(host, config, balancer, polls, metrics, i);
         }
         (due, polls.schedule.period_ms())
     }

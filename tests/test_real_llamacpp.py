@@ -2,16 +2,17 @@
 llama.cpp `llama-server` processes (CPU, SmolLM2-135M; scripts/llama-server.sh builds and fetches
 them once into a cache outside the repository, tests/real_engines.py runs them).
 
-The servers are unequal (slots and context size). The filter is configured as it must be today
-for llama.cpp: per node `health_path: /metrics` and `format: llamacpp` (the server started with
-`--metrics`), and `models` naming what the clients send. Then:
+The servers are unequal (slots and context size). Most tests configure each node explicitly
+(`health_path: /metrics`, `format: llamacpp`, the server started with `--metrics`, and `models`
+naming what the clients send); one gives the addresses alone. Then:
 - the filter routes by its own choice (`routed` grows, no `fallback.*`);
 - the official openai client gets completions and streams (with the usage chunk when asked);
 - a server killed under load costs no failed non-streaming request (Envoy retries on the
   filter's next pick, the filter ejects the node) and is taken back when it returns;
-- documented gaps, as strict expected failures that must be un-xfailed when fixed: the README's
-  minimal configuration (node addresses only) routes nothing to llama.cpp, and a prompt longer
-  than a server's context is still sent there (llama.cpp b11434 publishes no KV metric).
+- the README's minimal configuration (node addresses only) routes too: the filter finds the
+  servers' load at /metrics and routes whatever model name the client sends;
+- a prompt longer than a server's per-slot context (from its /v1/models, since llama.cpp
+  b11434 publishes no KV metric) goes to a server where it fits.
 
 Without the binary or the model these tests skip, saying why; with TB_REAL_ENGINES=1 a missing
 engine fails them. Facts about what llama-server answers: tests/REAL_ENGINES.md.
@@ -20,7 +21,6 @@ engine fails them. Facts about what llama-server answers: tests/REAL_ENGINES.md.
 from __future__ import annotations
 
 import collections
-import contextlib
 import http.client
 import threading
 import time
@@ -266,86 +266,69 @@ def test_a_real_server_killed_under_load_costs_no_failed_request(engine):
         fleet.stop()
 
 
-class SetupFailed(RuntimeError):
-    """The test's setup failed: for an xfail test, not the failure it expects."""
-
-
-@contextlib.contextmanager
-def setup_step(what: str):
-    """Turns an AssertionError of a setup step into SetupFailed, so that the strict xfails
-    below (raises=AssertionError) expect only the failure of the behaviour they document."""
-    try:
-        yield
-    except AssertionError as e:
-        raise SetupFailed(f"{what}: {e}") from None
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "zero-config trap: with only node addresses (the README's minimal configuration) the filter polls "
-    "llama.cpp's /health, whose {\"status\":\"ok\"} is no report (seed format: no tokens_per_sec_load), so no node "
-    "is ever fresh and every request falls back to Envoy's balancer (fallback.no_fresh_nodes); "
-    "un-xfail once zero-config discovery lands"))
 def test_zero_config_routes_to_llamacpp(engine):
-    # Servers as they are usually started: the model file, --metrics, no alias.
+    """The README's minimal configuration (node addresses only) in front of llama-servers as
+    they are usually started (the model file, --metrics, no alias): the filter finds their
+    load at /metrics (their /health says only {"status":"ok"}), says so once per node, and
+    routes by its own choice, whatever model name the client sends (llama.cpp serves any)."""
     with Fleet([Spec("plain-a", parallel=2, ctx_size=2048), Spec("plain-b", parallel=1, ctx_size=1024)]) as fleet:
-        # The client asks for the model by the name the server lists.
         listed = fleet[0].get("/v1/models").json()["data"][0]["id"]
+        assert listed.endswith(".gguf"), listed
         # Nothing but the addresses (the harness adds its ports, the debug header and the poller mode).
-        with setup_step("envoy"):
-            envoy = Envoy(envoy_config([s.address for s in fleet], free_port(), free_port()))
+        envoy = Envoy(envoy_config([s.address for s in fleet], free_port(), free_port()))
         try:
-            def polled():
-                c = envoy.counters()
-                return sum(c.get(f"token_balancer.health.{k}", 0)
-                           for k in ("ok", "failed", "unparsable", "no_answer", "bad_status", "too_large")) >= 8
-            with setup_step("health polls"):
-                wait_until(polled, 20, "health polls of both servers")
+            wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 8, 20,
+                       lambda: f"good polls of both servers' /metrics: {envoy.counters()}")
+            assert envoy.counter("token_balancer.telemetry.discovered") >= 2
+            assert envoy.counter("token_balancer.telemetry.not_found") == 0
+            for s in fleet:
+                line = (f"node {s.address}: /health is not telemetry (JSON that is not the health format); "
+                        "reading /metrics (llama.cpp metrics) instead")
+                assert line in envoy.log_text(), line
+            # The model lists come with the first rounds; until then any name is a candidate.
+            wait_until(lambda: envoy.counter("token_balancer.models.ok") >= 4, 20, "both model lists")
             fell_back = fallbacks(envoy)
             routed = envoy.counter("token_balancer.routed")
-
-            def routes():
-                r = envoy.post("/v1/chat/completions", chat("Hello.", 4, model=listed), timeout=120)
+            names = [listed, MODEL, "gpt-4o", None]
+            for i in range(8):
+                r = envoy.post("/v1/chat/completions", chat(f"Hello {i}.", 4, model=names[i % 4]), timeout=120)
                 assert r.status == 200, (r.status, r.body[:300])
-                return r.headers.get("x-token-balancer", "").startswith("node=")
-            # Zero-config discovery may take a few polls (finding /metrics, the model list).
-            wait_until(routes, 10, lambda: f"a request routed by the filter: {envoy.counters()}", interval=0.2)
-            routed_now = envoy.counter("token_balancer.routed")
-            fell_back_now = fallbacks(envoy)
-            for i in range(6):
-                r = envoy.post("/v1/chat/completions", chat(f"Hello {i}.", 4, model=listed), timeout=120)
-                assert r.status == 200 and picked(r) in fleet.by_address(), r.headers
-            assert envoy.counter("token_balancer.routed") == routed_now + 6 > routed
-            assert fallbacks(envoy) == fell_back_now, (fell_back, fell_back_now, fallbacks(envoy))
+                assert picked(r) in fleet.by_address(), r.headers
+            assert envoy.counter("token_balancer.routed") == routed + 8
+            assert fallbacks(envoy) == fell_back, (fell_back, fallbacks(envoy))
+            assert envoy.counter("token_balancer.health.unparsable") == 0
         finally:
             envoy.stop()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "llama.cpp b11434's /metrics has no KV metric (kv_cache_usage_ratio and kv_cache_tokens are gone) and the "
-    "filter reads no /slots or /props, so its VRAM guard is off for llama.cpp even with kv_cache_tokens "
-    "configured: a prompt longer than a server's context is still sent there and fails with 400 "
-    "exceed_context_size_error; un-xfail once the filter sizes llama.cpp nodes by their context"))
 def test_a_prompt_longer_than_a_servers_context_goes_to_a_server_it_fits(engine):
+    """llama.cpp b11434 publishes no KV metric, but its /v1/models gives each slot's context
+    (`meta.n_ctx`): a prompt longer than that is not sent there (it would be refused with 400
+    exceed_context_size_error), even to the server the ranking prefers, and even with the
+    model names configured (the list is asked for the context alone)."""
     # One slot each: the whole context is the slot's. The cramped server is the one the
     # ranking prefers (ten times the configured capacity): only a context check can avoid it.
     roomy = Spec("roomy", parallel=1, ctx_size=4096, aliases=(MODEL,))
     cramped = Spec("cramped", parallel=1, ctx_size=512, aliases=(MODEL,))
     with Fleet([roomy, cramped]) as fleet:
-        with setup_step("envoy"):
-            envoy = start_envoy(fleet, [
-                llamacpp_node(kv_cache_tokens=roomy.ctx_size, capacity_tokens_per_sec=1_000),
-                llamacpp_node(kv_cache_tokens=cramped.ctx_size, capacity_tokens_per_sec=10_000),
-            ], plugin={"choices": 0})
+        envoy = start_envoy(fleet, [
+            llamacpp_node(capacity_tokens_per_sec=1_000),
+            llamacpp_node(capacity_tokens_per_sec=10_000),
+        ], plugin={"choices": 0})
         try:
-            with setup_step("reports, and a short prompt on the preferred server"):
-                fresh_reports(envoy, 2)
-                r = envoy.post("/v1/chat/completions", chat("Hi.", 4), timeout=120)
-                assert r.status == 200 and picked(r) == fleet[1].address, (r.status, r.headers)
-            # About 1,200 tokens: over the cramped server's 512, well inside the roomy one's 4,096.
+            fresh_reports(envoy, 2)
+            wait_until(lambda: envoy.counter("token_balancer.models.ok") >= 4, 20, "both servers' contexts")
+            r = envoy.post("/v1/chat/completions", chat("Hi.", 4), timeout=120)
+            assert r.status == 200 and picked(r) == fleet[1].address, (r.status, r.headers)
+            # About 1,350 tokens by the filter's estimate (2,000 by llama.cpp's count): over the
+            # cramped server's 512, well inside the roomy one's 4,096.
             long_prompt = "lorem ipsum dolor sit amet " * 200
             for _ in range(4):
                 r = envoy.post("/v1/chat/completions", chat(long_prompt, 8), timeout=120)
                 assert r.status == 200, (r.status, r.headers.get("x-token-balancer"), r.body[:300])
                 assert picked(r) == fleet[0].address
+            # Short prompts still go to the preferred server.
+            r = envoy.post("/v1/chat/completions", chat("Hi again.", 4), timeout=120)
+            assert r.status == 200 and picked(r) == fleet[1].address, (r.status, r.headers)
         finally:
             envoy.stop()

@@ -30,8 +30,10 @@ pub struct NodeConfig {
     /// `ip:port` of the node exactly as it is a member of the Envoy cluster: this is the value
     /// written into the routing header, so it must match the cluster's endpoint address.
     pub address: String,
-    /// Path of the node's health endpoint, polled on every tick. Default `/health`.
-    pub health_path: String,
+    /// Path of the node's health endpoint, polled on every tick, as configured. When it is
+    /// not, the filter starts at `DEFAULT_HEALTH_PATH` and finds the node's telemetry itself
+    /// (see `fleet::probe`).
+    pub health_path: Option<String>,
     /// `ip:port` to poll for health when it differs from `address` (a metrics sidecar).
     pub health_address: Option<String>,
     /// Token throughput the node can sustain, in tokens per second. Overrides what the node
@@ -49,7 +51,15 @@ pub struct NodeConfig {
     pub models: Option<Vec<String>>,
 }
 
+/// The health path polled first when a node's `health_path` is not configured.
+pub const DEFAULT_HEALTH_PATH: &str = "/health";
+
 impl NodeConfig {
+    /// The configured health path, else the default one polled first.
+    pub fn health_path(&self) -> &str {
+        self.health_path.as_deref().unwrap_or(DEFAULT_HEALTH_PATH)
+    }
+
     /// The address the health callout goes to.
     pub fn health_target(&self) -> &str {
         self.health_address.as_deref().unwrap_or(&self.address)
@@ -379,10 +389,8 @@ fn parse_node(value: &Value, i: usize, seen: &[NodeConfig]) -> Result<NodeConfig
 /// A node's settings other than its address: a listed node's, or the defaults of the nodes
 /// learned from the cluster (`membership.node_defaults`, which has no `health_address`).
 fn node_settings(f: &Fields, address: String) -> Result<NodeConfig, ConfigError> {
-    let health_path = f
-        .string("health_path")?
-        .unwrap_or_else(|| "/health".to_string());
-    if !health_path.starts_with('/') {
+    let health_path = f.string("health_path")?;
+    if health_path.as_ref().is_some_and(|p| !p.starts_with('/')) {
         return Err(err(f.name("health_path"), "must start with '/'"));
     }
     let health_address = f.string("health_address")?;
@@ -668,7 +676,8 @@ mod tests {
             ("gpu_nodes", "admin")
         );
         assert_eq!(m.poll_ms, 2000);
-        assert_eq!(m.node_defaults.health_path, "/health");
+        assert_eq!(m.node_defaults.health_path, None);
+        assert_eq!(m.node_defaults.health_path(), "/health");
         assert_eq!(m.node_defaults.format, HealthFormat::Auto);
         let c = Config::parse(
             br#"{"health_cluster":"h","nodes":[],"tick_ms":100,"membership":{"cluster":"c",
@@ -677,7 +686,7 @@ mod tests {
         )
         .unwrap();
         let d = c.membership.unwrap().node_defaults;
-        assert_eq!(d.health_path, "/metrics");
+        assert_eq!(d.health_path(), "/metrics");
         assert_eq!(d.format, HealthFormat::Vllm);
         assert_eq!(d.kv_cache_tokens, Some(5000));
         assert_eq!(d.models.as_deref(), Some(&["m".to_string()][..]));
@@ -704,7 +713,8 @@ mod tests {
         assert_eq!(c.hold_kv_ceiling, 1.0);
         assert_eq!(c.unhealthy_after_failures, 2);
         assert_eq!(c.healthy_after_successes, 2);
-        assert_eq!(c.nodes[0].health_path, "/health");
+        assert_eq!(c.nodes[0].health_path, None);
+        assert_eq!(c.nodes[0].health_path(), "/health");
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
         assert_eq!(c.nodes[0].format, HealthFormat::Auto);
         assert_eq!(c.nodes[0].models, None);

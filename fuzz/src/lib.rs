@@ -249,7 +249,7 @@ pub fn config(data: &[u8]) {
             "{:?} listed twice",
             n.address
         );
-        assert!(n.health_path.starts_with('/'), "{:?}", n.health_path);
+        assert!(n.health_path().starts_with('/'), "{:?}", n.health_path);
         assert!(is_ip_port(n.health_target()), "{:?}", n.health_target());
         assert!(n
             .capacity_tokens_per_sec

@@ -1,7 +1,9 @@
-//! The glue against a fake host (`fake`): a request's way through the filter (`requests`)
-//! the root context's configure, tick and callout answers (`roots`), and the per-node stats
-//! under churn (`metrics`).
+//! The glue against a fake host (`fake`): a request's way through the filter (`requests`),
+//! the root context's configure, tick and callout answers (`roots`), how a node's telemetry
+//! is found when only its address is configured (`discovery`), and the per-node stats under
+//! churn (`metrics`).
 
+mod discovery;
 mod metrics;
 mod requests;
 mod roots;

@@ -28,6 +28,8 @@ const NAMES: &[&str] = &[
     "health.no_answer",
     "health.bad_status",
     "health.too_large",
+    "telemetry.discovered",
+    "telemetry.not_found",
     "nodes_ejected",
     "nodes_readmitted",
     "models.ok",
@@ -52,6 +54,7 @@ const GAUGES: &[&str] = &[
     "members_now",
     "shared.inflight_requests",
     "shared.inflight_tokens",
+    "telemetry.not_found_now",
 ];
 
 #[test]

@@ -19,6 +19,7 @@
 use crate::config::{Config, NodeConfig};
 use crate::fleet::models::ServedModels;
 use crate::fleet::node::NodeState;
+use crate::fleet::probe::Probe;
 
 /// Most nodes a balancer follows: a cluster listing more is followed up to this many.
 pub const MAX_NODES: usize = 4096;
@@ -229,7 +230,8 @@ impl Fleet {
 fn node_state(n: &NodeConfig, (unhealthy, healthy): (u32, u32)) -> NodeState {
     let state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
         .with_hysteresis(unhealthy, healthy)
-        .with_format(n.format);
+        .with_format(n.format)
+        .with_probe(Probe::new(n.health_path.as_deref()));
     match &n.models {
         Some(names) => state.with_models(ServedModels::configured(names.clone())),
         None => state,

@@ -6,5 +6,7 @@ pub mod books;
 pub mod callouts;
 pub mod membership;
 pub mod models;
+pub mod names;
 pub mod node;
 pub mod polling;
+pub mod probe;

@@ -20,6 +20,21 @@
 //!    `/v1/load_lora_adapter`) before the next list poll shows it; a new list clears them, since
 //!    it is complete as of its own time.
 //!
+//! What a list means depends on the engine behind it, known from its metrics' names. vLLM
+//! serves exactly the names it lists (others: 404 `model_not_found`). SGLang, TGI,
+//! trtllm-serve and llama.cpp serve their one model whatever the request's `model` says
+//! (SGLang's maintainers call the field OpenAI compatibility only; llama.cpp lists its
+//! `--model` file's path unless given `--alias`, and answers any name under that id). For such
+//! a node a name it does not list is `Serves::AnyName`: a candidate when no node of the fleet
+//! names the model (clients asking llama.cpp for "gpt-4o", or for "llama" when it lists a file
+//! path), not when some node does (a fleet serving several models must not send one model's
+//! requests to another model's node). A configured set stays exact whatever the engine.
+//!
+//! The same list carries llama.cpp's per-slot context (`data[].meta.n_ctx`): a prompt longer
+//! than that is refused with 400 before any work, so the choice leaves such a node out for it
+//! (`context_tokens`). A llama.cpp node's list is asked for that even when its names are
+//! configured.
+//!
 //! A node whose set is not known (no configuration, no good list yet) is a candidate for any
 //! model: refusing it would turn a transient polling failure, or a node that serves no list,
 //! into lost capacity or rejected requests, while routing to it costs at worst the 404 the
@@ -30,6 +45,7 @@
 //! Names are matched exactly (vLLM compares them so), by a linear scan: a node serves a few
 //! to a few tens of names, where a scan beats hashing and allocates nothing.
 
+use crate::ingest::engine::Engine;
 use serde_json::Value;
 use std::fmt;
 
@@ -47,6 +63,15 @@ pub enum Serves {
     No,
     /// The node's set is not known: a candidate anyway (see the module comment).
     Unknown,
+    /// The node does not list it, but its engine serves any name: a candidate when no node
+    /// names the model (see the module comment).
+    AnyName,
+}
+
+/// Whether an engine serves its model under any name a request gives (see the module
+/// comment): all but vLLM.
+pub fn serves_any_name(engine: Engine) -> bool {
+    engine != Engine::Vllm
 }
 
 /// What is known about one node's served models.
@@ -58,6 +83,13 @@ pub struct ServedModels {
     listed: Option<Vec<String>>,
     /// Names seen in the node's metrics since that list (or ever, while there is none).
     seen: Vec<String>,
+    /// The node's engine serves any name (see `serves_any_name`).
+    any_name: bool,
+    /// The per-slot context the last good list gives, tokens (llama.cpp's `meta.n_ctx`).
+    context_tokens: Option<u64>,
+    /// The node's engine lists its context (llama.cpp): its list is asked even when its
+    /// names are configured.
+    lists_context: bool,
 }
 
 impl ServedModels {
@@ -93,13 +125,59 @@ impl ServedModels {
         }
         match &self.listed {
             Some(names) if has(names) => Serves::Yes,
+            Some(_) if self.any_name => Serves::AnyName,
             Some(_) => Serves::No,
             None => Serves::Unknown,
         }
     }
 
+    /// Every name the node is known to serve by name: configured, listed, seen.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        let (first, second): (&[String], &[String]) = match &self.configured {
+            Some(c) => (c, &[]),
+            None => (self.listed.as_deref().unwrap_or_default(), &self.seen),
+        };
+        first.iter().chain(second).map(String::as_str)
+    }
+
+    /// Whether the node's engine serves any name (see `serves_any_name`).
+    pub fn any_name(&self) -> bool {
+        self.any_name
+    }
+
+    /// The node's engine is now known (its metrics' names): whether it serves any name, and
+    /// whether its list gives its context. Returns whether the first changed.
+    pub fn set_engine(&mut self, engine: Engine) -> bool {
+        self.lists_context = engine == Engine::LlamaCpp;
+        self.set_any_name(serves_any_name(engine))
+    }
+
+    /// Whether the node's `/v1/models` is worth asking: its names are not configured, or its
+    /// engine's list gives the context (llama.cpp), which a configured set does not.
+    pub fn wants_list(&self) -> bool {
+        self.configured.is_none() || self.lists_context
+    }
+
+    /// Sets whether the node's engine serves any name; returns whether that changed.
+    pub fn set_any_name(&mut self, any_name: bool) -> bool {
+        let changed = self.any_name != any_name;
+        self.any_name = any_name;
+        changed
+    }
+
+    /// The per-slot context of the node, tokens, when its list gives one.
+    pub fn context_tokens(&self) -> Option<u64> {
+        self.context_tokens
+    }
+
+    /// Sets the per-slot context (from a list; a snapshot).
+    pub fn set_context_tokens(&mut self, tokens: Option<u64>) {
+        self.context_tokens = tokens;
+    }
+
     /// A good `/v1/models` list replaces the last one. It is complete as of now, so what the
-    /// metrics added before it is dropped. Ignored for a configured node.
+    /// metrics added before it is dropped. Ignored for a configured node (whose list is asked
+    /// for its context only).
     pub fn set_list(&mut self, names: Vec<String>) {
         if self.configured.is_none() {
             self.listed = Some(names);
@@ -108,16 +186,19 @@ impl ServedModels {
     }
 
     /// Names from one metrics scrape: each not yet known is added (see the module comment).
-    pub fn observe_metrics(&mut self, names: &[String]) {
+    /// Returns whether any was.
+    pub fn observe_metrics(&mut self, names: &[String]) -> bool {
         if self.configured.is_some() {
-            return;
+            return false;
         }
+        let before = self.seen.len();
         for name in names {
             let listed = self.listed.as_ref().is_some_and(|l| l.contains(name));
             if !listed && !self.seen.contains(name) && self.seen.len() < MAX_MODELS_PER_NODE {
                 self.seen.push(name.clone());
             }
         }
+        self.seen.len() != before
     }
 }
 
@@ -142,11 +223,44 @@ impl fmt::Display for ListError {
     }
 }
 
+/// A node's `/v1/models`, read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelList {
+    pub names: Vec<String>,
+    /// The smallest `meta.n_ctx` of its entries (llama.cpp: the context of one slot).
+    pub context_tokens: Option<u64>,
+}
+
+/// Largest context believed, tokens; a larger `n_ctx` is a broken answer and is not used.
+const MAX_CONTEXT_TOKENS: u64 = 1 << 30;
+
+/// Reads an OpenAI model list, as `parse_model_list`, with llama.cpp's per-slot context
+/// (`data[].meta.n_ctx`, a positive integer; the smallest when several entries have one).
+pub fn read_model_list(body: &[u8]) -> Result<ModelList, ListError> {
+    let v: Value = serde_json::from_slice(body).map_err(|_| ListError::NotJson)?;
+    let context_tokens = v
+        .get("data")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.get("meta")?.get("n_ctx")?.as_u64())
+        .filter(|n| (1..=MAX_CONTEXT_TOKENS).contains(n))
+        .min();
+    Ok(ModelList {
+        names: names_of(v)?,
+        context_tokens,
+    })
+}
+
 /// Reads an OpenAI model list, `{"object":"list","data":[{"id":"m","object":"model"},...]}`.
 /// Total: any bytes give a list or an error. Entries without a string `id`, empty or overlong
 /// ids, and repeats are skipped one by one; at most `MAX_MODELS_PER_NODE` names are kept.
 pub fn parse_model_list(body: &[u8]) -> Result<Vec<String>, ListError> {
     let v: Value = serde_json::from_slice(body).map_err(|_| ListError::NotJson)?;
+    names_of(v)
+}
+
+fn names_of(v: Value) -> Result<Vec<String>, ListError> {
     let Value::Object(mut obj) = v else {
         return Err(ListError::NoData);
     };
@@ -223,6 +337,7 @@ impl ListPoll {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ingest::engine::Engine;
     use crate::rng::{Rng, SplitMix64};
     use crate::route::balancer::{Balancer, Outcome, OwnBooks};
     use crate::route::testing::*;
@@ -241,6 +356,10 @@ mod tests {
         };
         let seen = |mut s: ServedModels, l: &[&str]| {
             s.observe_metrics(&names(l));
+            s
+        };
+        let any = |mut s: ServedModels| {
+            assert!(s.set_engine(Engine::LlamaCpp));
             s
         };
         let configured = ServedModels::configured(names(&["m1", "m1-alias"]));
@@ -294,6 +413,30 @@ mod tests {
                 seen(listed(&["m1"]), &["m1", "new-adapter"]),
                 "new-adapter",
                 Serves::Yes,
+            ),
+            (
+                "an engine serving any name: what it lists",
+                any(listed(&["/models/x.gguf"])),
+                "/models/x.gguf",
+                Serves::Yes,
+            ),
+            (
+                "an engine serving any name: anything else, unless named elsewhere",
+                any(listed(&["/models/x.gguf"])),
+                "gpt-4o",
+                Serves::AnyName,
+            ),
+            (
+                "an engine serving any name, no list yet",
+                any(ServedModels::default()),
+                "gpt-4o",
+                Serves::Unknown,
+            ),
+            (
+                "an engine serving any name, configured: exact",
+                any(configured.clone()),
+                "gpt-4o",
+                Serves::No,
             ),
             (
                 "a new list drops what the metrics added",
@@ -369,6 +512,109 @@ mod tests {
         for e in [ListError::NotJson, ListError::NoData, ListError::Empty] {
             assert!(!e.to_string().is_empty());
         }
+    }
+
+    /// llama.cpp's list carries the per-slot context; other lists have none.
+    #[test]
+    fn the_context_of_a_list() {
+        let real = include_bytes!("../../tests/data/models/llamacpp_real.json");
+        let noalias = include_bytes!("../../tests/data/models/llamacpp_real_noalias.json");
+        let cases: Vec<(&str, &[u8], Option<u64>)> = vec![
+            ("llama.cpp, --alias", real, Some(512)),
+            ("llama.cpp, no alias", noalias, Some(512)),
+            ("vLLM", br#"{"data":[{"id":"m","max_model_len":8192}]}"#, None),
+            (
+                "the smallest of several",
+                br#"{"data":[{"id":"a","meta":{"n_ctx":4096}},{"id":"b","meta":{"n_ctx":1024}}]}"#,
+                Some(1024),
+            ),
+            (
+                "bad values are not used",
+                br#"{"data":[{"id":"a","meta":{"n_ctx":0}},{"id":"b","meta":{"n_ctx":-5}},{"id":"c","meta":{"n_ctx":"512"}},{"id":"d","meta":{"n_ctx":1e20}}]}"#,
+                None,
+            ),
+        ];
+        for (name, body, want) in cases {
+            assert_eq!(
+                read_model_list(body).map(|l| l.context_tokens),
+                Ok(want),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            read_model_list(noalias).map(|l| l.names),
+            Ok(names(&[
+                "/root/.cache/token-balancer/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+            ]))
+        );
+        assert_eq!(read_model_list(b"{"), Err(ListError::NotJson));
+    }
+
+    /// A llama.cpp node with configured names still has its list asked, for its context only.
+    #[test]
+    fn a_configured_llamacpp_node_is_asked_its_context() {
+        let llamacpp = include_str!("../../tests/data/metrics/llamacpp_real.prom");
+        let list = include_bytes!("../../tests/data/models/llamacpp_real_noalias.json");
+        let mut b = Balancer::new(&engine_cfg(&[
+            r#","models":["smollm2"]"#,
+            r#","models":["m"]"#,
+        ]));
+        assert!(!b.learns_models(0), "the engine is not known yet");
+        b.on_health(0, Some(llamacpp.as_bytes()), 0).unwrap();
+        b.on_health(1, Some(VLLM_V1.as_bytes()), 0).unwrap();
+        assert!(b.learns_models(0) && !b.learns_models(1));
+        assert_eq!(b.on_models(0, list), Ok(1));
+        let m = b.nodes()[0].models();
+        assert_eq!(m.context_tokens(), Some(512));
+        assert_eq!(m.listed(), None, "the configured names stand");
+        assert_eq!(m.serves("smollm2"), Serves::Yes);
+        assert_eq!(m.serves("gpt-4o"), Serves::No);
+    }
+
+    /// A prompt longer than a node's per-slot context is not sent there; one that fits no
+    /// node falls back to Envoy (the engine would refuse it anywhere).
+    #[test]
+    fn a_prompt_goes_only_where_it_fits_the_context() {
+        let mut b = Balancer::new(&engine_cfg(&[
+            r#","capacity_tokens_per_sec":100000"#,
+            r#","capacity_tokens_per_sec":1000"#,
+            "",
+        ]));
+        for i in 0..3 {
+            b.on_health(i, Some(br#"{"tokens_per_sec_load":0}"#), 0)
+                .unwrap();
+        }
+        // The fast node has 512 tokens a slot, the slow one 4096; the third lists no context.
+        b.on_models(0, br#"{"data":[{"id":"m","meta":{"n_ctx":512}}]}"#)
+            .unwrap();
+        b.on_models(1, br#"{"data":[{"id":"m","meta":{"n_ctx":4096}}]}"#)
+            .unwrap();
+        b.on_models(2, br#"{"data":[{"id":"m"}]}"#).unwrap();
+        let mut rng = SplitMix64::new(5);
+        let ask = |b: &mut Balancer, rng: &mut SplitMix64, prompt: u64| {
+            let w = crate::ingest::request::Weight {
+                prompt_tokens: prompt,
+                output_tokens: 8,
+            };
+            let o = b.route(w, Some("m"), 10, rng, false, &mut OwnBooks);
+            if let Outcome::Routed { ticket, .. } = &o {
+                b.release(ticket, 0);
+            }
+            o
+        };
+        for _ in 0..20 {
+            let short = routed_to(&ask(&mut b, &mut rng, 100));
+            assert!(short.is_some());
+            let long = routed_to(&ask(&mut b, &mut rng, 1200));
+            assert!(matches!(long, Some(1 | 2)), "{long:?}");
+        }
+        // Exactly the context fits.
+        b.on_models(2, br#"{"data":[{"id":"m","meta":{"n_ctx":512}}]}"#)
+            .unwrap();
+        for _ in 0..10 {
+            assert_eq!(routed_to(&ask(&mut b, &mut rng, 4096)), Some(1));
+        }
+        assert_eq!(ask(&mut b, &mut rng, 4097), Outcome::NoFreshNodes);
     }
 
     #[test]

@@ -29,6 +29,7 @@
 
 use crate::fleet::books::{Books, Change};
 use crate::fleet::models::ServedModels;
+use crate::fleet::probe::{Probe, Seen, Step};
 use crate::ingest::engine::{self, FormatError, Health, HealthFormat};
 use crate::ingest::rates::Tracker;
 use crate::ingest::request::Weight;
@@ -73,10 +74,14 @@ pub struct NodeState {
     kv_cache_tokens: Option<u64>,
     /// What the node's health endpoint serves.
     format: HealthFormat,
+    /// Where its telemetry is polled, found when not configured (see `probe`).
+    probe: Probe,
     /// Counter memory between scrapes, for engines that publish counters instead of a load.
     tracker: Tracker,
     /// What is known of the models the node serves.
     models: ServedModels,
+    /// The models changed since this was last asked (`take_models_changed`).
+    models_changed: bool,
     report: Option<(Report, u64)>,
     /// The in-flight books; their epoch is the node's report epoch and their tenant
     /// `tenant_of(address)`, so a ticket can be matched to the node that issued it.
@@ -103,6 +108,25 @@ pub enum Transition {
     Readmitted,
 }
 
+/// A health poll's outcome, as the caller got it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Polled<'a> {
+    /// A 200 within the read limit, and its body.
+    Body(&'a [u8]),
+    /// Anything else: no answer, another status, a body over the limit (see `Seen`).
+    Failed(Seen),
+}
+
+/// What became of a health answer (`NodeState::on_health_answer`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answered {
+    /// The health poll it was, as `take_health` gives it; `None` when the answer was a step
+    /// of discovery rather than a poll (`Step::Next`, `Step::NotFound`).
+    pub result: Option<Result<Report, HealthError>>,
+    /// What discovery makes of it (`Step::Poll` for a node whose path is known).
+    pub step: Step,
+}
+
 /// Why a health answer did not update a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HealthError {
@@ -123,8 +147,10 @@ impl NodeState {
             capacity_override,
             kv_cache_tokens,
             format: HealthFormat::Auto,
+            probe: Probe::new(None),
             tracker: Tracker::default(),
             models: ServedModels::default(),
+            models_changed: false,
             report: None,
             books: Books::of(tenant_of(address)),
             failures_in_row: 0,
@@ -149,6 +175,22 @@ impl NodeState {
     pub fn with_format(mut self, format: HealthFormat) -> Self {
         self.format = format;
         self
+    }
+
+    /// Sets where the node's telemetry is polled (see `probe`).
+    pub fn with_probe(mut self, probe: Probe) -> Self {
+        self.probe = probe;
+        self
+    }
+
+    /// The path to poll the node's health at now (see `probe`).
+    pub fn health_path(&self) -> &str {
+        self.probe.path()
+    }
+
+    /// Where the node's telemetry is polled, and whether it was found.
+    pub fn probe(&self) -> &Probe {
+        &self.probe
     }
 
     /// Sets what is known of the models the node serves (a configured set).
@@ -243,16 +285,54 @@ impl NodeState {
     /// another status. The body is read in the node's format: the seed JSON is a report as it
     /// stands; an engine's metrics go through the node's tracker, which turns their counters
     /// into a rate. A good report replaces the old one; anything else leaves the last good
-    /// report in place (and the tracker's baseline too).
+    /// report in place (and the tracker's baseline too). Discovery is not consulted: this is
+    /// the poll of a known path (see `on_health_answer`).
     pub fn take_health(&mut self, body: Option<&[u8]>, now_ms: u64) -> Result<Report, HealthError> {
-        let Some(body) = body else {
-            let _ = self.note_failure();
-            return Err(HealthError::CallFailed);
+        match body {
+            Some(body) => self.take_read(engine::read(self.format, body), now_ms),
+            None => {
+                let _ = self.note_failure();
+                Err(HealthError::CallFailed)
+            }
+        }
+    }
+
+    /// The answer to a poll of `health_path()`: what discovery makes of it (see `probe`), and
+    /// when it is a health poll, the report or the failure it is.
+    pub fn on_health_answer(&mut self, polled: Polled<'_>, now_ms: u64) -> Answered {
+        let (seen, read) = match polled {
+            Polled::Body(body) => {
+                let read = engine::read(self.format, body);
+                (Seen::of_read(&read), Some(read))
+            }
+            Polled::Failed(seen) => (seen, None),
         };
-        let report = match engine::read(self.format, body) {
+        let step = self.probe.on_answer(seen, now_ms);
+        let result = match step {
+            Step::Poll | Step::Found(_) => Some(match read {
+                Some(read) => self.take_read(read, now_ms),
+                None => {
+                    let _ = self.note_failure();
+                    Err(HealthError::CallFailed)
+                }
+            }),
+            Step::Next | Step::NotFound(_) => None,
+        };
+        Answered { result, step }
+    }
+
+    /// A 200 answer as read in the node's format: a report, or a failed poll.
+    fn take_read(
+        &mut self,
+        read: Result<Health, FormatError>,
+        now_ms: u64,
+    ) -> Result<Report, HealthError> {
+        let report = match read {
             Ok(Health::Seed(report)) => report,
             Ok(Health::Engine(scrape)) => {
-                self.models.observe_metrics(&scrape.models);
+                let added = self.models.observe_metrics(&scrape.models);
+                let engine = self.models.set_engine(scrape.engine);
+                self.models_changed |= added || engine;
                 self.tracker.observe(&scrape, now_ms, self.kv_cache_tokens)
             }
             Err(e) => {
@@ -262,6 +342,12 @@ impl NodeState {
         };
         let _ = self.accept_report(report, now_ms);
         Ok(report)
+    }
+
+    /// Whether the models changed (names seen in the metrics, the engine learned) since this
+    /// was last asked.
+    pub fn take_models_changed(&mut self) -> bool {
+        std::mem::take(&mut self.models_changed)
     }
 
     /// A good report replaces the previous one; work dispatched so far is now in it. An

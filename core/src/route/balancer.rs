@@ -22,8 +22,10 @@ use crate::config::{Config, NodeConfig};
 use crate::fleet::membership::Fleet;
 pub use crate::fleet::membership::{MemberChange, MAX_NODES};
 use crate::fleet::models::{self, ListError, Serves};
-pub use crate::fleet::node::HealthError;
+use crate::fleet::names::Named;
+pub use crate::fleet::node::{Answered, HealthError, Polled};
 use crate::fleet::node::{NodeState, Ticket, Transition};
+pub use crate::fleet::probe::Step;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
@@ -82,6 +84,8 @@ pub struct Balancer {
     outputs: OutputModel,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
+    /// The model names the fleet serves by name (see `names`).
+    named: Named,
 }
 
 impl Balancer {
@@ -102,6 +106,7 @@ impl Balancer {
             mean_request_tokens: None,
             outputs: OutputModel::default(),
             pool: Pool::default(),
+            named: Named::default(),
         }
     }
 
@@ -128,6 +133,7 @@ impl Balancer {
         let change = self.fleet.set_members(addresses, busy);
         if change.moved() {
             self.pool.invalidate();
+            self.named.invalidate();
         }
         change
     }
@@ -154,26 +160,67 @@ impl Balancer {
         if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
             self.pool.invalidate();
         }
+        if state.take_models_changed() {
+            self.named.invalidate();
+        }
         result
     }
 
+    /// The answer to a poll of node `node`'s `health_path`: a health poll as `on_health`, or a
+    /// step of finding its telemetry (see `probe`), which the answer's `step` says.
+    pub fn on_health_answer(&mut self, node: usize, polled: Polled<'_>, now_ms: u64) -> Answered {
+        let stale_after = self.params.stale_after_ms;
+        let Some(state) = self.fleet.nodes_mut().get_mut(node) else {
+            return Answered {
+                result: Some(Err(HealthError::UnknownNode)),
+                step: Step::Poll,
+            };
+        };
+        let was_candidate = state.fresh_report(now_ms, stale_after).is_some();
+        let answered = state.on_health_answer(polled, now_ms);
+        if state.fresh_report(now_ms, stale_after).is_some() != was_candidate {
+            self.pool.invalidate();
+        }
+        if state.take_models_changed() {
+            self.named.invalidate();
+        }
+        answered
+    }
+
+    /// Where node `node`'s health is polled now (see `probe`).
+    pub fn health_path(&self, node: usize) -> Option<&str> {
+        self.nodes().get(node).map(NodeState::health_path)
+    }
+
+    /// Members whose telemetry could not be found (see `probe`).
+    pub fn without_telemetry(&self) -> usize {
+        self.nodes()
+            .iter()
+            .filter(|n| n.member() && n.probe().not_found())
+            .count()
+    }
+
     /// A node's `GET /v1/models` answered 200 with `body`: a good list replaces the last one
-    /// and its length is returned; a bad one changes nothing. A configured node keeps its
-    /// configured set (the glue does not ask those).
+    /// (with the per-slot context it gives, if any) and its length is returned; a bad one
+    /// changes nothing. A configured node keeps its configured set (the glue does not ask
+    /// those).
     pub fn on_models(&mut self, node: usize, body: &[u8]) -> Result<usize, ListError> {
-        let names = models::parse_model_list(body)?;
-        let n = names.len();
+        let list = models::read_model_list(body)?;
+        let n = list.names.len();
         if let Some(state) = self.fleet.nodes_mut().get_mut(node) {
-            state.models_mut().set_list(names);
+            state.models_mut().set_list(list.names);
+            state.models_mut().set_context_tokens(list.context_tokens);
+            self.named.invalidate();
         }
         Ok(n)
     }
 
-    /// Whether node `node`'s model list is worth asking for (its set is not configured).
+    /// Whether node `node`'s model list is worth asking for: its set is not configured, or
+    /// its engine's list gives its context (see `models`).
     pub fn learns_models(&self, node: usize) -> bool {
         self.nodes()
             .get(node)
-            .is_some_and(|n| !n.models().is_configured())
+            .is_some_and(|n| n.models().wants_list())
     }
 
     /// Whether every node is known not to serve `model`. Staleness does not enter: a model
@@ -229,10 +276,14 @@ impl Balancer {
         let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
+        // Only in a fleet with nodes that serve any name does it matter whether some node
+        // names the model (see `models`); the names are gathered when they change.
+        let named = model.is_some_and(|m| self.named.named(self.fleet.nodes(), m));
         let ask = Ask {
             weight,
             growth,
             model,
+            named,
         };
         let sampled = if self.params.choices > 0 {
             self.pool
@@ -373,6 +424,7 @@ impl Balancer {
     pub fn import_fleet(&mut self, snapshot: &Snapshot) -> Imported {
         let imported = share::fleet::import(&mut self.fleet, snapshot);
         self.pool.invalidate();
+        self.named.invalidate();
         imported
     }
 
@@ -392,6 +444,7 @@ impl Balancer {
         );
         if change.moved() {
             self.pool.invalidate();
+            self.named.invalidate();
         }
         change
     }

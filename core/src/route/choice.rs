@@ -134,15 +134,28 @@ pub struct Ask<'a> {
     pub growth: Growth,
     /// The body's `model`; `None` puts no restriction on the nodes.
     pub model: Option<&'a str>,
+    /// Some node serves `model` by name: a node that serves any name leaves it to those
+    /// (see `models`).
+    pub named: bool,
 }
 
-/// Whether node `n` may serve a request for `model`: there is no restriction, or the node
-/// serves the model or might (its set is not known).
-pub fn may_serve(n: &NodeState, model: Option<&str>) -> bool {
-    match model {
+/// Whether node `n` may serve the request: it serves the request's model, or might (its set
+/// is not known, or it serves any name and no node names the model), and the request's prompt
+/// fits the node's per-slot context when its model list gives one (a longer prompt is refused
+/// there before any work).
+pub fn may_serve(n: &NodeState, ask: &Ask) -> bool {
+    let model = match ask.model {
         None => true,
-        Some(m) => n.models().serves(m) != Serves::No,
-    }
+        Some(m) => match n.models().serves(m) {
+            Serves::Yes | Serves::Unknown => true,
+            Serves::AnyName => !ask.named,
+            Serves::No => false,
+        },
+    };
+    model
+        && n.models()
+            .context_tokens()
+            .map_or(true, |c| ask.weight.prompt_tokens <= c)
 }
 
 /// The capacity assumed for a node that reports none and has none configured: the largest
@@ -284,6 +297,7 @@ mod tests {
                 per_running: 0.0,
             },
             model,
+            named: false,
         }
     }
 
@@ -482,6 +496,7 @@ mod tests {
                         per_running: 0.0,
                     },
                     model: None,
+                    named: false,
                 },
                 100.0,
                 2000,
@@ -574,6 +589,7 @@ mod tests {
                     per_running,
                 },
                 model: None,
+                named: false,
             };
             decide(&nodes, &ask, 100.0, 2000, &P, &mut SplitMix64::new(1))
         };

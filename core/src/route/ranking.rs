@@ -193,14 +193,14 @@ fn rank(
             continue;
         };
         assumed.add(n, r);
-        any |= may_serve(n, ask.model);
+        any |= may_serve(n, ask);
     }
     if !any {
         return Ranks::Done(Decision::NoFreshNodes);
     }
     let fresh = nodes.iter().enumerate().filter_map(|(i, n)| {
         let r = n.fresh_report(now_ms, p.stale_after_ms)?;
-        may_serve(n, ask.model).then_some((i, n, r))
+        may_serve(n, ask).then_some((i, n, r))
     });
 
     if p.rule == Rule::LeastReportedLoad {
@@ -367,6 +367,7 @@ mod tests {
                 per_running: 0.0,
             },
             model,
+            named: false,
         }
     }
 
@@ -442,6 +443,7 @@ mod tests {
             weight: w(1, 1),
             growth: NO_MARGIN,
             model: None,
+            named: false,
         };
         let mut seen = [0usize; 4];
         for _ in 0..200 {

@@ -47,6 +47,10 @@ pub struct NodeView {
     /// The last good `/v1/models` list, and names seen in the metrics since.
     pub listed_models: Option<Vec<String>>,
     pub seen_models: Vec<String>,
+    /// The node's engine serves any model name (see `fleet::models`).
+    pub any_name: bool,
+    /// The per-slot context its list gives, tokens.
+    pub context_tokens: Option<u64>,
 }
 
 /// What the poller publishes: every node it follows.
@@ -60,6 +64,9 @@ const HAS_REPORT: u8 = 1;
 const EJECTED: u8 = 2;
 const MEMBER: u8 = 4;
 const LISTED: u8 = 8;
+const ANY_NAME: u8 = 16;
+/// A context follows the node's model names (a bit an older reader does not set).
+const CONTEXT: u8 = 32;
 
 /// Little-endian cursor over a byte slice; every read is checked.
 struct Reader<'a> {
@@ -166,6 +173,8 @@ impl Snapshot {
                 (n.ejected, EJECTED),
                 (n.member, MEMBER),
                 (n.listed_models.is_some(), LISTED),
+                (n.any_name, ANY_NAME),
+                (n.context_tokens.is_some(), CONTEXT),
             ] {
                 if on {
                     flags |= bit;
@@ -192,6 +201,9 @@ impl Snapshot {
                 put_strs(&mut out, list);
             }
             put_strs(&mut out, &n.seen_models);
+            if let Some(c) = n.context_tokens {
+                out.extend_from_slice(&c.to_le_bytes());
+            }
         }
         out
     }
@@ -248,6 +260,11 @@ impl Snapshot {
                 None
             };
             let seen_models = r.strs()?;
+            let context_tokens = if flags & CONTEXT != 0 {
+                Some(r.u64()?)
+            } else {
+                None
+            };
             nodes.push(NodeView {
                 address,
                 report,
@@ -256,6 +273,8 @@ impl Snapshot {
                 member: flags & MEMBER != 0,
                 listed_models,
                 seen_models,
+                any_name: flags & ANY_NAME != 0,
+                context_tokens,
             });
         }
         r.done().then_some(Snapshot { nodes })
@@ -352,6 +371,8 @@ mod tests {
                     member: true,
                     listed_models: Some(vec!["m1".into(), "lora-é".into()]),
                     seen_models: vec!["hot".into()],
+                    any_name: true,
+                    context_tokens: Some(512),
                 },
                 NodeView {
                     address: "[::1]:8000".into(),
@@ -395,6 +416,8 @@ mod tests {
                     member: true,
                     listed_models: Some(vec!["meta-llama/Llama-3.1-8B-Instruct".into()]),
                     seen_models: vec![],
+                    any_name: false,
+                    context_tokens: None,
                 })
                 .collect(),
         }

@@ -34,6 +34,8 @@ pub fn view(fleet: &Fleet, epoch_base: u64) -> Vec<NodeView> {
             member: n.member(),
             listed_models: n.models().listed().map(<[String]>::to_vec),
             seen_models: n.models().seen().to_vec(),
+            any_name: n.models().any_name(),
+            context_tokens: n.models().context_tokens(),
         })
         .collect()
 }
@@ -66,6 +68,8 @@ pub fn import(fleet: &mut Fleet, snapshot: &Snapshot) -> Imported {
                 models.set_list(list.clone());
             }
             models.observe_metrics(&v.seen_models);
+            models.set_any_name(v.any_name);
+            models.set_context_tokens(v.context_tokens);
             *n.models_mut() = models;
         }
     }
@@ -245,5 +249,36 @@ mod tests {
         let mut fixed = Balancer::new(&cfg(&[8001]));
         assert_eq!(fixed.mirror_fleet(&snap(&poller)), MemberChange::default());
         assert_eq!(fixed.nodes().len(), 1);
+    }
+
+    /// What a worker needs of a node's engine reaches it through the snapshot: that it serves
+    /// any name, and its per-slot context.
+    #[test]
+    fn the_engine_rule_and_the_context_reach_the_readers() {
+        let llamacpp = include_str!("../../tests/data/metrics/llamacpp_real.prom");
+        let list = include_bytes!("../../tests/data/models/llamacpp_real_noalias.json");
+        let mut poller = Balancer::new(&cfg(&[8001, 8002]));
+        poller.on_health(0, Some(llamacpp.as_bytes()), 0).unwrap();
+        poller.on_models(0, list).unwrap();
+        poller
+            .on_health(1, Some(br#"{"tokens_per_sec_load":1}"#), 0)
+            .unwrap();
+        poller.on_models(1, br#"{"data":[{"id":"m"}]}"#).unwrap();
+        let snap = Snapshot {
+            nodes: poller.fleet_view(0),
+        };
+        let snap = Snapshot::decode(&snap.encode()).unwrap();
+        let mut reader = Balancer::new(&cfg(&[8001, 8002]));
+        reader.import_fleet(&snap);
+        let m = |i: usize| reader.nodes()[i].models().clone();
+        assert!(m(0).any_name() && !m(1).any_name());
+        assert_eq!(
+            (m(0).context_tokens(), m(1).context_tokens()),
+            (Some(512), None)
+        );
+        // A name nobody lists goes to the node that serves any name.
+        let mut rng = SplitMix64::new(2);
+        let o = reader.route(W, Some("gpt-4o"), 10, &mut rng, false, &mut OwnBooks);
+        assert_eq!(routed(&o).map(|t| t.node), Some(0), "{o:?}");
     }
 }

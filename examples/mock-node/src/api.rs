@@ -8,6 +8,7 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
+use mock_gpu_node::metrics::Flavour;
 use mock_gpu_node::tokenize;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -44,11 +45,12 @@ pub async fn handle(
         (Method::POST, "/v1/chat/completions") => completion(node.clone(), Kind::Chat, req).await,
         (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
         (Method::GET, "/health") => health(&node).await,
-        (Method::GET, "/metrics") => full(
-            StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
-            node.metrics(),
-        ),
+        (Method::GET, "/metrics") => metrics(&node, false),
+        (Method::GET, "/prometheus/metrics")
+            if node.honest() && node.flavour() == Flavour::Trtllm =>
+        {
+            metrics(&node, true)
+        }
         (Method::GET, "/v1/models") => json_response(StatusCode::OK, &node.model_list()),
         (Method::POST, "/admin/health") => admin_health(&node, req).await,
         (Method::GET, "/admin/stats") => json_response(StatusCode::OK, &admin_stats(&node)),
@@ -279,6 +281,15 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         Err(msg) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &msg),
     };
     let prompt_tokens = prompt_ids.len() as u64;
+    // llama.cpp refuses a prompt longer than a slot's context before any work.
+    if let Some(n_ctx) = node.n_ctx().filter(|n| prompt_tokens > *n) {
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &json!({"error": {"code": 400, "type": "exceed_context_size_error",
+                "message": format!("request ({prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"),
+                "n_prompt_tokens": prompt_tokens, "n_ctx": n_ctx}}),
+        );
+    }
     if node.instant {
         return instant(&node, kind, served.name, prompt_tokens, &body);
     }
@@ -423,6 +434,42 @@ impl Body for ChannelBody {
     }
 }
 
+/// `GET /metrics` (`prometheus`: `GET /prometheus/metrics`), as the imitated engine serves
+/// it: trtllm-serve's `/metrics` is JSON iteration statistics and its Prometheus text is at
+/// `/prometheus/metrics`; every other engine's is at `/metrics`. With `metrics_off=1` there is
+/// none: llama.cpp started without `--metrics` answers 501, the others have no such route.
+fn metrics(node: &Node, prometheus: bool) -> Response<BoxBody> {
+    let trtllm = node.honest() && node.flavour() == Flavour::Trtllm;
+    if node.metrics_off {
+        if node.honest() && node.flavour() == Flavour::Llamacpp && !prometheus {
+            return json_response(
+                StatusCode::NOT_IMPLEMENTED,
+                &json!({"error": {"code": 501, "type": "not_supported_error",
+                    "message": "This server does not support metrics endpoint. Start it with `--metrics`"}}),
+            );
+        }
+        if prometheus || !trtllm {
+            return full(
+                StatusCode::NOT_FOUND,
+                "application/json",
+                r#"{"detail":"Not Found"}"#,
+            );
+        }
+    }
+    if trtllm && !prometheus {
+        return json_response(
+            StatusCode::OK,
+            &json!([{"iter": 0, "numActiveRequests": 0, "numQueuedRequests": 0,
+                     "gpuMemUsage": 0, "cpuMemUsage": 0, "pinnedMemUsage": 0}]),
+        );
+    }
+    full(
+        StatusCode::OK,
+        "text/plain; version=0.0.4; charset=utf-8",
+        node.metrics(),
+    )
+}
+
 async fn health(node: &Node) -> Response<BoxBody> {
     node.health_requests_total.fetch_add(1, Ordering::Relaxed);
     let (fail, hang) = {
@@ -440,7 +487,14 @@ async fn health(node: &Node) -> Response<BoxBody> {
             "health endpoint set to fail by /admin/health",
         );
     }
-    json_response(StatusCode::OK, &node.health())
+    if !node.honest() {
+        return json_response(StatusCode::OK, &node.health());
+    }
+    // Engines' health says the process is up, nothing about load.
+    if node.flavour() == Flavour::Llamacpp {
+        return json_response(StatusCode::OK, &json!({"status": "ok"}));
+    }
+    full(StatusCode::OK, "text/plain; charset=utf-8", "")
 }
 
 /// Merges a JSON object into the /health overrides: `fail` and `hang` are switches, any other

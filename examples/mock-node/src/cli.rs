@@ -5,6 +5,16 @@ use hyper::header::HeaderValue;
 use mock_gpu_node::engine::EngineConfig;
 use mock_gpu_node::metrics::Flavour;
 
+/// What `GET /health` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthMode {
+    /// token-balancer's simple JSON report (the benchmarks' and most tests' node).
+    Json,
+    /// What the imitated engine answers: vLLM, SGLang, TGI and trtllm-serve an empty 200,
+    /// llama.cpp `{"status":"ok"}`.
+    Engine,
+}
+
 pub const USAGE: &str = "\
 usage: mock-gpu-node --node PORT[,key=value...] [--node ...] [--time-scale X] [--bind ADDR]
 
@@ -25,10 +35,22 @@ Serves one mock GPU inference node per --node, all in this process.
                           prefix_block=N       tokens per prefix-cache (and KV) block (default 16)
                           prefix_cache_blocks=N  prefix-cache size in blocks (default: as many
                                                as the KV cache holds; 0 turns caching off)
-                          metrics=FLAVOUR      GET /metrics format: vllm (default), vllm-v0,
-                                               sglang, tgi, trtllm, llamacpp
+                          metrics=FLAVOUR      the engine imitated: vllm (default), vllm-v0,
+                                               sglang, tgi, trtllm, llamacpp; its /metrics
+                                               format and, once named, its /health, model
+                                               list and model names too
+                          health=json|engine   /health: the seed JSON report (default without
+                                               metrics=), or what the engine answers (default
+                                               with metrics=: an empty 200, llama.cpp's
+                                               {\"status\":\"ok\"})
+                          metrics_off=1        the engine runs without its metrics endpoint
+                                               (llama.cpp without --metrics: 501; else 404)
+                          n_ctx=N              llamacpp: the per-slot context listed in
+                                               /v1/models and enforced (default kv_tokens)
                           models=A|B|...       served model names (404 model_not_found for
-                                               others); default: any name, listed as mock-model
+                                               others; an engine that serves any name
+                                               ignores it but lists them); default: any
+                                               name, listed as mock-model
                           loras=X|Y|...        LoRA adapters served as models too
                           instant=1            answer every completion at once with one
                                                token, bypassing the engine (a fast upstream
@@ -48,6 +70,11 @@ pub struct NodeSpec {
     pub config: EngineConfig,
     pub capacity: Option<f64>,
     pub metrics: Flavour,
+    pub health: HealthMode,
+    /// The engine's metrics endpoint is off (`metrics_off=1`).
+    pub metrics_off: bool,
+    /// llama.cpp's per-slot context (`n_ctx=`); `None`: the KV size.
+    pub n_ctx: Option<u64>,
     /// Served model names; empty: any name is served.
     pub models: Vec<String>,
     pub loras: Vec<String>,
@@ -129,6 +156,10 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let mut name = format!("node-{port}");
     let mut capacity = None;
     let mut metrics = Flavour::Vllm;
+    let mut metrics_named = false;
+    let mut health = None;
+    let mut metrics_off = false;
+    let mut n_ctx = None;
     let (mut models, mut loras) = (vec![], vec![]);
     let mut instant = false;
     let float = |k: &str, v: &str| {
@@ -146,6 +177,11 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let count = |k: &str, v: &str| {
         v.parse::<u64>()
             .map_err(|_| err(format!("{k}={v:?}: expected a whole number")))
+    };
+    let switch = |k: &str, v: &str| match v {
+        "1" | "true" => Ok(true),
+        "0" | "false" => Ok(false),
+        _ => Err(err(format!("{k}={v:?}: expected 1 or 0"))),
     };
     // An empty name (`a||b`, a trailing `|`) is a typo, not a model.
     let names = |k: &str, v: &str| -> Result<Vec<String>, String> {
@@ -173,17 +209,21 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
                 metrics = Flavour::parse(v).ok_or_else(|| {
                     let all: Vec<&str> = Flavour::ALL.iter().map(|f| f.name()).collect();
                     err(format!("unknown metrics={v:?} ({})", all.join(", ")))
-                })?
+                })?;
+                metrics_named = true;
             }
+            "health" => {
+                health = Some(match v {
+                    "json" => HealthMode::Json,
+                    "engine" => HealthMode::Engine,
+                    _ => return Err(err(format!("health={v:?}: expected json or engine"))),
+                })
+            }
+            "metrics_off" => metrics_off = switch(k, v)?,
+            "n_ctx" => n_ctx = Some(int(k, v)?),
             "models" => models = names(k, v)?,
             "loras" => loras = names(k, v)?,
-            "instant" => {
-                instant = match v {
-                    "1" | "true" => true,
-                    "0" | "false" => false,
-                    _ => return Err(err(format!("instant={v:?}: expected 1 or 0"))),
-                }
-            }
+            "instant" => instant = switch(k, v)?,
             _ => return Err(err(format!("unknown key {k:?}"))),
         }
     }
@@ -213,6 +253,13 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         config,
         capacity,
         metrics,
+        health: health.unwrap_or(if metrics_named {
+            HealthMode::Engine
+        } else {
+            HealthMode::Json
+        }),
+        metrics_off,
+        n_ctx,
         models,
         loras,
         instant,
@@ -294,6 +341,24 @@ mod tests {
     }
 
     #[test]
+    fn health_is_the_json_report_unless_an_engine_is_named() {
+        let a = run(
+            "--node 1 --node 2,metrics=vllm --node 3,metrics=llamacpp,health=json \
+                     --node 4,health=engine --node 5,metrics=llamacpp,metrics_off=1,n_ctx=512",
+        );
+        let modes: Vec<HealthMode> = a.nodes.iter().map(|n| n.health).collect();
+        use HealthMode::*;
+        assert_eq!(modes, [Json, Engine, Json, Engine, Engine]);
+        assert!(a
+            .nodes
+            .iter()
+            .take(4)
+            .all(|n| !n.metrics_off && n.n_ctx.is_none()));
+        assert!(a.nodes[4].metrics_off);
+        assert_eq!(a.nodes[4].n_ctx, Some(512));
+    }
+
+    #[test]
     fn help() {
         assert_eq!(parse(argv("--node 1 --help")), Ok(Command::Help));
         assert_eq!(parse(argv("-h")), Ok(Command::Help));
@@ -324,6 +389,9 @@ mod tests {
             ("--node 1,models=a||b", "empty name"),
             ("--node 1,models=a|b,loras=b", "named twice"),
             ("--node 1,instant=yes", "expected 1 or 0"),
+            ("--node 1,health=seed", "expected json or engine"),
+            ("--node 1,metrics_off=2", "expected 1 or 0"),
+            ("--node 1,n_ctx=0", "positive integer"),
             ("--node 1 --time-scale 0", "positive number"),
             ("--node 1 --time-scale fast", "positive number"),
             ("--node 1 --verbose", "unknown argument"),

@@ -3,7 +3,7 @@
 //! what /health and /metrics report (the per-request timings behind the metrics' histograms
 //! are taken here, where the engine's events meet the wall clock).
 
-use crate::cli::NodeSpec;
+use crate::cli::{HealthMode, NodeSpec};
 use mock_gpu_node::engine::{Admission, Engine, Event, Iteration, Request, LOAD_WINDOW_MS};
 use mock_gpu_node::metrics::{self, Flavour, GaugeOverrides, Loras, Observed, Recorder, Snapshot};
 use mock_gpu_node::prefix;
@@ -103,6 +103,12 @@ pub struct Node {
     /// Completions bypass the engine and answer at once (`instant=1`).
     pub instant: bool,
     flavour: Flavour,
+    /// What /health answers (the seed JSON, or the engine's own answer).
+    pub health_mode: HealthMode,
+    /// The engine's metrics endpoint is off.
+    pub metrics_off: bool,
+    /// llama.cpp's per-slot context.
+    n_ctx: u64,
     stats: Mutex<Stats>,
     engine: Mutex<Engine>,
     wake: Notify,
@@ -116,6 +122,13 @@ pub struct Node {
     pub health_requests_total: AtomicU64,
     /// Model times at which requests finished, over the last window (for the ORCA report).
     finished: Mutex<VecDeque<f64>>,
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+fn unix_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// A poisoned lock only means a panic elsewhere mid-update; the mock keeps serving.
@@ -156,6 +169,9 @@ impl Node {
             loras: spec.loras.clone(),
             instant: spec.instant,
             flavour: spec.metrics,
+            health_mode: spec.health,
+            metrics_off: spec.metrics_off,
+            n_ctx: spec.n_ctx.unwrap_or(spec.config.kv_capacity_tokens),
             stats: Mutex::new(Stats {
                 tracks: HashMap::new(),
                 // Token-count buckets up to the longest sequence the KV cache holds.
@@ -188,8 +204,31 @@ impl Node {
         model_ms / 1000.0 / self.time_scale
     }
 
+    /// Whether the node imitates its engine (`health=engine`) rather than token-balancer's
+    /// simple node.
+    pub fn honest(&self) -> bool {
+        self.health_mode == HealthMode::Engine
+    }
+
+    /// The engine imitated, honestly (see `honest`).
+    pub fn flavour(&self) -> Flavour {
+        self.flavour
+    }
+
+    /// Whether the node serves a request whatever model it names: SGLang, TGI, trtllm-serve and
+    /// llama.cpp serve their one model under any name (only vLLM answers 404
+    /// `model_not_found`). The simple node serves any name unless `models=` is given.
+    fn serves_any_name(&self) -> bool {
+        if self.honest() {
+            !matches!(self.flavour, Flavour::Vllm | Flavour::VllmV0)
+        } else {
+            self.models.is_empty()
+        }
+    }
+
     /// The model a request names: `None` (no `model` field) is the first served one; an
-    /// adapter is served by name; any other name is served when no `models=` list was given.
+    /// adapter is served by name; any other name is served when the node serves any name
+    /// (see `serves_any_name`). llama.cpp answers with its own name, whatever was asked.
     pub fn resolve_model(&self, requested: Option<&str>) -> Result<Served, String> {
         let served = |name: &str, lora| Served {
             name: name.to_string(),
@@ -198,9 +237,12 @@ impl Node {
         match requested {
             None => Ok(served(self.first_model(), false)),
             Some(m) if self.loras.iter().any(|l| l == m) => Ok(served(m, true)),
-            Some(m) if self.models.is_empty() || self.models.iter().any(|x| x == m) => {
-                Ok(served(m, false))
+            Some(m) if self.models.iter().any(|x| x == m) => Ok(served(m, false)),
+            Some(_) if self.honest() && self.flavour == Flavour::Llamacpp => {
+                Ok(served(&self.llamacpp_id(), false))
             }
+            Some(m) if self.serves_any_name() => Ok(served(m, false)),
+            Some(m) if self.models.is_empty() && m == DEFAULT_MODEL => Ok(served(m, false)),
             Some(m) => Err(format!("The model `{m}` does not exist.")),
         }
     }
@@ -209,9 +251,48 @@ impl Node {
         self.models.first().map_or(DEFAULT_MODEL, String::as_str)
     }
 
+    /// llama.cpp's model id: the first of its aliases in sorted order (it keeps them in a
+    /// set), else the `--model` path as given.
+    fn llamacpp_id(&self) -> String {
+        self.models
+            .iter()
+            .min()
+            .cloned()
+            .unwrap_or_else(|| format!("/models/{DEFAULT_MODEL}.Q4_1.gguf"))
+    }
+
+    /// The per-slot context a llama.cpp node enforces: a longer prompt is refused.
+    pub fn n_ctx(&self) -> Option<u64> {
+        (self.honest() && self.flavour == Flavour::Llamacpp).then_some(self.n_ctx)
+    }
+
     /// The /v1/models list: the base models, then the adapters (with their base as parent,
-    /// as vLLM lists them).
+    /// as vLLM lists them). llama.cpp lists its one model (see `llamacpp_id`) with its
+    /// aliases and `meta.n_ctx`, the per-slot context.
     pub fn model_list(&self) -> Value {
+        if self.honest() && self.flavour == Flavour::Llamacpp {
+            let id = self.llamacpp_id();
+            let mut aliases: Vec<&str> = self.models.iter().map(String::as_str).collect();
+            aliases.sort_unstable();
+            if aliases.is_empty() {
+                aliases.push(&id);
+            }
+            return json!({
+                "models": [{"name": id, "model": id, "modified_at": "", "size": "",
+                            "digest": "", "type": "model", "description": "", "tags": [""],
+                            "capabilities": ["completion"], "parameters": "",
+                            "details": {"parent_model": "", "format": "gguf", "family": "",
+                                        "families": [""], "parameter_size": "",
+                                        "quantization_level": ""}}],
+                "object": "list",
+                "data": [{"id": id, "aliases": aliases, "tags": [], "object": "model",
+                          "created": unix_secs(), "owned_by": "llamacpp",
+                          "meta": {"vocab_type": 2, "n_vocab": 49152,
+                                   "n_ctx_train": 8192, "n_embd": 576,
+                                   "n_params": 134515008, "size": 97632512,
+                                   "n_ctx": self.n_ctx}}]
+            });
+        }
         let base: Vec<&str> = if self.models.is_empty() {
             vec![DEFAULT_MODEL]
         } else {

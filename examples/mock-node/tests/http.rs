@@ -715,8 +715,14 @@ fn metric_flavours_report_the_engine_state_in_their_names() {
     let prompt = "Once upon a time there was a mock GPU node.";
     for ((flavour, running, prompt_counter, kv), port) in table.iter().zip(&mock.ports) {
         let mut c = Conn::open(*port);
+        // trtllm-serve's Prometheus text is at /prometheus/metrics (its /metrics is JSON).
+        let path = if *flavour == "trtllm" {
+            "/prometheus/metrics"
+        } else {
+            "/metrics"
+        };
         let scrape = |c: &mut Conn| {
-            let r = c.call("GET", "/metrics", &[], "");
+            let r = c.call("GET", path, &[], "");
             assert_eq!(r.status, 200, "{flavour}");
             assert!(r
                 .header("content-type")
@@ -782,11 +788,85 @@ fn metric_flavours_report_the_engine_state_in_their_names() {
                 assert!(now >= v, "{flavour}: {series} went from {v} to {now}");
             }
         }
-        // /health keeps the seed format whatever the flavour.
-        let h = c.call("GET", "/health", &[], "").json();
-        assert_eq!(h["name"], *flavour);
-        assert!(h.get("kv_cache_usage").is_some() && h.get("tokens_per_sec_capacity").is_some());
+        // /health answers as the engine does: an empty 200, llama.cpp's {"status":"ok"}.
+        let h = c.call("GET", "/health", &[], "");
+        assert_eq!(h.status, 200, "{flavour}");
+        if *flavour == "llamacpp" {
+            assert_eq!(h.json(), serde_json::json!({"status": "ok"}));
+        } else {
+            assert_eq!(h.text(), "", "{flavour}");
+        }
     }
+}
+
+/// Each engine flavour, once named, answers /health, its model list and model names as that
+/// engine does; `health=json` keeps the seed report; `metrics_off=1` is an engine started
+/// without its metrics.
+#[test]
+fn engine_flavours_answer_health_and_models_as_their_engines() {
+    let mock = start(
+        &[
+            "name=v,metrics=vllm",
+            "name=s,metrics=sglang",
+            "name=t,metrics=trtllm",
+            "name=l,metrics=llamacpp,n_ctx=64",
+            "name=la,metrics=llamacpp,models=zeta|alpha",
+            "name=j,metrics=llamacpp,health=json",
+            "name=off,metrics=llamacpp,metrics_off=1",
+            "name=soff,metrics=sglang,metrics_off=1",
+        ],
+        &[],
+    );
+    let conn = |i: usize| Conn::open(mock.ports[i]);
+    // The seed report stays available, with its engine's metrics.
+    let j = conn(5).call("GET", "/health", &[], "").json();
+    assert_eq!(j["name"], "j");
+    // trtllm-serve: JSON iteration stats at /metrics, Prometheus text elsewhere.
+    let t = conn(2).call("GET", "/metrics", &[], "");
+    assert!(t.json().is_array(), "{}", t.text());
+    let t = conn(2).call("GET", "/prometheus/metrics", &[], "");
+    assert!(t.text().contains("trtllm_num_requests_running"));
+    // Without metrics: llama.cpp's 501, another engine's missing route.
+    let off = conn(6).call("GET", "/metrics", &[], "");
+    assert_eq!(off.status, 501);
+    assert!(off.text().contains("--metrics"));
+    assert_eq!(conn(7).call("GET", "/metrics", &[], "").status, 404);
+    // Only trtllm-serve has /prometheus/metrics.
+    assert_eq!(
+        conn(3).call("GET", "/prometheus/metrics", &[], "").status,
+        404
+    );
+    // llama.cpp lists its model file (or its first alias in sorted order) with n_ctx.
+    let l = conn(3).call("GET", "/v1/models", &[], "").json();
+    assert_eq!(l["data"][0]["id"], "/models/mock-model.Q4_1.gguf");
+    assert_eq!(l["data"][0]["meta"]["n_ctx"], 64);
+    assert_eq!(l["data"][0]["owned_by"], "llamacpp");
+    let la = conn(4).call("GET", "/v1/models", &[], "").json();
+    assert_eq!(la["data"][0]["id"], "alpha");
+    assert_eq!(
+        la["data"][0]["aliases"],
+        serde_json::json!(["alpha", "zeta"])
+    );
+    // Any name is served, but by vLLM; llama.cpp answers with its own name.
+    let ask = |i: usize, model: &str| {
+        let body = format!(
+            r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":2}}"#
+        );
+        conn(i).call("POST", "/v1/chat/completions", &[], &body)
+    };
+    assert_eq!(ask(0, "gpt-4o").status, 404);
+    assert_eq!(ask(0, "mock-model").status, 200);
+    assert_eq!(ask(1, "gpt-4o").status, 200);
+    assert_eq!(ask(2, "gpt-4o").status, 200);
+    let r = ask(3, "gpt-4o");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["model"], "/models/mock-model.Q4_1.gguf");
+    // A prompt over llama.cpp's per-slot context is refused before any work.
+    let long = "word ".repeat(100);
+    let body = format!(r#"{{"messages":[{{"role":"user","content":"{long}"}}],"max_tokens":2}}"#);
+    let r = conn(3).call("POST", "/v1/chat/completions", &[], &body);
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "exceed_context_size_error");
 }
 
 /// POST /admin/health's queue, running and KV overrides reach /metrics too, in the engine's
@@ -802,7 +882,7 @@ fn metrics_follow_the_gauge_overrides() {
     ];
     let specs: Vec<String> = table
         .iter()
-        .map(|(f, ..)| format!("name={f},metrics={f},models=m,kv_tokens=20000"))
+        .map(|(f, ..)| format!("name={f},metrics={f},models=m,kv_tokens=20000,health=json"))
         .collect();
     let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
     let mock = start(&specs, &[]);

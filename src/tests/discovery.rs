@@ -1,0 +1,217 @@
+//! A node configured by its address only: the glue polls where the node's probe says
+//! (`fleet::probe`), asks the next path at once when an answer is not telemetry, counts what
+//! is found once, and leaves a node that is down a failed poll.
+
+use super::*;
+use crate::fake::Call;
+use token_balancer_core::fleet::probe::RETRY_MS;
+
+const VLLM: &str = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n\
+                    vllm:kv_cache_usage_perc 0.1\nvllm:prompt_tokens_total 10\n\
+                    vllm:generation_tokens_total 5\n";
+const LLAMACPP_HEALTH: &str = r#"{"status":"ok"}"#;
+
+/// The one call sent to `address` since the last look.
+fn call_to(host: &FakeHost, address: &str) -> Call {
+    let mut calls: Vec<Call> = host
+        .take_calls()
+        .into_iter()
+        .filter(|c| c.authority == address)
+        .collect();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    calls.remove(0)
+}
+
+#[test]
+fn an_empty_health_answer_sends_the_next_poll_to_the_metrics_at_once() {
+    let (host, mut root) = configured(&config(""));
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    assert!(calls.iter().all(|c| c.path == "/health"), "{calls:?}");
+    let (a, b) = (&calls[0], &calls[1]);
+    let (a, b) = if a.authority == A { (a, b) } else { (b, a) };
+    // B serves the simple JSON format: settled there, nothing said.
+    answer(&host, &mut root, b.token, Some("200"), IDLE);
+    // A is an engine: its empty /health is no failure, and /metrics is asked at once.
+    answer(&host, &mut root, a.token, Some("200"), "");
+    assert_eq!(host.metric("token_balancer.health.unparsable"), 0);
+    let m = call_to(&host, A);
+    assert_eq!(m.path, "/metrics");
+    answer(&host, &mut root, m.token, Some("200"), VLLM);
+    assert_eq!(host.metric("token_balancer.health.ok"), 2);
+    assert_eq!(host.metric("token_balancer.telemetry.discovered"), 1);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found"), 0);
+    // From then on A is polled at /metrics, B at /health, and nothing more is said.
+    for _ in 0..3 {
+        host.advance(1000);
+        tick(&host, &mut root);
+        let calls = host.take_calls();
+        for c in &calls {
+            let want = if c.authority == A {
+                "/metrics"
+            } else {
+                "/health"
+            };
+            assert_eq!(c.path, want, "{c:?}");
+            answer(
+                &host,
+                &mut root,
+                c.token,
+                Some("200"),
+                if c.authority == A { VLLM } else { IDLE },
+            );
+        }
+        assert_eq!(calls.len(), 2);
+    }
+    assert_eq!(host.metric("token_balancer.telemetry.discovered"), 1);
+    assert_eq!(host.metric("token_balancer.health.ok"), 8);
+}
+
+#[test]
+fn a_node_without_telemetry_is_counted_once_and_looked_for_again() {
+    let (host, mut root) = configured(&format!(
+        r#"{{"nodes":[{{"address":"{A}"}}],"health_cluster":"gpu_health","models_poll_ms":0}}"#
+    ));
+    let not_found = |host: &FakeHost, root: &mut Root<FakeHost>| {
+        let h = call_to(host, A);
+        assert_eq!(h.path, "/health");
+        answer(host, root, h.token, Some("200"), LLAMACPP_HEALTH);
+        let m = call_to(host, A);
+        assert_eq!(m.path, "/metrics");
+        answer(host, root, m.token, Some("501"), "{}");
+        let p = call_to(host, A);
+        assert_eq!(p.path, "/prometheus/metrics");
+        answer(host, root, p.token, Some("404"), "");
+    };
+    tick(&host, &mut root);
+    not_found(&host, &mut root);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found"), 1);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 1);
+    // The steps of discovery are not health polls.
+    for stat in ["ok", "failed", "unparsable", "bad_status"] {
+        assert_eq!(
+            host.metric(&format!("token_balancer.health.{stat}")),
+            0,
+            "{stat}"
+        );
+    }
+    // Until the retry the node is polled at /health, and those are failed polls.
+    host.advance(1000);
+    tick(&host, &mut root);
+    let h = call_to(&host, A);
+    assert_eq!(h.path, "/health");
+    answer(&host, &mut root, h.token, Some("200"), LLAMACPP_HEALTH);
+    assert_eq!(host.metric("token_balancer.health.unparsable"), 1);
+    assert!(
+        host.take_calls().is_empty(),
+        "no discovery before the retry"
+    );
+    // After RETRY_MS the metrics paths are tried again: still nothing, said no more.
+    host.advance(RETRY_MS);
+    tick(&host, &mut root);
+    not_found(&host, &mut root);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found"), 1);
+    // The engine restarted with its metrics: found on the next retry.
+    host.advance(RETRY_MS);
+    tick(&host, &mut root);
+    let h = call_to(&host, A);
+    answer(&host, &mut root, h.token, Some("200"), LLAMACPP_HEALTH);
+    let m = call_to(&host, A);
+    answer(
+        &host,
+        &mut root,
+        m.token,
+        Some("200"),
+        "llamacpp:requests_processing 0\nllamacpp:prompt_tokens_total 3\n",
+    );
+    assert_eq!(host.metric("token_balancer.telemetry.discovered"), 1);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 0);
+    assert_eq!(host.metric("token_balancer.health.ok"), 1);
+}
+
+#[test]
+fn a_node_that_does_not_answer_is_a_failed_poll_not_a_node_without_telemetry() {
+    let (host, mut root) = configured(&config(""));
+    for _ in 0..3 {
+        tick(&host, &mut root);
+        for c in host.take_calls() {
+            assert_eq!(c.path, "/health");
+            answer(
+                &host,
+                &mut root,
+                c.token,
+                if c.authority == A { None } else { Some("503") },
+                "",
+            );
+        }
+        assert!(host.take_calls().is_empty(), "nothing else asked");
+        host.advance(1000);
+    }
+    assert_eq!(host.metric("token_balancer.health.no_answer"), 3);
+    assert_eq!(host.metric("token_balancer.health.bad_status"), 3);
+    assert_eq!(host.metric("token_balancer.nodes_ejected"), 2);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found"), 0);
+}
+
+#[test]
+fn a_configured_health_path_is_polled_as_it_is() {
+    let (host, mut root) = configured(&format!(
+        r#"{{"nodes":[{{"address":"{A}","health_path":"/health"}},{{"address":"{B}","health_path":"/stats"}}],
+            "health_cluster":"gpu_health","models_poll_ms":0}}"#
+    ));
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let mut polled: Vec<(&str, &str)> = calls
+        .iter()
+        .map(|c| (c.authority.as_str(), c.path.as_str()))
+        .collect();
+    polled.sort_unstable();
+    assert_eq!(polled, [(A, "/health"), (B, "/stats")]);
+    for c in &calls {
+        answer(&host, &mut root, c.token, Some("200"), "");
+    }
+    // Empty answers of a configured path are unreadable polls, not a reason to look further.
+    assert_eq!(host.metric("token_balancer.health.unparsable"), 2);
+    assert!(host.take_calls().is_empty());
+    assert_eq!(host.metric("token_balancer.telemetry.discovered"), 0);
+}
+
+#[test]
+fn a_node_without_telemetry_that_leaves_the_cluster_leaves_the_gauge() {
+    let (host, mut root) = configured(
+        r#"{"health_cluster":"gpu_health","models_poll_ms":0,"tick_ms":100,
+            "membership":{"cluster":"gpu_nodes","admin_cluster":"admin","poll_ms":100}}"#,
+    );
+    let members = |list: &[&str]| {
+        let hosts: Vec<String> = list
+            .iter()
+            .map(|a| {
+                let (ip, port) = a.split_once(':').unwrap();
+                format!(
+                    r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
+                )
+            })
+            .collect();
+        format!(
+            r#"{{"cluster_statuses":[{{"name":"gpu_nodes","host_statuses":[{}]}}]}}"#,
+            hosts.join(",")
+        )
+    };
+    tick(&host, &mut root);
+    let admin = host.take_calls().remove(0);
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[A]));
+    host.advance(100);
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    let health = calls.iter().find(|c| c.path == "/health").unwrap();
+    let admin = calls.iter().find(|c| c.cluster == "admin").unwrap();
+    answer(&host, &mut root, health.token, Some("200"), LLAMACPP_HEALTH);
+    let m = call_to(&host, A);
+    answer(&host, &mut root, m.token, Some("501"), "");
+    let p = call_to(&host, A);
+    answer(&host, &mut root, p.token, Some("404"), "");
+    assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 1);
+    answer(&host, &mut root, admin.token, Some("200"), &members(&[]));
+    assert_eq!(host.metric("token_balancer.nodes_left"), 1);
+    assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 0);
+}

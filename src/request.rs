@@ -95,13 +95,16 @@ impl<H: Host> Request<H> {
     /// would not take the answer (the request then goes on as any other).
     fn answer_beliefs(&mut self) -> bool {
         let now = self.host.now_ms();
-        let Some(body) = self.with(|s| {
+        let Some((body, new_reports)) = self.with(|s| {
             // A reader answers on the poller's latest fleet, as its next decision would.
-            s.sync_fleet(now);
-            s.beliefs(now)
+            let (_, new_reports) = s.sync_fleet(now);
+            (s.beliefs(now), new_reports)
         }) else {
             return false;
         };
+        if new_reports {
+            admit_held(&self.state, self.context_id);
+        }
         let headers = vec![
             ("content-type", "application/json"),
             ("cache-control", "no-store"),

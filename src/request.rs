@@ -91,6 +91,28 @@ impl<H: Host> Request<H> {
         guard.as_mut().map(f)
     }
 
+    /// Answers a GET of the beliefs path with the filter's beliefs as JSON; false when Envoy
+    /// would not take the answer (the request then goes on as any other).
+    fn answer_beliefs(&mut self) -> bool {
+        let now = self.host.now_ms();
+        let Some((body, new_reports)) = self.with(|s| {
+            // A reader answers on the poller's latest fleet, as its next decision would.
+            let (_, new_reports) = s.sync_fleet(now);
+            (s.beliefs(now), new_reports)
+        }) else {
+            return false;
+        };
+        if new_reports {
+            admit_held(&self.state, self.context_id);
+        }
+        let headers = vec![
+            ("content-type", "application/json"),
+            ("cache-control", "no-store"),
+        ];
+        self.decided = self.host.send_response(200, headers, &body).is_ok();
+        self.decided
+    }
+
     fn fallback(&mut self, why: &str, stat: Stat) -> Action {
         self.decided = true;
         let debug_on = self
@@ -225,6 +247,22 @@ impl<H: Host> HttpContext for Request<H> {
         if let Some(h) = &config.debug_header {
             self.host.remove_request_header(h);
         }
+        // The operator's beliefs path: looked at only where it is configured, so an ordinary
+        // request on a listener without it costs no host call more.
+        let mut path = None;
+        if let Some(beliefs_path) = &config.beliefs_path {
+            let p = self.host.request_header(":path").unwrap_or_default();
+            if p == *beliefs_path
+                && self
+                    .host
+                    .request_header(":method")
+                    .is_some_and(|m| m == "GET")
+                && self.answer_beliefs()
+            {
+                return Action::Pause;
+            }
+            path = Some(p);
+        }
         if end_of_stream {
             return self.fallback("no_body", Stat::FallbackNoBody);
         }
@@ -251,7 +289,9 @@ impl<H: Host> HttpContext for Request<H> {
         // Header lookups one by one: inside Envoy an absent header costs 0.3 us and a present
         // one 1.4 us, while the whole map in one call costs 2 us with a handful of headers
         // and grows with every header a client sends.
-        let path = self.host.request_header(":path").unwrap_or_default();
+        let path = path
+            .or_else(|| self.host.request_header(":path"))
+            .unwrap_or_default();
         self.api = Api::from_path(&path);
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter config, or Envoy
         // stops all iteration and the body never comes (see docs/CONFIGURATION.md).

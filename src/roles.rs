@@ -22,6 +22,7 @@ use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{MemberChange, Outcome, OwnBooks};
+use token_balancer_core::route::beliefs;
 use token_balancer_core::share::sync::{self, FleetEvent, Reads};
 use token_balancer_core::share::{Change, Read};
 
@@ -100,6 +101,25 @@ impl<H: Host> State<H> {
         let (reads, counts) = books.finish();
         self.metrics.count(&counts);
         (outcome, reads)
+    }
+
+    /// The filter's beliefs at `now_ms` as JSON (see `route::beliefs`): a reader's with the
+    /// books every worker shares, read once per node; the others with their own.
+    pub fn beliefs(&mut self, now_ms: u64) -> Vec<u8> {
+        let held = Some(self.held.len());
+        let value = match &self.role {
+            Role::Reader(reader) => {
+                let mut books = reader.books(&mut self.host);
+                let value = beliefs::render(&self.balancer, now_ms, &mut books, held);
+                let (_, counts) = books.finish();
+                self.metrics.count(&counts);
+                value
+            }
+            _ => beliefs::render(&self.balancer, now_ms, &mut OwnBooks, held),
+        };
+        let mut body = value.to_string().into_bytes();
+        body.push(b'\n');
+        body
     }
 
     /// Takes the held requests that may now go out of the queue, with their outcomes

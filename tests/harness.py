@@ -164,7 +164,7 @@ def node_stat(address: str, what: str) -> str:
 
 def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int, plugin: dict | None = None,
                  health_addresses: dict[str, str] | None = None, poller: str | None = None,
-                 wasm_file: Path | None = None) -> dict:
+                 wasm_file: Path | None = None, beliefs_port: int | None = None) -> dict:
     """The shipped envoy/envoy.yaml with this run's ports, nodes and plugin settings.
 
     Starting from the shipped file (not a copy kept for tests) means the tests run the same
@@ -174,7 +174,9 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     "vm" drops it and lets every VM poll. Unset, it is $TB_POLLER, else "vm" (the mode of the
     tests written before the service), so `TB_POLLER=singleton pytest ...` runs a test file in
     the other mode. `wasm_file` loads another build of the filter (a benchmark's side-by-side run of
-    two commits); unset, the one this tree builds."""
+    two commits); unset, the one this tree builds. `beliefs_port` keeps the shipped operator
+    listener on that port, its filter configured as the public one plus its beliefs_path;
+    unset, the operator listener is dropped (it would poll on its own with `poller` "vm")."""
     poller = poller or os.environ.get("TB_POLLER") or "vm"
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
     if poller == "vm":
@@ -197,6 +199,16 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
     conf["poller"] = poller
     conf.update(plugin or {})
     wasm["configuration"]["value"] = json.dumps(conf)
+    listeners = cfg["static_resources"]["listeners"]
+    operator = next(li for li in listeners if li["name"] == OPERATOR_LISTENER)
+    if beliefs_port is None:
+        listeners.remove(operator)
+    else:
+        operator["address"]["socket_address"]["port_value"] = beliefs_port
+        op = operator_plugin(cfg)
+        shipped = json.loads(op["configuration"]["value"])
+        op["configuration"] = {"@type": op["configuration"]["@type"],
+                               "value": json.dumps({**conf, "beliefs_path": shipped["beliefs_path"]})}
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": a.rsplit(":", 1)[0],
@@ -204,6 +216,16 @@ def envoy_config(node_addresses: list[str], listener_port: int, admin_port: int,
         for a in node_addresses
     ]
     return cfg
+
+
+OPERATOR_LISTENER = "operator"
+
+
+def operator_plugin(cfg: dict) -> dict:
+    """The token_balancer filter's config on the operator listener."""
+    li = next(li for li in cfg["static_resources"]["listeners"] if li["name"] == OPERATOR_LISTENER)
+    hcm = li["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
 
 
 def with_node_settings(cfg: dict, settings: list[dict]) -> dict:
@@ -223,6 +245,9 @@ def without_filter(cfg: dict, lb_policy: str) -> dict:
     of Envoy's own balancers (ROUND_ROBIN, LEAST_REQUEST): the baselines."""
     cfg = copy.deepcopy(cfg)
     cfg.pop("bootstrap_extensions", None)
+    # The operator listener's only purpose is the filter's beliefs.
+    cfg["static_resources"]["listeners"] = [li for li in cfg["static_resources"]["listeners"]
+                                            if li["name"] != OPERATOR_LISTENER]
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "token_balancer"]
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")

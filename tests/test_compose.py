@@ -11,7 +11,7 @@ import subprocess
 
 import yaml
 
-from harness import ENVOY, ENVOY_YAML, ROOT
+from harness import ENVOY, ENVOY_YAML, ROOT, operator_plugin
 
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_ENVOY = ROOT / "envoy/envoy-compose.yaml"
@@ -48,6 +48,11 @@ def normalized(cfg) -> dict:
     conf = json.loads(p["configuration"]["value"])
     conf["nodes"] = [{**n, "address": f"NODE{i}"} for i, n in enumerate(conf["nodes"])]
     p["configuration"]["value"] = conf
+    op = operator_plugin(cfg)
+    op["vm_config"]["code"]["local"]["filename"] = "WASM"
+    conf = json.loads(op["configuration"]["value"])
+    conf["nodes"] = [{**n, "address": f"NODE{i}"} for i, n in enumerate(conf["nodes"])]
+    op["configuration"]["value"] = conf
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "gpu_nodes")
     for i, e in enumerate(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]):
         e["endpoint"]["address"]["socket_address"] = f"NODE{i}"

@@ -102,6 +102,9 @@ pub struct Config {
     pub max_hosts_in_header: usize,
     /// When set, responses carry this header with the chosen node and the estimate.
     pub debug_header: Option<String>,
+    /// When set, a GET of exactly this path is answered by the filter with its beliefs (see
+    /// `route::beliefs`) as JSON, never forwarded. Set it only on an operator's listener.
+    pub beliefs_path: Option<String>,
     /// The ranking rule: `token_throughput` (default), or the seed article's naive
     /// `least_reported_load`, kept only as a benchmark baseline.
     pub policy: Rule,
@@ -168,6 +171,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "kv_bytes_per_token",
     "max_hosts_in_header",
     "debug_header",
+    "beliefs_path",
     "policy",
     "choices",
     "max_hold_ms",
@@ -550,6 +554,19 @@ impl Config {
             None => None,
             Some(_) => Some(header_name(&f, "debug_header", "")?),
         };
+        let beliefs_path = f.string("beliefs_path")?;
+        if let Some(p) = &beliefs_path {
+            let ok = p.starts_with('/')
+                && p.len() <= 1024
+                && p.bytes()
+                    .all(|b| b.is_ascii_graphic() && b != b'?' && b != b'#');
+            if !ok {
+                return Err(err(
+                    "beliefs_path",
+                    "must be a path starting with / (printable ASCII, no query, at most 1024 bytes)",
+                ));
+            }
+        }
         let policy = match f.string("policy")?.as_deref() {
             None | Some("token_throughput") => Rule::TokenThroughput,
             Some("least_reported_load") => Rule::LeastReportedLoad,
@@ -653,6 +670,7 @@ impl Config {
             kv_bytes_per_token,
             max_hosts_in_header: usize::try_from(max_hosts_in_header).unwrap_or(usize::MAX),
             debug_header,
+            beliefs_path,
         })
     }
 }
@@ -706,6 +724,7 @@ mod tests {
         assert_eq!(c.kv_bytes_per_token, 512 * 1024);
         assert_eq!(c.max_hosts_in_header, 3);
         assert_eq!(c.debug_header, None);
+        assert_eq!(c.beliefs_path, None);
         assert_eq!(c.policy, Rule::TokenThroughput);
         assert_eq!(c.choices, 2);
         assert_eq!(c.max_hold_ms, 0);
@@ -739,7 +758,7 @@ mod tests {
                "default_max_tokens":64,"kv_bytes_per_token":1024,"max_hosts_in_header":2,
                "debug_header":"x-token-balancer-debug","policy":"least_reported_load",
                "max_hold_ms":5000,"max_held_requests":10,"models_poll_ms":0,
-               "unknown_model":"reject","choices":0}"#,
+               "unknown_model":"reject","choices":0,"beliefs_path":"/token-balancer/beliefs"}"#,
         )
         .unwrap();
         assert_eq!(c.nodes[0].health_target(), "10.0.0.1:9000");
@@ -748,6 +767,7 @@ mod tests {
         assert_eq!(c.nodes[0].format, HealthFormat::Vllm);
         assert_eq!(c.nodes[1].format, HealthFormat::Auto);
         assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
+        assert_eq!(c.beliefs_path.as_deref(), Some("/token-balancer/beliefs"));
         assert_eq!(c.policy, Rule::LeastReportedLoad);
         assert_eq!(c.choices, 0);
         assert_eq!(c.max_hold_ms, 5000);
@@ -796,6 +816,11 @@ mod tests {
             (with(r#""routing_header":"X Bad""#), "routing_header"),
             (with(r#""health_target_header":"""#), "health_target_header"),
             (with(r#""debug_header":"Nope:""#), "debug_header"),
+            (with(r#""beliefs_path":"beliefs""#), "beliefs_path"),
+            (with(r#""beliefs_path":"""#), "beliefs_path"),
+            (with(r#""beliefs_path":"/a b""#), "beliefs_path"),
+            (with(r#""beliefs_path":"/b?x=1""#), "beliefs_path"),
+            (with(r#""beliefs_path":7"#), "beliefs_path"),
             (with(r#""tick_ms":1"#), "tick_ms"),
             (with(r#""health_timeout_ms":0"#), "health_timeout_ms"),
             (with(r#""stale_after_ms":1000"#), "stale_after_ms"),

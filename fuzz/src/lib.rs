@@ -271,6 +271,10 @@ pub fn config(data: &[u8]) {
     assert!(lower_header_name(&c.routing_header));
     assert!(lower_header_name(&c.health_target_header));
     assert!(c.debug_header.as_deref().map_or(true, lower_header_name));
+    assert!(c
+        .beliefs_path
+        .as_deref()
+        .map_or(true, |p| p.starts_with('/')));
 
     // Written back out with every field explicit, the configuration parses to itself.
     let again = Config::parse(to_json(&c).to_string().as_bytes())
@@ -361,6 +365,9 @@ fn to_json(c: &Config) -> Value {
     // Optional fields are absent rather than null: the parser takes null as a wrong type.
     if let Some(h) = &c.debug_header {
         out["debug_header"] = json!(h);
+    }
+    if let Some(p) = &c.beliefs_path {
+        out["beliefs_path"] = json!(p);
     }
     if let Some(m) = &c.membership {
         let mut d = node_json(&m.node_defaults);

@@ -202,3 +202,60 @@ fn without_a_configuration_every_callback_lets_the_request_go() {
     assert_eq!(req.on_http_response_body(10, true), Action::Continue);
     req.on_log();
 }
+
+#[test]
+fn the_beliefs_path_is_answered_with_json_and_never_forwarded() {
+    let (host, root) = reported(&config(r#","beliefs_path":"/tb/beliefs""#), IDLE);
+    let (_routed, _, _) = post(&host, &root, 2, BODY);
+    let mut req = request(
+        &host,
+        &root,
+        3,
+        &[(":path", "/tb/beliefs"), (":method", "GET")],
+    );
+    host.enter(3);
+    assert_eq!(req.on_http_request_headers(0, true), Action::Pause);
+    assert_eq!(host.stream(3).reply, Some(200));
+    assert!(host
+        .stream(3)
+        .response
+        .contains(&("content-type".to_string(), "application/json".to_string())));
+    let body = host.stream(3).response_body.clone();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let nodes = v["nodes"].as_array().unwrap();
+    let addresses: Vec<&str> = nodes.iter().filter_map(|n| n["address"].as_str()).collect();
+    assert_eq!(addresses, vec![A, B]);
+    let inflight: u64 = nodes
+        .iter()
+        .filter_map(|n| n["in_flight"]["requests"].as_u64())
+        .sum();
+    assert_eq!(inflight, 1, "the routed request is in flight");
+    assert!(nodes.iter().all(|n| n["report"]["fresh"] == true));
+    assert_eq!(host.metric("token_balancer.fallback.no_body"), 0);
+    // Another path, another method, or the path with a query: not the beliefs.
+    for (id, path, method) in [
+        (4, "/tb/beliefs/x", "GET"),
+        (5, "/tb/beliefs", "POST"),
+        (6, "/tb/beliefs?x=1", "GET"),
+    ] {
+        let mut other = request(&host, &root, id, &[(":path", path), (":method", method)]);
+        host.enter(id);
+        assert_eq!(other.on_http_request_headers(0, true), Action::Continue);
+        assert_eq!(host.stream(id).reply, None, "{path} {method}");
+    }
+}
+
+#[test]
+fn without_a_beliefs_path_the_path_is_an_ordinary_request() {
+    let (host, root) = reported(&config(""), IDLE);
+    let mut req = request(
+        &host,
+        &root,
+        2,
+        &[(":path", "/tb/beliefs"), (":method", "GET")],
+    );
+    host.enter(2);
+    assert_eq!(req.on_http_request_headers(0, true), Action::Continue);
+    assert_eq!(host.stream(2).reply, None);
+    assert_eq!(host.metric("token_balancer.fallback.no_body"), 1);
+}

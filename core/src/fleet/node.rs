@@ -183,6 +183,11 @@ impl NodeState {
         self
     }
 
+    /// The format the node's health answers are read in.
+    pub fn format(&self) -> HealthFormat {
+        self.format
+    }
+
     /// The path to poll the node's health at now (see `probe`).
     pub fn health_path(&self) -> &str {
         self.probe.path()

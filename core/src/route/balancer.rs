@@ -110,6 +110,22 @@ impl Balancer {
         }
     }
 
+    /// The knobs of the rule, from the configuration.
+    pub fn params(&self) -> &Params {
+        &self.params
+    }
+
+    /// The running mean of request size (prompt and expected output), tokens, once a request
+    /// has been routed.
+    pub fn mean_request_tokens(&self) -> Option<f64> {
+        self.mean_request_tokens
+    }
+
+    /// The output lengths learned from the streams seen to completion.
+    pub fn outputs(&self) -> &OutputModel {
+        &self.outputs
+    }
+
     pub fn nodes(&self) -> &[NodeState] {
         self.fleet.nodes()
     }

@@ -3,6 +3,7 @@
 
 pub mod admission;
 pub mod balancer;
+pub mod beliefs;
 pub mod candidates;
 pub mod choice;
 pub mod outputs;

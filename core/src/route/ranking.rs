@@ -300,91 +300,19 @@ pub fn compare(
 mod tests {
     use super::*;
     use crate::fleet::models::ServedModels;
-    use crate::ingest::request::Weight;
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
     use crate::route::balancer::{Balancer, Outcome};
     use crate::route::choice::Growth;
-    use crate::route::testing::{cfg, routed, routed_to, Counting, FULL, ROOM, W};
-
-    const P: Params = Params {
-        rule: Rule::TokenThroughput,
-        stale_after_ms: 3000,
-        vram_ceiling: 0.9,
-        kv_bytes_per_token: 1,
-        keep: usize::MAX,
-        choices: 0,
+    use crate::route::testing::{
+        ask, cfg, node, order, rep, routed, routed_to, run, run_for, w, Counting, FULL, P, ROOM, W,
     };
-
-    fn w(p: u64, o: u64) -> Weight {
-        Weight {
-            prompt_tokens: p,
-            output_tokens: o,
-        }
-    }
-
-    fn node(report: Option<Report>) -> NodeState {
-        configured(report, None, None)
-    }
-
-    /// A node with a configured capacity and KV-cache size, reported at 1000.
-    fn configured(report: Option<Report>, capacity: Option<f64>, kv: Option<u64>) -> NodeState {
-        let mut n = NodeState::new("127.0.0.1:1", capacity, kv);
-        if let Some(r) = report {
-            n.accept_report(r, 1000);
-        }
-        n
-    }
-
-    fn rep(load: f64, cap: Option<f64>) -> Report {
-        Report {
-            load_tokens_per_sec: load,
-            capacity_tokens_per_sec: cap,
-            ..Report::default()
-        }
-    }
-
-    fn order(d: &Decision) -> Vec<usize> {
-        match d {
-            Decision::Route(r) | Decision::AllOverCeiling(r) => r.iter().map(|x| x.node).collect(),
-            Decision::NoFreshNodes => vec![],
-        }
-    }
 
     const NO_MARGIN: Growth = Growth {
         own: 1,
         margin_per_sqrt: 0.0,
         per_running: 0.0,
     };
-
-    /// A request of `weight` for `model`, reserving its whole output, no margin.
-    fn ask(weight: Weight, model: Option<&str>) -> Ask<'_> {
-        Ask {
-            weight,
-            growth: Growth {
-                own: weight.output_tokens,
-                margin_per_sqrt: 0.0,
-                per_running: 0.0,
-            },
-            model,
-            named: false,
-        }
-    }
-
-    fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
-        run_for(nodes, weight, None, now)
-    }
-
-    fn run_for(nodes: &[NodeState], weight: Weight, model: Option<&str>, now: u64) -> Decision {
-        decide(
-            nodes,
-            &ask(weight, model),
-            100.0,
-            now,
-            &P,
-            &mut SplitMix64::new(1),
-        )
-    }
 
     #[test]
     fn staleness_limit() {

@@ -1,10 +1,16 @@
 //! What the tests of the balancer and of the modules it ties together build fleets with:
-//! configurations, fleets with reports, fixtures and a counting source of books.
+//! configurations, fleets with reports, fixtures and a counting source of books; and the
+//! nodes, reports and requests the tests of the choice and of the full comparison rank.
 
-use crate::config::Config;
+use crate::config::{Config, Rule};
+use crate::fleet::node::NodeState;
 use crate::fleet::node::Ticket;
 use crate::ingest::request::Weight;
+use crate::ingest::telemetry::Report;
+use crate::rng::SplitMix64;
 use crate::route::balancer::{Balancer, BookSource, Outcome};
+use crate::route::choice::{Ask, Growth, Params};
+use crate::route::ranking::{decide, Decision};
 use crate::share::Books;
 
 /// `n` nodes at 127.0.0.1:8001 and up, with `extra` configuration fields.
@@ -154,4 +160,88 @@ pub(crate) fn vllm_later(prompt: u64, generation: u64) -> String {
                 456789 + generation
             ),
         )
+}
+
+/// The rule's knobs the tests of the choice and of the full comparison rank with: the
+/// token-throughput rule, every node compared and kept.
+pub(crate) const P: Params = Params {
+    rule: Rule::TokenThroughput,
+    stale_after_ms: 3000,
+    vram_ceiling: 0.9,
+    kv_bytes_per_token: 1,
+    keep: usize::MAX,
+    choices: 0,
+};
+
+pub(crate) fn w(p: u64, o: u64) -> Weight {
+    Weight {
+        prompt_tokens: p,
+        output_tokens: o,
+    }
+}
+
+pub(crate) fn node(report: Option<Report>) -> NodeState {
+    configured(report, None, None)
+}
+
+/// A node with a configured capacity and KV-cache size, reported at 1000.
+pub(crate) fn configured(
+    report: Option<Report>,
+    capacity: Option<f64>,
+    kv: Option<u64>,
+) -> NodeState {
+    let mut n = NodeState::new("127.0.0.1:1", capacity, kv);
+    if let Some(r) = report {
+        n.accept_report(r, 1000);
+    }
+    n
+}
+
+pub(crate) fn rep(load: f64, cap: Option<f64>) -> Report {
+    Report {
+        load_tokens_per_sec: load,
+        capacity_tokens_per_sec: cap,
+        ..Report::default()
+    }
+}
+
+pub(crate) fn order(d: &Decision) -> Vec<usize> {
+    match d {
+        Decision::Route(r) | Decision::AllOverCeiling(r) => r.iter().map(|x| x.node).collect(),
+        Decision::NoFreshNodes => vec![],
+    }
+}
+
+/// A request of `weight` for `model`, reserving its whole output, no margin.
+pub(crate) fn ask(weight: Weight, model: Option<&str>) -> Ask<'_> {
+    Ask {
+        weight,
+        growth: Growth {
+            own: weight.output_tokens,
+            margin_per_sqrt: 0.0,
+            per_running: 0.0,
+        },
+        model,
+        named: false,
+    }
+}
+
+pub(crate) fn run(nodes: &[NodeState], weight: Weight, now: u64) -> Decision {
+    run_for(nodes, weight, None, now)
+}
+
+pub(crate) fn run_for(
+    nodes: &[NodeState],
+    weight: Weight,
+    model: Option<&str>,
+    now: u64,
+) -> Decision {
+    decide(
+        nodes,
+        &ask(weight, model),
+        100.0,
+        now,
+        &P,
+        &mut SplitMix64::new(1),
+    )
 }

@@ -196,51 +196,7 @@ mod tests {
     use crate::fleet::node::Ticket;
     use crate::ingest::request::Weight;
     use crate::share::books_key;
-
-    /// Envoy's shared data, as the host implements it: a CAS token per key that changes on
-    /// every write. `interfere` runs before a write and may change the store behind the
-    /// writer's back (another worker); `fail` makes host calls fail.
-    type Data = HashMap<String, (Vec<u8>, u32)>;
-    /// Another worker's writes, slipped in before one of ours.
-    type Interference = Box<dyn FnMut(&mut Data, &mut u32)>;
-
-    #[derive(Default)]
-    struct FakeStore {
-        data: Data,
-        next_cas: u32,
-        interfere: Option<Interference>,
-        fail: bool,
-        calls: usize,
-    }
-
-    impl Store for FakeStore {
-        fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreFailed> {
-            self.calls += 1;
-            if self.fail {
-                return Err(StoreFailed);
-            }
-            Ok(self.data.get(key).cloned())
-        }
-
-        fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-            self.calls += 1;
-            if self.fail {
-                return Err(SetError::Failed);
-            }
-            if let Some(f) = self.interfere.as_mut() {
-                f(&mut self.data, &mut self.next_cas);
-            }
-            if let (Some(cas), Some((_, now))) = (cas, self.data.get(key)) {
-                if cas != *now {
-                    return Err(SetError::CasMismatch);
-                }
-            }
-            self.next_cas += 1;
-            self.data
-                .insert(key.to_string(), (value.to_vec(), self.next_cas));
-            Ok(())
-        }
-    }
+    use crate::share::testing::FakeStore;
 
     fn shared(store: &mut FakeStore, key: &str) -> Books {
         Books::decode(&store.data[key].0).unwrap()

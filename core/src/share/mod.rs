@@ -53,6 +53,8 @@ pub mod codec;
 pub mod fleet;
 pub mod ledger;
 pub mod sync;
+#[cfg(test)]
+pub(crate) mod testing;
 
 pub use crate::fleet::books::{Books, Change, Unreflected};
 pub use codec::{Malformed, NodeView, Snapshot, Version, BOOKS_LEN};

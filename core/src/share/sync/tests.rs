@@ -6,45 +6,19 @@ use crate::config::Config;
 use crate::fleet::node::{tenant_of, Ticket};
 use crate::ingest::request::Weight;
 use crate::route::balancer::{Balancer, BookSource};
-use crate::share::{Books, Change, SetError, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY};
-use std::collections::HashMap;
+use crate::share::testing::FakeStore;
+use crate::share::{Books, Change, Store, Version, FLEET_KEY, VERSION_KEY};
 
-/// Envoy's shared data as the host keeps it: a CAS token per key, new on every write.
-#[derive(Default)]
-struct Mem {
-    data: HashMap<String, (Vec<u8>, u32)>,
-    next_cas: u32,
-    fail: bool,
-    calls: usize,
+/// Envoy's shared data as the host keeps it (see `share::testing`).
+type Mem = FakeStore;
+
+/// What the store holds, decoded.
+trait Holds {
+    fn books(&self, key: &str) -> Books;
+    fn version(&self) -> Version;
 }
 
-impl Store for Mem {
-    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreFailed> {
-        self.calls += 1;
-        if self.fail {
-            return Err(StoreFailed);
-        }
-        Ok(self.data.get(key).cloned())
-    }
-
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        self.calls += 1;
-        if self.fail {
-            return Err(SetError::Failed);
-        }
-        if let (Some(cas), Some((_, now))) = (cas, self.data.get(key)) {
-            if cas != *now {
-                return Err(SetError::CasMismatch);
-            }
-        }
-        self.next_cas += 1;
-        self.data
-            .insert(key.to_string(), (value.to_vec(), self.next_cas));
-        Ok(())
-    }
-}
-
-impl Mem {
+impl Holds for Mem {
     fn books(&self, key: &str) -> Books {
         Books::decode(&self.data[key].0).unwrap()
     }

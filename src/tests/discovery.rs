@@ -178,25 +178,7 @@ fn a_configured_health_path_is_polled_as_it_is() {
 
 #[test]
 fn a_node_without_telemetry_that_leaves_the_cluster_leaves_the_gauge() {
-    let (host, mut root) = configured(
-        r#"{"health_cluster":"gpu_health","models_poll_ms":0,"tick_ms":100,
-            "membership":{"cluster":"gpu_nodes","admin_cluster":"admin","poll_ms":100}}"#,
-    );
-    let members = |list: &[&str]| {
-        let hosts: Vec<String> = list
-            .iter()
-            .map(|a| {
-                let (ip, port) = a.split_once(':').unwrap();
-                format!(
-                    r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
-                )
-            })
-            .collect();
-        format!(
-            r#"{{"cluster_statuses":[{{"name":"gpu_nodes","host_statuses":[{}]}}]}}"#,
-            hosts.join(",")
-        )
-    };
+    let (host, mut root) = configured(FOLLOWING);
     tick(&host, &mut root);
     let admin = host.take_calls().remove(0);
     answer(&host, &mut root, admin.token, Some("200"), &members(&[A]));

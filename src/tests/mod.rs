@@ -139,3 +139,24 @@ pub fn inflight(root: &Root<FakeHost>, node: usize) -> u64 {
         .books()
         .inflight_requests
 }
+
+/// An admin `/clusters?format=json` answer listing `addresses` in cluster gpu_nodes.
+pub fn members(addresses: &[&str]) -> String {
+    let hosts: Vec<String> = addresses
+        .iter()
+        .map(|a| {
+            let (ip, port) = a.split_once(':').unwrap();
+            format!(
+                r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"cluster_statuses":[{{"name":"gpu_nodes","host_statuses":[{}]}}]}}"#,
+        hosts.join(",")
+    )
+}
+
+/// A configuration that follows cluster gpu_nodes through the admin cluster.
+pub const FOLLOWING: &str = r#"{"health_cluster":"gpu_health","models_poll_ms":0,"tick_ms":100,
+    "membership":{"cluster":"gpu_nodes","admin_cluster":"admin","poll_ms":100}}"#;

@@ -129,26 +129,6 @@ fn the_first_tick_polls_every_node_and_sets_the_tick() {
     assert_eq!(host.metric(&failures), 1);
 }
 
-/// An admin `/clusters?format=json` answer listing `addresses` in cluster gpu_nodes.
-fn members(addresses: &[&str]) -> String {
-    let hosts: Vec<String> = addresses
-        .iter()
-        .map(|a| {
-            let (ip, port) = a.split_once(':').unwrap();
-            format!(
-                r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#
-            )
-        })
-        .collect();
-    format!(
-        r#"{{"cluster_statuses":[{{"name":"gpu_nodes","host_statuses":[{}]}}]}}"#,
-        hosts.join(",")
-    )
-}
-
-const FOLLOWING: &str = r#"{"health_cluster":"gpu_health","models_poll_ms":0,"tick_ms":100,
-    "membership":{"cluster":"gpu_nodes","admin_cluster":"admin","poll_ms":100}}"#;
-
 #[test]
 fn a_departed_nodes_late_health_answer_does_not_land_on_its_slots_new_tenant() {
     let (host, mut root) = configured(FOLLOWING);

@@ -15,6 +15,7 @@
 
 use std::time::Instant;
 use token_balancer_core::config::Config;
+use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::{self, Api, Weight};
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::balancer::{Balancer, Outcome, OwnBooks};
@@ -83,7 +84,7 @@ fn main() {
                     output_tokens: 256,
                 };
                 if let Outcome::Routed { ticket, .. } =
-                    b.route(w, None, 1, &mut rng, false, &mut OwnBooks)
+                    b.route(w, None, &Chain::NONE, 1, &mut rng, false, &mut OwnBooks)
                 {
                     b.release(&ticket, 0);
                 }

@@ -27,6 +27,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use token_balancer_core::config::Config;
 use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::{self, Api, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::route::balancer::Outcome;
@@ -127,7 +128,7 @@ impl<H: Host> Request<H> {
         Action::Continue
     }
 
-    fn route(&mut self, weight: Weight, model: Option<String>) -> Action {
+    fn route(&mut self, weight: Weight, model: Option<String>, chain: Chain) -> Action {
         let now = self.host.now_ms();
         // A reader decides on the poller's fleet and every worker's books, or not at all.
         let (usable, new_reports) = self.with(|s| s.sync_fleet(now)).unwrap_or((true, false));
@@ -141,15 +142,19 @@ impl<H: Host> Request<H> {
         let id = self.context_id;
         let step = self.with(|s| {
             let m = model.as_deref();
-            let (outcome, reads) = s.decide(weight, m, now, s.held.may_hold());
+            let (outcome, reads) = s.decide(weight, m, &chain, now, s.held.may_hold());
             match outcome {
                 Outcome::Saturated => {
                     let placement: Placement = Rc::new(RefCell::new(None));
                     // The queue keeps its own copy of the model: held requests are few.
-                    match s
-                        .held
-                        .push(id, weight, model.clone(), now, placement.clone())
-                    {
+                    match s.held.push(
+                        id,
+                        weight,
+                        model.clone(),
+                        chain.clone(),
+                        now,
+                        placement.clone(),
+                    ) {
                         Ok(()) => {
                             s.metrics.bump(Stat::Held);
                             s.metrics.shift(Stat::HeldNow, 1);
@@ -157,7 +162,7 @@ impl<H: Host> Request<H> {
                         }
                         // `may_hold` said there was room; route over the ceiling if not.
                         Err(_) => {
-                            let (outcome, reads) = s.decide(weight, m, now, false);
+                            let (outcome, reads) = s.decide(weight, m, &chain, now, false);
                             Ok(s.place(outcome, weight, m, None, reads))
                         }
                     }
@@ -302,9 +307,14 @@ impl<H: Host> HttpContext for Request<H> {
         if self.decided {
             return Action::Continue;
         }
-        let Some((limit, default_max_tokens)) =
-            self.with(|s| (s.config.max_body_bytes, s.config.default_max_tokens))
-        else {
+        let Some((limit, default_max_tokens, block_chars, session_header)) = self.with(|s| {
+            (
+                s.config.max_body_bytes,
+                s.config.default_max_tokens,
+                s.balancer.chain_block_chars(),
+                s.config.prefix.session_header.clone(),
+            )
+        }) else {
             return Action::Continue;
         };
         if body_size > limit {
@@ -315,8 +325,17 @@ impl<H: Host> HttpContext for Request<H> {
             return Action::Pause;
         }
         let body = self.host.request_body(body_size).unwrap_or_default();
-        match request::read(self.api, &body, default_max_tokens) {
-            Some(e) => self.route(e.weight, e.model),
+        match request::read_with_chain(self.api, &body, default_max_tokens, block_chars) {
+            Some(e) => {
+                // A session header is an affinity hint when the body gives none.
+                let chain = match (&session_header, block_chars) {
+                    (Some(h), Some(_)) => e
+                        .chain
+                        .with_hint(e.model.as_deref(), self.host.request_header(h).as_deref()),
+                    _ => e.chain,
+                };
+                self.route(e.weight, e.model, chain)
+            }
             None => self.fallback("body_unusable", Stat::FallbackBodyUnusable),
         }
     }

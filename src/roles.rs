@@ -19,6 +19,7 @@ use crate::state::{Placement, State};
 use log::{debug, info, warn};
 use token_balancer_core::config::{Config, Poller};
 use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{MemberChange, Outcome, OwnBooks};
@@ -80,6 +81,7 @@ impl<H: Host> State<H> {
         &mut self,
         weight: Weight,
         model: Option<&str>,
+        chain: &Chain,
         now_ms: u64,
         may_hold: bool,
     ) -> (Outcome, Reads) {
@@ -87,6 +89,7 @@ impl<H: Host> State<H> {
             let outcome = self.balancer.route(
                 weight,
                 model,
+                chain,
                 now_ms,
                 &mut self.rng,
                 may_hold,
@@ -95,9 +98,15 @@ impl<H: Host> State<H> {
             return (outcome, Reads::default());
         };
         let mut books = reader.books(&mut self.host);
-        let outcome =
-            self.balancer
-                .route(weight, model, now_ms, &mut self.rng, may_hold, &mut books);
+        let outcome = self.balancer.route(
+            weight,
+            model,
+            chain,
+            now_ms,
+            &mut self.rng,
+            may_hold,
+            &mut books,
+        );
         let (reads, counts) = books.finish();
         self.metrics.count(&counts);
         (outcome, reads)

@@ -133,6 +133,76 @@ pub struct Config {
     pub unknown_model: UnknownModel,
     /// Who polls the nodes: every VM for itself, or one poller service per Envoy process.
     pub poller: Poller,
+    /// Prefix-aware pricing: where each prompt's prefix is believed cached (see `prefix`).
+    pub prefix: PrefixConfig,
+}
+
+/// Prefix-aware pricing (`fleet::prefixes`, `ingest::prompt`): each request is priced on each
+/// node at the prompt tokens that node's prefix cache does not hold.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefixConfig {
+    /// Prefix pricing on (the default) or off (every node is charged the whole prompt).
+    pub enabled: bool,
+    /// Characters of rendered prompt per block of the prefix chain.
+    pub block_chars: usize,
+    /// Blocks the index remembers in all (every node together), per VM.
+    pub max_blocks: usize,
+    /// Blocks believed held per node when its cache size is not known.
+    pub blocks_per_node: usize,
+    /// Request header whose value names a session (requests likely to share a prefix); an
+    /// affinity hint, as the body's `prompt_cache_key` and `user` are.
+    pub session_header: Option<String>,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            enabled: true,
+            block_chars: 256,
+            max_blocks: 65_536,
+            blocks_per_node: crate::fleet::prefixes::DEFAULT_BLOCKS_PER_NODE,
+            session_header: None,
+        }
+    }
+}
+
+const PREFIX_FIELDS: &[&str] = &[
+    "enabled",
+    "block_chars",
+    "max_blocks",
+    "blocks_per_node",
+    "session_header",
+];
+
+fn parse_prefix(value: &Value) -> Result<PrefixConfig, ConfigError> {
+    let f = Fields::new(value, "prefix.", PREFIX_FIELDS)?;
+    let d = PrefixConfig::default();
+    let enabled = match f.get("enabled") {
+        None => d.enabled,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(err(f.name("enabled"), "must be true or false")),
+    };
+    let bounded = |key: &str, default: usize, lo: u64, hi: u64| -> Result<usize, ConfigError> {
+        match f.uint(key)? {
+            None => Ok(default),
+            Some(n) if (lo..=hi).contains(&n) => Ok(usize::try_from(n).unwrap_or(default)),
+            Some(_) => Err(err(f.name(key), format!("must be between {lo} and {hi}"))),
+        }
+    };
+    let block_chars = bounded("block_chars", d.block_chars, 16, 65_536)?;
+    let max_blocks = bounded("max_blocks", d.max_blocks, 0, 4_194_304)?;
+    let blocks_per_node = bounded("blocks_per_node", d.blocks_per_node, 1, 4_194_304)?;
+    let session_header = match f.get("session_header") {
+        None => None,
+        Some(_) => Some(header_name(&f, "session_header", "")?),
+    };
+    Ok(PrefixConfig {
+        enabled,
+        block_chars,
+        max_blocks,
+        blocks_per_node,
+        session_header,
+    })
 }
 
 /// Who polls the nodes (see `share`).
@@ -183,6 +253,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "unknown_model",
     "membership",
     "poller",
+    "prefix",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -641,8 +712,13 @@ impl Config {
                 ))
             }
         };
+        let prefix = match f.get("prefix") {
+            None => PrefixConfig::default(),
+            Some(v) => parse_prefix(v)?,
+        };
         Ok(Config {
             poller,
+            prefix,
             membership,
             models_poll_ms,
             unknown_model,

@@ -143,7 +143,7 @@ impl Change {
     /// The request of `t` was dispatched: in flight, unreflected at the ticket's epoch, and its
     /// reserved output still to come.
     pub fn dispatch(t: &Ticket) -> Change {
-        let tokens = signed(t.weight.total());
+        let tokens = signed(t.work());
         Change {
             requests: 1,
             tokens,
@@ -172,7 +172,7 @@ impl Change {
     /// Its stream ended; `received` is the output count the last progress was booked with. A
     /// stream that ends early returns the growth it never generated.
     pub fn release(t: &Ticket, received: u64) -> Change {
-        let tokens = signed(t.weight.total());
+        let tokens = signed(t.work());
         Change {
             requests: -1,
             tokens: -tokens,
@@ -234,6 +234,7 @@ mod tests {
                 output_tokens: o,
             },
             reserved_output: reserved,
+            cached: 0,
         }
     }
 

@@ -266,7 +266,7 @@ mod tests {
         }
         // The listed node is no member: never chosen, whatever it reports.
         for _ in 0..20 {
-            let o = b.route(W, None, 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
             assert!(matches!(routed_to(&o), Some(1 | 2)), "{o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -275,7 +275,7 @@ mod tests {
         // It joins and takes its listed settings; node 2 leaves with a request in flight.
         let on_2 = loop {
             if let Outcome::Routed { ticket, .. } =
-                b.route(W, None, 10, &mut rng, false, &mut OwnBooks)
+                b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks)
             {
                 if ticket.node == 2 {
                     break ticket;
@@ -295,7 +295,7 @@ mod tests {
         assert_eq!(b.node_config(0).unwrap().kv_cache_tokens, Some(5));
         b.on_health(0, Some(IDLE), 20).unwrap();
         for _ in 0..20 {
-            let o = b.route(W, None, 30, &mut rng, false, &mut OwnBooks);
+            let o = b.route(W, None, &Chain::NONE, 30, &mut rng, false, &mut OwnBooks);
             assert!(matches!(routed_to(&o), Some(0 | 1)), "{o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -334,7 +334,7 @@ mod tests {
         // An empty cluster: nothing to choose, Envoy's fallback routes.
         b.set_members(&[], |_| false);
         assert_eq!(
-            b.route(W, None, 40, &mut rng, false, &mut OwnBooks),
+            b.route(W, None, &Chain::NONE, 40, &mut rng, false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
     }

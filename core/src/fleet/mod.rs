@@ -9,4 +9,5 @@ pub mod models;
 pub mod names;
 pub mod node;
 pub mod polling;
+pub mod prefixes;
 pub mod probe;

@@ -596,7 +596,7 @@ mod tests {
                 prompt_tokens: prompt,
                 output_tokens: 8,
             };
-            let o = b.route(w, Some("m"), 10, rng, false, &mut OwnBooks);
+            let o = b.route(w, Some("m"), &Chain::NONE, 10, rng, false, &mut OwnBooks);
             if let Outcome::Routed { ticket, .. } = &o {
                 b.release(ticket, 0);
             }
@@ -711,7 +711,7 @@ mod tests {
             (Some("m3"), 2),
         ];
         for (model, want) in cases {
-            let o = b.route(W, *model, 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(W, *model, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(*want), "{model:?}: {o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -721,11 +721,27 @@ mod tests {
         assert_eq!(b.on_models(2, br#"{"data":[{"id":"m3"}]}"#), Ok(1));
         assert!(b.model_unknown("m4") && !b.model_unknown("m3"));
         assert_eq!(
-            b.route(W, Some("m4"), 10, &mut rng, true, &mut OwnBooks),
+            b.route(
+                W,
+                Some("m4"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                true,
+                &mut OwnBooks
+            ),
             Outcome::UnknownModel
         );
         assert_eq!(
-            routed_to(&b.route(W, Some("m3"), 10, &mut rng, false, &mut OwnBooks)),
+            routed_to(&b.route(
+                W,
+                Some("m3"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            )),
             Some(2)
         );
         // Bad answers keep the last good list.
@@ -742,7 +758,15 @@ mod tests {
         );
         // A known model whose nodes are all stale is no unknown model: Envoy routes it.
         assert_eq!(
-            b.route(W, Some("m3"), 10_000, &mut rng, false, &mut OwnBooks),
+            b.route(
+                W,
+                Some("m3"),
+                &Chain::NONE,
+                10_000,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            ),
             Outcome::NoFreshNodes
         );
         // Nor is one whose only node has never reported, while another node is fresh.
@@ -750,15 +774,39 @@ mod tests {
         e.on_health(1, Some(br#"{"tokens_per_sec_load":1}"#), 0)
             .unwrap();
         assert_eq!(
-            e.route(W, Some("m1"), 10, &mut rng, false, &mut OwnBooks),
+            e.route(
+                W,
+                Some("m1"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            ),
             Outcome::NoFreshNodes
         );
         assert_eq!(
-            routed_to(&e.route(W, Some("m2"), 10, &mut rng, false, &mut OwnBooks)),
+            routed_to(&e.route(
+                W,
+                Some("m2"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            )),
             Some(1)
         );
         assert_eq!(
-            e.route(W, Some("m3"), 10, &mut rng, false, &mut OwnBooks),
+            e.route(
+                W,
+                Some("m3"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            ),
             Outcome::UnknownModel
         );
     }
@@ -783,7 +831,15 @@ mod tests {
         b.on_health(1, Some(with_lora.as_bytes()), 0).unwrap();
         assert_eq!(b.nodes()[1].models().seen(), ["hot-lora"]);
         for _ in 0..5 {
-            let o = b.route(W, Some("hot-lora"), 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(
+                W,
+                Some("hot-lora"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks,
+            );
             assert_eq!(routed_to(&o), Some(1), "{o:?}");
         }
         // The next list is complete as of its time: without the adapter, it is unknown.
@@ -793,7 +849,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            b.route(W, Some("hot-lora"), 10, &mut rng, false, &mut OwnBooks),
+            b.route(
+                W,
+                Some("hot-lora"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            ),
             Outcome::UnknownModel
         );
     }

@@ -63,6 +63,7 @@ mod tests {
     use super::*;
     use crate::fleet::models::ServedModels;
     use crate::ingest::engine::Engine;
+    use crate::ingest::prompt::Chain;
 
     fn node(address: &str, list: &[&str], engine: Engine) -> NodeState {
         let mut n = NodeState::new(address, None, None);
@@ -119,7 +120,7 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         let mut seen = Vec::new();
         for _ in 0..40 {
-            let o = b.route(W, model, 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(W, model, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
             let Some(i) = routed_to(&o) else {
                 return Err(o);
             };

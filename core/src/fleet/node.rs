@@ -63,6 +63,17 @@ pub struct Ticket {
     /// Output tokens booked as KV growth: a high estimate, since a request longer than
     /// expected is what overflows a cache packed to the mean.
     pub reserved_output: u64,
+    /// Prompt tokens the node is believed to hold in its prefix cache (see
+    /// `fleet::prefixes`): work it will not do, though their KV is still counted.
+    pub cached: u64,
+}
+
+impl Ticket {
+    /// Tokens of work the request costs its node: prompt and expected output, less the prompt
+    /// tokens its prefix cache is believed to hold.
+    pub fn work(&self) -> u64 {
+        self.weight.total().saturating_sub(self.cached)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -443,8 +454,20 @@ impl NodeState {
     }
 
     /// Books a request, reserving `reserved_output` tokens of KV growth for it (its expected
-    /// output, or more). The ticket's generation is the caller's to set.
+    /// output, or more). The ticket's generation and cached tokens are the caller's to set.
     pub fn dispatch(&mut self, node: usize, weight: Weight, reserved_output: u64) -> Ticket {
+        self.dispatch_cached(node, weight, reserved_output, 0)
+    }
+
+    /// `dispatch` of a request whose first `cached` prompt tokens the node is believed to hold
+    /// in its prefix cache: they are not work, but still KV.
+    pub fn dispatch_cached(
+        &mut self,
+        node: usize,
+        weight: Weight,
+        reserved_output: u64,
+        cached: u64,
+    ) -> Ticket {
         let ticket = Ticket {
             node,
             tenant: self.books.tenant,
@@ -452,6 +475,7 @@ impl NodeState {
             epoch: self.books.epoch,
             weight,
             reserved_output,
+            cached,
         };
         self.books = self.books.apply(&Change::dispatch(&ticket));
         ticket

@@ -4,6 +4,7 @@
 pub mod engine;
 pub mod members;
 pub mod prometheus;
+pub mod prompt;
 pub mod rates;
 pub mod request;
 pub mod response;

@@ -20,6 +20,7 @@
 //! go to (see `models`). It is moved out of the parsed value, not copied; a missing, empty or
 //! non-string `model` is no model, as vLLM serves such a request with its default model.
 
+use crate::ingest::prompt::{self, Chain};
 use serde_json::Value;
 
 /// Estimated token cost of one request.
@@ -153,6 +154,8 @@ pub struct Estimate {
     pub weight: Weight,
     /// The model (or LoRA adapter) the body names.
     pub model: Option<String>,
+    /// The prompt's prefix chain (see `prompt`), when one was asked for.
+    pub chain: Chain,
 }
 
 /// Estimates a request's weight from its JSON body, or `None` when the body gives no basis.
@@ -163,6 +166,17 @@ pub fn estimate(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Weight
 /// Reads a request's weight and model from its JSON body, or `None` when the body gives no
 /// basis for a weight (whatever its model).
 pub fn read(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Estimate> {
+    read_with_chain(api, body, default_max_tokens, None)
+}
+
+/// `read`, and with `block_chars` the prompt's prefix chain in blocks of that many characters
+/// (see `prompt`), from the same parse.
+pub fn read_with_chain(
+    api: Api,
+    body: &[u8],
+    default_max_tokens: u64,
+    block_chars: Option<usize>,
+) -> Option<Estimate> {
     let v: Value = serde_json::from_slice(body).ok()?;
     let Value::Object(mut obj) = v else {
         return None;
@@ -172,7 +186,15 @@ pub fn read(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Estimate> 
         _ => None,
     };
     let weight = weight_of(api, &obj, default_max_tokens)?;
-    Some(Estimate { weight, model })
+    let chain = match block_chars {
+        Some(b) => prompt::chain(&obj, model.as_deref(), b),
+        None => Chain::NONE,
+    };
+    Some(Estimate {
+        weight,
+        model,
+        chain,
+    })
 }
 
 fn weight_of(

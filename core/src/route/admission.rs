@@ -19,6 +19,7 @@
 //! known when it leaves (a list learned meanwhile counts), so it may also leave as
 //! `UnknownModel` if the last node serving its model stopped listing it.
 
+use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::rng::Rng;
 use crate::route::balancer::{Balancer, BookSource, Outcome};
@@ -32,6 +33,8 @@ pub struct Held<T> {
     pub weight: Weight,
     /// The body's model, which restricts the nodes it may go to.
     pub model: Option<String>,
+    /// The prompt's prefix chain, which prices it on each node.
+    pub chain: Chain,
     pub since_ms: u64,
     pub payload: T,
 }
@@ -74,6 +77,7 @@ impl<T> HoldQueue<T> {
         id: u32,
         weight: Weight,
         model: Option<String>,
+        chain: Chain,
         now_ms: u64,
         payload: T,
     ) -> Result<(), T> {
@@ -84,6 +88,7 @@ impl<T> HoldQueue<T> {
             id,
             weight,
             model,
+            chain,
             since_ms: now_ms,
             payload,
         });
@@ -119,6 +124,7 @@ impl<T> HoldQueue<T> {
             let outcome = balancer.route(
                 head.weight,
                 head.model.as_deref(),
+                &head.chain,
                 now_ms,
                 rng,
                 !expired,
@@ -178,12 +184,12 @@ mod tests {
         report(&mut b, 0.85, 0);
         // 850 used + 100 + 10 > 900: over the ceiling, so the balancer asks to hold.
         assert!(matches!(
-            b.route(w(100), None, 0, &mut rng, true, &mut OwnBooks),
+            b.route(w(100), None, &Chain::NONE, 0, &mut rng, true, &mut OwnBooks),
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(100), None, 0, "first").unwrap();
-        q.push(2, w(20), None, 10, "second").unwrap();
+        q.push(1, w(100), None, Chain::NONE, 0, "first").unwrap();
+        q.push(2, w(20), None, Chain::NONE, 10, "second").unwrap();
         assert!(q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty());
         assert_eq!(q.len(), 2);
         // The node drains: both fit, and they leave in the order they came.
@@ -203,8 +209,8 @@ mod tests {
         let mut rng = SplitMix64::new(2);
         report(&mut b, 0.5, 0);
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(600), None, 0, ()).unwrap(); // 500 + 600 + 10 > 900
-        q.push(2, w(10), None, 0, ()).unwrap(); // would fit on its own
+        q.push(1, w(600), None, Chain::NONE, 0, ()).unwrap(); // 500 + 600 + 10 > 900
+        q.push(2, w(10), None, Chain::NONE, 0, ()).unwrap(); // would fit on its own
         assert!(q.admit(10, &mut b, &mut rng, &mut OwnBooks).is_empty());
         assert_eq!(q.len(), 2);
     }
@@ -215,8 +221,8 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         report(&mut b, 0.95, 0);
         let mut q = HoldQueue::new(8, 1_000);
-        q.push(1, w(10), None, 0, ()).unwrap();
-        q.push(2, w(10), None, 600, ()).unwrap();
+        q.push(1, w(10), None, Chain::NONE, 0, ()).unwrap();
+        q.push(2, w(10), None, Chain::NONE, 600, ()).unwrap();
         let out = q.admit(1_000, &mut b, &mut rng, &mut OwnBooks);
         assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
         assert_eq!(out[0].0.id, 1);
@@ -236,7 +242,7 @@ mod tests {
         let mut rng = SplitMix64::new(4);
         report(&mut b, 0.95, 0);
         let mut q = HoldQueue::new(8, 1_000_000);
-        q.push(1, w(10), None, 0, ()).unwrap();
+        q.push(1, w(10), None, Chain::NONE, 0, ()).unwrap();
         // Long after the report went stale, no node is fresh: the request leaves for Envoy's
         // own balancer instead of waiting for a report that may never come.
         let out = q.admit(100_000, &mut b, &mut rng, &mut OwnBooks);
@@ -246,20 +252,20 @@ mod tests {
     #[test]
     fn bounds_and_disabling() {
         let mut q = HoldQueue::new(2, 1_000);
-        assert!(q.push(1, w(1), None, 0, 'a').is_ok());
-        assert!(q.push(2, w(1), None, 0, 'b').is_ok());
-        assert_eq!(q.push(3, w(1), None, 0, 'c'), Err('c'));
+        assert!(q.push(1, w(1), None, Chain::NONE, 0, 'a').is_ok());
+        assert!(q.push(2, w(1), None, Chain::NONE, 0, 'b').is_ok());
+        assert_eq!(q.push(3, w(1), None, Chain::NONE, 0, 'c'), Err('c'));
         assert_eq!(q.remove(1).map(|h| h.payload), Some('a'));
         assert!(q.remove(1).is_none());
         assert!(q.may_hold());
-        assert!(q.push(4, w(1), None, 0, 'd').is_ok());
+        assert!(q.push(4, w(1), None, Chain::NONE, 0, 'd').is_ok());
         assert_eq!(q.drain().map(|h| h.payload).collect::<String>(), "bd");
         assert!(q.is_empty());
         let mut off: HoldQueue<char> = HoldQueue::new(8, 0);
         assert!(!off.may_hold());
-        assert_eq!(off.push(1, w(1), None, 0, 'x'), Err('x'));
+        assert_eq!(off.push(1, w(1), None, Chain::NONE, 0, 'x'), Err('x'));
         let mut none: HoldQueue<char> = HoldQueue::new(0, 1_000);
-        assert_eq!(none.push(1, w(1), None, 0, 'y'), Err('y'));
+        assert_eq!(none.push(1, w(1), None, Chain::NONE, 0, 'y'), Err('y'));
     }
 
     #[test]
@@ -273,7 +279,7 @@ mod tests {
         report(&mut b, 0.85, 0);
         // 0.85 + 0.11 passes the 0.9 ceiling but fits the cache: routed, flagged.
         assert!(matches!(
-            b.route(w(100), None, 0, &mut rng, true, &mut OwnBooks),
+            b.route(w(100), None, &Chain::NONE, 0, &mut rng, true, &mut OwnBooks),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
@@ -281,7 +287,7 @@ mod tests {
         ));
         // 0.85 + 0.11 booked + 0.11 more: past the whole cache, held.
         assert!(matches!(
-            b.route(w(100), None, 0, &mut rng, true, &mut OwnBooks),
+            b.route(w(100), None, &Chain::NONE, 0, &mut rng, true, &mut OwnBooks),
             Outcome::Saturated
         ));
     }
@@ -292,7 +298,7 @@ mod tests {
         let mut rng = SplitMix64::new(5);
         report(&mut b, 0.95, 0);
         assert!(matches!(
-            b.route(w(10), None, 0, &mut rng, false, &mut OwnBooks),
+            b.route(w(10), None, &Chain::NONE, 0, &mut rng, false, &mut OwnBooks),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
@@ -322,18 +328,27 @@ mod tests {
         kv(&mut b, 1, 0.0, 0);
         b.on_models(1, br#"{"data":[{"id":"m2"}]}"#).unwrap();
         assert!(matches!(
-            b.route(w(10), Some("m1"), 0, &mut rng, true, &mut OwnBooks),
+            b.route(
+                w(10),
+                Some("m1"),
+                &Chain::NONE,
+                0,
+                &mut rng,
+                true,
+                &mut OwnBooks
+            ),
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(10), Some("m1".to_string()), 0, "m1").unwrap();
+        q.push(1, w(10), Some("m1".to_string()), Chain::NONE, 0, "m1")
+            .unwrap();
         assert!(
             q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty(),
             "node 1 does not serve m1"
         );
         // Without a model the same request would have gone to node 1 at once.
         assert!(matches!(
-            b.route(w(10), None, 100, &mut rng, true, &mut OwnBooks),
+            b.route(w(10), None, &Chain::NONE, 100, &mut rng, true, &mut OwnBooks),
             Outcome::Routed { ticket, .. } if ticket.node == 1
         ));
         kv(&mut b, 0, 0.1, 200);
@@ -351,8 +366,15 @@ mod tests {
         kv(&mut b, 0, 0.99, 0);
         b.on_models(0, br#"{"data":[{"id":"m2"},{"id":"lora-x"}]}"#)
             .unwrap();
-        q.push(2, w(10), Some("lora-x".to_string()), 0, "lora-x")
-            .unwrap();
+        q.push(
+            2,
+            w(10),
+            Some("lora-x".to_string()),
+            Chain::NONE,
+            0,
+            "lora-x",
+        )
+        .unwrap();
         b.on_models(0, br#"{"data":[{"id":"m2"}]}"#).unwrap();
         let out = q.admit(300, &mut b, &mut rng, &mut OwnBooks);
         assert!(matches!(&out[..], [(_, Outcome::UnknownModel)]), "{out:?}");
@@ -373,7 +395,7 @@ mod tests {
         let mut rng = SplitMix64::new(8);
         let mut q = HoldQueue::new(100, 60_000);
         for id in 0..50 {
-            q.push(id, w(100), None, 0, id).unwrap();
+            q.push(id, w(100), None, Chain::NONE, 0, id).unwrap();
         }
         for event in 1..20 {
             let mut books = Counting::new(|_| false);

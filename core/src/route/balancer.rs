@@ -25,12 +25,14 @@ use crate::fleet::models::{self, ListError, Serves};
 use crate::fleet::names::Named;
 pub use crate::fleet::node::{Answered, HealthError, Polled};
 use crate::fleet::node::{NodeState, Ticket, Transition};
+use crate::fleet::prefixes::PrefixIndex;
 pub use crate::fleet::probe::Step;
+use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
-use crate::route::choice::{Ask, Growth, Params};
+use crate::route::choice::{Ask, Growth, Params, Prefix};
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 pub use crate::share::fleet::Imported;
@@ -86,6 +88,12 @@ pub struct Balancer {
     pool: Pool,
     /// The model names the fleet serves by name (see `names`).
     named: Named,
+    /// Where the prompts routed so far are believed cached (see `prefixes`); `None` with
+    /// prefix pricing off.
+    prefixes: Option<PrefixIndex>,
+    /// Characters of rendered prompt a chain's block covers (for a node's cache size in
+    /// blocks).
+    block_chars: usize,
 }
 
 impl Balancer {
@@ -107,6 +115,39 @@ impl Balancer {
             outputs: OutputModel::default(),
             pool: Pool::default(),
             named: Named::default(),
+            prefixes: cfg
+                .prefix
+                .enabled
+                .then(|| PrefixIndex::new(cfg.prefix.max_blocks, cfg.prefix.blocks_per_node)),
+            block_chars: cfg.prefix.block_chars,
+        }
+    }
+
+    /// Where the prompts routed so far are believed cached; `None` with prefix pricing off.
+    pub fn prefixes(&self) -> Option<&PrefixIndex> {
+        self.prefixes.as_ref()
+    }
+
+    /// Characters per block of a prompt's prefix chain, with prefix pricing on.
+    pub fn chain_block_chars(&self) -> Option<usize> {
+        self.prefixes.as_ref().map(|_| self.block_chars)
+    }
+
+    /// Node `node`'s cache, as the prefix index sizes it: its reported or configured KV
+    /// cache in blocks of about `block_chars / 4` tokens (the estimate's characters a token).
+    fn size_prefixes(&mut self, node: usize) {
+        let (Some(ix), Some(n)) = (self.prefixes.as_mut(), self.fleet.nodes().get(node)) else {
+            return;
+        };
+        let tokens = n
+            .report_taken()
+            .and_then(|(r, _)| r.kv_cache_tokens)
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .map(|t| t as u64)
+            .or(n.kv_cache_tokens());
+        if let Some(t) = tokens {
+            let per_block = (self.block_chars as u64 / 4).max(1);
+            ix.set_capacity(node, usize::try_from(t / per_block).unwrap_or(usize::MAX));
         }
     }
 
@@ -151,6 +192,7 @@ impl Balancer {
             self.pool.invalidate();
             self.named.invalidate();
         }
+        self.forget_prefixes(&change);
         change
     }
 
@@ -179,6 +221,7 @@ impl Balancer {
         if state.take_models_changed() {
             self.named.invalidate();
         }
+        self.size_prefixes(node);
         result
     }
 
@@ -200,6 +243,7 @@ impl Balancer {
         if state.take_models_changed() {
             self.named.invalidate();
         }
+        self.size_prefixes(node);
         answered
     }
 
@@ -279,11 +323,15 @@ impl Balancer {
     /// it; without, it goes to the node that overflows least. Each weighed node's books are
     /// taken from `books` just before it is weighed (`OwnBooks`: this balancer's own; the
     /// books every worker of the Envoy shares, see `share`): the drawn candidates' only,
-    /// unless the draws fail and every candidate is compared.
+    /// unless the draws fail and every candidate is compared. `chain` is the prompt's prefix
+    /// chain (`Chain::NONE` for none): each node is charged the prompt tokens its prefix
+    /// cache is not believed to hold, and the chosen node is then believed to hold it.
+    #[allow(clippy::too_many_arguments)]
     pub fn route(
         &mut self,
         weight: Weight,
         model: Option<&str>,
+        chain: &Chain,
         now_ms: u64,
         rng: &mut dyn Rng,
         may_hold: bool,
@@ -295,15 +343,31 @@ impl Balancer {
         // Only in a fleet with nodes that serve any name does it matter whether some node
         // names the model (see `models`); the names are gathered when they change.
         let named = model.is_some_and(|m| self.named.named(self.fleet.nodes(), m));
+        if self.params.choices > 0 || self.prefixes.is_some() {
+            self.pool
+                .refresh(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
+        }
+        let prefix = match &self.prefixes {
+            Some(index) if !chain.is_empty() => Some(Prefix {
+                index,
+                chain,
+                // A prefix some node already holds is priced where it is; the preference is
+                // for where a new one goes, and for the client's hints.
+                preferred: chain
+                    .key()
+                    .filter(|_| chain.hint.is_some() || !index.holds_start(&chain.blocks))
+                    .and_then(|k| self.pool.preferred(k)),
+            }),
+            _ => None,
+        };
         let ask = Ask {
             weight,
             growth,
             model,
             named,
+            prefix,
         };
         let sampled = if self.params.choices > 0 {
-            self.pool
-                .refresh(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
             candidates::sample(
                 self.fleet.nodes_mut(),
                 &self.pool,
@@ -365,8 +429,11 @@ impl Balancer {
         let inflight_before = state.books().inflight_requests;
         let ticket = Ticket {
             generation: self.generation,
-            ..state.dispatch(first.node, weight, growth.own)
+            ..state.dispatch_cached(first.node, weight, growth.own, first.cached)
         };
+        if let Some(ix) = self.prefixes.as_mut() {
+            ix.record(first.node, &chain.blocks);
+        }
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
             ticket,
@@ -462,7 +529,17 @@ impl Balancer {
             self.pool.invalidate();
             self.named.invalidate();
         }
+        self.forget_prefixes(&change);
         change
+    }
+
+    /// A slot that another node took (or that a node came back to) holds no prefix yet.
+    fn forget_prefixes(&mut self, change: &MemberChange) {
+        if let Some(ix) = self.prefixes.as_mut() {
+            for &i in &change.joined {
+                ix.forget(i);
+            }
+        }
     }
 
     /// Node `node`'s books as this balancer holds them.
@@ -521,7 +598,15 @@ mod tests {
                 format!(r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000}}"#);
             b.on_health(i, Some(body.as_bytes()), 0).unwrap();
         }
-        match b.route(W, None, 10, &mut SplitMix64::new(1), false, &mut OwnBooks) {
+        match b.route(
+            W,
+            None,
+            &Chain::NONE,
+            10,
+            &mut SplitMix64::new(1),
+            false,
+            &mut OwnBooks,
+        ) {
             Outcome::Routed {
                 header_value,
                 ticket,
@@ -569,7 +654,7 @@ mod tests {
                 asked: vec![],
                 light: round * 5,
             };
-            let first = match b.route(W, None, 10, &mut rng, false, &mut books) {
+            let first = match b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut books) {
                 Outcome::Routed { ticket, .. } => ticket.node,
                 o => panic!("{o:?}"),
             };
@@ -596,14 +681,14 @@ mod tests {
             light: 3,
         };
         assert_eq!(
-            routed_to(&b.route(W, None, 10, &mut rng, false, &mut books)),
+            routed_to(&b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut books)),
             Some(3)
         );
         assert!(books.asked.contains(&3), "{:?}", books.asked);
         // What was read stays: the next decision reads the header's nodes only.
         books.asked.clear();
         assert_eq!(
-            routed_to(&b.route(W, None, 10, &mut rng, false, &mut books)),
+            routed_to(&b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut books)),
             Some(3)
         );
         assert_eq!(books.asked.len(), 3, "{:?}", books.asked);
@@ -625,9 +710,15 @@ mod tests {
             growth_tokens: u64::MAX,
         };
         b.set_books(0, &full);
-        let Outcome::Routed { ticket, .. } =
-            b.route(W, None, 10, &mut SplitMix64::new(1), false, &mut OwnBooks)
-        else {
+        let Outcome::Routed { ticket, .. } = b.route(
+            W,
+            None,
+            &Chain::NONE,
+            10,
+            &mut SplitMix64::new(1),
+            false,
+            &mut OwnBooks,
+        ) else {
             panic!("not routed")
         };
         assert_eq!(b.books(0), Some(full));
@@ -644,11 +735,13 @@ mod tests {
     fn a_ticket_from_an_earlier_configuration_leaves_the_books_alone() {
         let mut before = idle_fleet(2, r#","choices":0"#);
         let mut rng = SplitMix64::new(1);
-        let old = routed(&before.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+        let old = routed(&before.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks))
+            .unwrap();
         let mut after = idle_fleet(2, r#","choices":0"#);
         assert_ne!(after.generation(), before.generation());
         let mine = loop {
-            let t = routed(&after.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+            let t = routed(&after.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks))
+                .unwrap();
             if t.node == old.node {
                 break t;
             }
@@ -683,7 +776,15 @@ mod tests {
         // Three failures to eject: two failed polls keep the last good report in use.
         let mut b = Balancer::new(&cfg(1, r#","unhealthy_after_failures":3"#));
         assert_eq!(
-            b.route(W, None, 0, &mut SplitMix64::new(1), false, &mut OwnBooks),
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                0,
+                &mut SplitMix64::new(1),
+                false,
+                &mut OwnBooks
+            ),
             Outcome::NoFreshNodes
         );
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 0)
@@ -698,12 +799,28 @@ mod tests {
         assert_eq!(b.on_health(7, None, 200), Err(HealthError::UnknownNode));
         assert_eq!(b.nodes()[0].failures_in_row(), 2);
         assert!(matches!(
-            b.route(W, None, 3000, &mut SplitMix64::new(1), false, &mut OwnBooks),
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                3000,
+                &mut SplitMix64::new(1),
+                false,
+                &mut OwnBooks
+            ),
             Outcome::Routed { .. }
         ));
         // The good report is now stale, and nothing replaced it.
         assert_eq!(
-            b.route(W, None, 3001, &mut SplitMix64::new(1), false, &mut OwnBooks),
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                3001,
+                &mut SplitMix64::new(1),
+                false,
+                &mut OwnBooks
+            ),
             Outcome::NoFreshNodes
         );
         assert_eq!(b.take_transition(0), None);
@@ -714,7 +831,15 @@ mod tests {
         b.on_health(0, Some(br#"{"tokens_per_sec_load":5}"#), 400)
             .unwrap();
         assert_eq!(
-            b.route(W, None, 400, &mut SplitMix64::new(1), false, &mut OwnBooks),
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                400,
+                &mut SplitMix64::new(1),
+                false,
+                &mut OwnBooks
+            ),
             Outcome::NoFreshNodes,
             "one good poll is not enough to come back"
         );
@@ -722,7 +847,15 @@ mod tests {
             .unwrap();
         assert_eq!(b.take_transition(0), Some(Transition::Readmitted));
         assert!(matches!(
-            b.route(W, None, 500, &mut SplitMix64::new(1), false, &mut OwnBooks),
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                500,
+                &mut SplitMix64::new(1),
+                false,
+                &mut OwnBooks
+            ),
             Outcome::Routed { .. }
         ));
     }
@@ -736,12 +869,12 @@ mod tests {
         }
         let mut rng = SplitMix64::new(3);
         let tickets: Vec<Ticket> = (0..10)
-            .filter_map(
-                |_| match b.route(W, None, 1, &mut rng, false, &mut OwnBooks) {
+            .filter_map(|_| {
+                match b.route(W, None, &Chain::NONE, 1, &mut rng, false, &mut OwnBooks) {
                     Outcome::Routed { ticket, .. } => Some(ticket),
                     _ => None,
-                },
-            )
+                }
+            })
             .collect();
         assert_eq!(tickets.len(), 10);
         let total: u64 = b.nodes().iter().map(|n| n.books().inflight_requests).sum();
@@ -780,6 +913,7 @@ mod tests {
         let Outcome::Routed { ticket, .. } = b.route(
             capped,
             None,
+            &Chain::NONE,
             1,
             &mut SplitMix64::new(1),
             false,
@@ -816,7 +950,15 @@ mod tests {
         );
         b.on_health(0, Some(busy.as_bytes()), 0).unwrap();
         b.on_health(1, Some(idle.as_bytes()), 0).unwrap();
-        match b.route(W, None, 10, &mut SplitMix64::new(1), false, &mut OwnBooks) {
+        match b.route(
+            W,
+            None,
+            &Chain::NONE,
+            10,
+            &mut SplitMix64::new(1),
+            false,
+            &mut OwnBooks,
+        ) {
             Outcome::Routed { ticket, .. } => assert_eq!(ticket.node, 1),
             o => panic!("{o:?}"),
         }
@@ -833,6 +975,7 @@ mod tests {
         match b.route(
             big,
             None,
+            &Chain::NONE,
             1010,
             &mut SplitMix64::new(1),
             false,
@@ -855,7 +998,15 @@ mod tests {
             .unwrap();
         }
         assert!(matches!(
-            b.route(W, None, 1, &mut SplitMix64::new(1), false, &mut OwnBooks),
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                1,
+                &mut SplitMix64::new(1),
+                false,
+                &mut OwnBooks
+            ),
             Outcome::Routed {
                 over_ceiling: true,
                 ..

@@ -75,6 +75,7 @@ pub fn render(b: &Balancer, now_ms: u64, books: &mut dyn BookSource, held: Optio
         growth: b.growth(weight),
         model: None,
         named: false,
+        prefix: None,
     };
     let rendered: Vec<Value> = nodes
         .iter()
@@ -191,6 +192,7 @@ fn node(
 mod tests {
     use super::*;
     use crate::config::Config;
+    use crate::ingest::prompt::Chain;
     use crate::rng::SplitMix64;
     use crate::route::balancer::OwnBooks;
 
@@ -241,7 +243,7 @@ mod tests {
             prompt_tokens: 100,
             output_tokens: 50,
         };
-        let out = b.route(w, None, 2_000, &mut rng, false, &mut OwnBooks);
+        let out = b.route(w, None, &Chain::NONE, 2_000, &mut rng, false, &mut OwnBooks);
         assert!(matches!(
             out,
             crate::route::balancer::Outcome::Routed { .. }

@@ -21,17 +21,24 @@
 
 use crate::config::Rule;
 use crate::fleet::node::NodeState;
+use crate::ingest::prompt::{finish, hash_str};
 use crate::rng::Rng;
 use crate::route::choice::{evaluate, may_serve, Ask, AssumedCapacity, FleetWide, Params, Ranked};
 
 /// Longest the pool's weights go without a rebuild.
 pub const REBUILD_MS: u64 = 1000;
 
+/// Largest pool the prefix-keyed preference is computed over (`Pool::preferred`): it walks
+/// every member, a logarithm each.
+pub const PREFERENCE_POOL: usize = 256;
+
 /// Eligible nodes and their cumulative drawing weights.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Pool {
     members: Vec<usize>,
     cumulative: Vec<f64>,
+    /// Each member's address, hashed: its name in the prefix-keyed preference.
+    names: Vec<u64>,
     /// The capacity assumed for nodes that report none (see `choice`), as of the rebuild.
     assumed_capacity: f64,
     built_at: Option<u64>,
@@ -62,6 +69,7 @@ impl Pool {
     fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {
         self.members.clear();
         self.cumulative.clear();
+        self.names.clear();
         let mut assumed = AssumedCapacity::default();
         let mut valid_until = u64::MAX;
         for n in nodes {
@@ -90,6 +98,7 @@ impl Pool {
             total += weight;
             self.members.push(i);
             self.cumulative.push(total);
+            self.names.push(hash_str(0, n.address()));
         }
         self.built_at = Some(now_ms);
         self.valid_until = valid_until;
@@ -108,6 +117,32 @@ impl Pool {
     /// The capacity the choice assumes for nodes that report none.
     pub fn assumed_capacity(&self) -> f64 {
         self.assumed_capacity
+    }
+
+    /// The member that routers agree on for prefix key `key` without talking to each other:
+    /// weighted rendezvous hashing (Thaler and Ravishankar's highest random weight, with
+    /// weights as in Schindelhauer and Schomaker): each member scores `w / -ln(u)` with `u`
+    /// a uniform hash of the key and the member's address, and the highest score wins, so a
+    /// member is preferred for a share of the keys proportional to its capacity, and a member
+    /// joining or leaving moves only the keys it wins or held. `None` over more than
+    /// `PREFERENCE_POOL` members.
+    pub fn preferred(&self, key: u64) -> Option<usize> {
+        if self.members.len() > PREFERENCE_POOL {
+            return None;
+        }
+        let mut best: Option<(f64, usize)> = None;
+        let mut below = 0.0;
+        for ((&i, &cumulative), &name) in self.members.iter().zip(&self.cumulative).zip(&self.names)
+        {
+            let w = cumulative - below;
+            below = cumulative;
+            let u = ((finish(key ^ name) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+            let score = -w / u.ln();
+            if best.map_or(true, |(s, _)| score > s) {
+                best = Some((score, i));
+            }
+        }
+        best.map(|(_, i)| i)
     }
 
     /// One member, drawn in proportion to its capacity.
@@ -158,11 +193,22 @@ pub fn sample(
     let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
     let mut reads = 0;
     let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
-    for _ in 0..(4 * want + 8) {
-        if admitted.len() >= want {
+    // The nodes the prompt's prefix points to are compared with the drawn ones (see
+    // `choice::Prefix::joiners`): each one admitted adds one to the nodes compared.
+    let mut d = d;
+    let joiners = ask.prefix.into_iter().flat_map(|x| x.joiners());
+    let mut draws = 0;
+    let mut next = joiners.map(|i| (i, true)).chain(std::iter::from_fn(|| {
+        draws += 1;
+        (draws <= 4 * want + 8)
+            .then(|| pool.draw(rng))
+            .flatten()
+            .map(|i| (i, false))
+    }));
+    while admitted.len() < want.max(d) {
+        let Some((i, joiner)) = next.next() else {
             break;
-        }
-        let Some(i) = pool.draw(rng) else { break };
+        };
         if drawn.contains(&i) {
             continue;
         }
@@ -174,7 +220,7 @@ pub fn sample(
         // Only the compared nodes' books are read: with books in shared data that is a host
         // call each, and a decision must not cost one per node of the fleet. The nodes drawn
         // past the `d` compared only fill the retry list, where this VM's own books will do.
-        if admitted.len() < d && reads < 2 * d {
+        if joiner || (admitted.len() < d && reads < 2 * d) {
             reads += 1;
             load_books(i, n);
         }
@@ -184,6 +230,9 @@ pub fn sample(
         };
         let (ranked, over) = evaluate(i, n, r, ask, &fleet, p);
         if !over {
+            if joiner {
+                d += 1;
+            }
             admitted.push(ranked);
         }
     }
@@ -331,6 +380,7 @@ mod tests {
                 let o = b.route(
                     W,
                     None,
+                    &Chain::NONE,
                     10,
                     &mut SplitMix64::new(replica),
                     false,
@@ -353,7 +403,7 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         let mut counts = [0u32; 10];
         for _ in 0..2000 {
-            let o = b.route(W, None, 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
             if let Outcome::Routed { ticket, .. } = o {
                 counts[ticket.node] += 1;
                 b.release(&ticket, 0);
@@ -387,7 +437,7 @@ mod tests {
         }
         let mut rng = SplitMix64::new(5);
         assert_eq!(
-            b.route(W, None, 10, &mut rng, true, &mut OwnBooks),
+            b.route(W, None, &Chain::NONE, 10, &mut rng, true, &mut OwnBooks),
             Outcome::Saturated
         );
         // Only node 7 has room, and node 3 has room but stops answering (ejected).
@@ -396,7 +446,7 @@ mod tests {
         b.on_health(3, None, 30).unwrap_err();
         b.on_health(3, None, 40).unwrap_err();
         for _ in 0..50 {
-            let o = b.route(W, None, 50, &mut rng, true, &mut OwnBooks);
+            let o = b.route(W, None, &Chain::NONE, 50, &mut rng, true, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(7), "{o:?}");
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -405,7 +455,7 @@ mod tests {
         // Later every report but node 7's (taken at 20) is stale: only node 7 is drawn.
         let late = 20 + config.stale_after_ms;
         for _ in 0..20 {
-            let o = b.route(W, None, late, &mut rng, false, &mut OwnBooks);
+            let o = b.route(W, None, &Chain::NONE, late, &mut rng, false, &mut OwnBooks);
             assert_eq!(routed_to(&o), Some(7), "{o:?}");
         }
     }
@@ -432,14 +482,38 @@ mod tests {
         }
         let mut rng = SplitMix64::new(9);
         for _ in 0..200 {
-            let o = b.route(W, Some("rare"), 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(
+                W,
+                Some("rare"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks,
+            );
             let node = routed_to(&o).unwrap();
             assert_eq!(node % 10, 4, "{o:?}");
-            let o = b.route(W, Some("common"), 10, &mut rng, false, &mut OwnBooks);
+            let o = b.route(
+                W,
+                Some("common"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks,
+            );
             assert_ne!(routed_to(&o).unwrap() % 10, 4, "{o:?}");
         }
         assert_eq!(
-            b.route(W, Some("none"), 10, &mut rng, false, &mut OwnBooks),
+            b.route(
+                W,
+                Some("none"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            ),
             Outcome::UnknownModel
         );
     }

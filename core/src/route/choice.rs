@@ -63,6 +63,8 @@
 use crate::config::Rule;
 use crate::fleet::models::Serves;
 use crate::fleet::node::NodeState;
+use crate::fleet::prefixes::PrefixIndex;
+use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 
@@ -92,6 +94,8 @@ pub struct Ranked {
     pub seconds: f64,
     /// Predicted KV-cache use after admission, when the node reports enough to tell.
     pub kv_fraction: Option<f64>,
+    /// Prompt tokens the node is believed to hold in its prefix cache.
+    pub cached: u64,
 }
 
 /// Predicted KV-cache fraction on the node after admitting `extra_tokens` more context.
@@ -128,7 +132,7 @@ pub struct Growth {
 }
 
 /// The request being placed: its cost, the KV growth to reserve for it, and its model.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 pub struct Ask<'a> {
     pub weight: Weight,
     pub growth: Growth,
@@ -137,6 +141,46 @@ pub struct Ask<'a> {
     /// Some node serves `model` by name: a node that serves any name leaves it to those
     /// (see `models`).
     pub named: bool,
+    /// What is known of where the prompt's prefix is cached; `None` prices the prompt the
+    /// same on every node.
+    pub prefix: Option<Prefix<'a>>,
+}
+
+/// Share of its predicted time a node preferred for the request's prefix key is let off: the
+/// preference only decides between nodes within that much of each other.
+pub const PREFERENCE: f64 = 0.1;
+
+/// The request's prompt as the prefix index sees it (see `fleet::prefixes`).
+#[derive(Debug, Clone, Copy)]
+pub struct Prefix<'a> {
+    pub index: &'a PrefixIndex,
+    pub chain: &'a Chain,
+    /// The node independent routers prefer for the request's prefix key (rendezvous hashing
+    /// over the candidates, see `candidates::Pool::preferred`), for a prompt whose opening no
+    /// node is known to hold, or one with a client's hint. A prefix already held somewhere is
+    /// priced where it is held: preferring one node for it would pull a hot prefix there.
+    pub preferred: Option<usize>,
+}
+
+/// Nodes of the longest match that join the drawn candidates.
+pub const LONGEST_JOINERS: usize = 2;
+
+impl<'a> Prefix<'a> {
+    /// The nodes compared besides the drawn ones: the preferred node, and the nodes believed
+    /// to hold the longest leading run of the prompt (power-of-two choices must not hide the
+    /// node that holds the prefix).
+    pub fn joiners(self) -> impl Iterator<Item = usize> + 'a {
+        let (_, longest) = self.index.longest(&self.chain.blocks);
+        self.preferred
+            .into_iter()
+            .chain(longest.take(LONGEST_JOINERS))
+    }
+
+    /// Prompt tokens node `node` is believed to hold of a prompt of `prompt_tokens`.
+    pub fn cached(&self, node: usize, prompt_tokens: u64) -> u64 {
+        self.chain
+            .cached(self.index.matched(node, &self.chain.blocks), prompt_tokens)
+    }
 }
 
 /// Whether node `n` may serve the request: it serves the request's model, or might (its set
@@ -217,7 +261,18 @@ pub fn evaluate(
     let backlog = r.queue_depth.unwrap_or(0.0) * fleet.mean_request_tokens
         + books.unreflected_tokens as f64
         + reported_growth;
-    let seconds = (backlog + weight.total() as f64) / spare;
+    // Prompt tokens the node's prefix cache holds are not work there: prefill skips them. They
+    // are still KV: cached blocks that no running sequence shares are free memory the engine
+    // counts as such, and a hit takes them back, so the VRAM check below counts the whole
+    // prompt.
+    let cached = ask
+        .prefix
+        .map_or(0, |x| x.cached(node, weight.prompt_tokens));
+    let work = weight.total().saturating_sub(cached) as f64;
+    let mut seconds = (backlog + work) / spare;
+    if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
+        seconds *= 1.0 - PREFERENCE;
+    }
     // KV still to come: prompts sent since the report, the output reserved for everything
     // in flight, and this request's own prompt and reserved output.
     let margin = growth.margin_per_sqrt * (books.inflight_requests.saturating_add(1) as f64).sqrt();
@@ -233,6 +288,7 @@ pub fn evaluate(
         node,
         seconds,
         kv_fraction: kv,
+        cached,
     };
     (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
 }
@@ -425,6 +481,7 @@ mod tests {
                     },
                     model: None,
                     named: false,
+                    prefix: None,
                 },
                 100.0,
                 2000,
@@ -518,6 +575,7 @@ mod tests {
                 },
                 model: None,
                 named: false,
+                prefix: None,
             };
             decide(&nodes, &ask, 100.0, 2000, &P, &mut SplitMix64::new(1))
         };

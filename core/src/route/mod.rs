@@ -7,6 +7,8 @@ pub mod beliefs;
 pub mod candidates;
 pub mod choice;
 pub mod outputs;
+#[cfg(test)]
+mod prefix_tests;
 pub mod ranking;
 #[cfg(test)]
 pub(crate) mod testing;

@@ -210,6 +210,7 @@ fn rank(
                     node: i,
                     seconds: r.load_tokens_per_sec,
                     kv_fraction: None,
+                    cached: 0,
                 };
                 (ranked, rng.next_u64())
             })
@@ -300,6 +301,7 @@ pub fn compare(
 mod tests {
     use super::*;
     use crate::fleet::models::ServedModels;
+    use crate::ingest::prompt::Chain;
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
     use crate::route::balancer::{Balancer, Outcome};
@@ -372,6 +374,7 @@ mod tests {
             growth: NO_MARGIN,
             model: None,
             named: false,
+            prefix: None,
         };
         let mut seen = [0usize; 4];
         for _ in 0..200 {
@@ -476,7 +479,7 @@ mod tests {
         for _ in 0..20 {
             let mut books = Counting::new(|_| false);
             assert_eq!(
-                b.route(W, None, 10, &mut rng, true, &mut books),
+                b.route(W, None, &Chain::NONE, 10, &mut rng, true, &mut books),
                 Outcome::Saturated
             );
             assert!(books.reads <= bound, "{} reads", books.reads);
@@ -484,7 +487,7 @@ mod tests {
         // One node reports room: it is found.
         b.on_health(777, Some(ROOM), 20).unwrap();
         let mut books = Counting::new(|_| false);
-        let t = routed(&b.route(W, None, 30, &mut rng, true, &mut books)).unwrap();
+        let t = routed(&b.route(W, None, &Chain::NONE, 30, &mut rng, true, &mut books)).unwrap();
         assert_eq!(t.node, 777);
         assert!(books.reads <= bound, "{} reads", books.reads);
         b.release(&t, 0);
@@ -493,7 +496,7 @@ mod tests {
         b.on_health(778, Some(ROOM), 40).unwrap();
         let mut books = Counting::new(|i| i == 777);
         assert_eq!(
-            routed_to(&b.route(W, None, 50, &mut rng, true, &mut books)),
+            routed_to(&b.route(W, None, &Chain::NONE, 50, &mut rng, true, &mut books)),
             Some(778)
         );
         assert!(books.reads <= bound, "{} reads", books.reads);

@@ -5,6 +5,7 @@
 use crate::config::{Config, Rule};
 use crate::fleet::node::NodeState;
 use crate::fleet::node::Ticket;
+pub(crate) use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::SplitMix64;
@@ -223,6 +224,7 @@ pub(crate) fn ask(weight: Weight, model: Option<&str>) -> Ask<'_> {
         },
         model,
         named: false,
+        prefix: None,
     }
 }
 

@@ -81,6 +81,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::fleet::node::Ticket;
+    use crate::ingest::prompt::Chain;
     use crate::ingest::request::Weight;
     use crate::route::balancer::{Balancer, MemberChange, Outcome, OwnBooks};
     use crate::route::testing::{following, members, IDLE};
@@ -133,7 +134,7 @@ mod tests {
         let mut reader = Balancer::new(&cfg(&[8001, 8002, 8003]));
         let mut rng = SplitMix64::new(1);
         assert_eq!(
-            reader.route(W, None, 10, &mut rng, false, &mut OwnBooks),
+            reader.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks),
             Outcome::NoFreshNodes
         );
         assert_eq!(
@@ -144,11 +145,20 @@ mod tests {
             }
         );
         assert_eq!(reader.import_fleet(&snap).new_reports, 0, "nothing new");
-        let t = routed(&reader.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+        let t = routed(&reader.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks))
+            .unwrap();
         assert_eq!((t.node, t.epoch), (1, base + 1));
         assert_eq!(
-            routed(&reader.route(W, Some("m2"), 10, &mut rng, false, &mut OwnBooks))
-                .map(|t| t.node),
+            routed(&reader.route(
+                W,
+                Some("m2"),
+                &Chain::NONE,
+                10,
+                &mut rng,
+                false,
+                &mut OwnBooks
+            ))
+            .map(|t| t.node),
             Some(2),
             "models come with the snapshot"
         );
@@ -157,7 +167,8 @@ mod tests {
         assert_eq!(books.inflight_requests, 1);
         books.unreflected_tokens = 1_000_000;
         reader.set_books(1, &books);
-        let t = routed(&reader.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+        let t = routed(&reader.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks))
+            .unwrap();
         assert_ne!(t.node, 1);
         // An ejection reaches the reader; a node the poller does not follow has no report.
         poller.on_health(2, None, 20).unwrap_err();
@@ -169,7 +180,7 @@ mod tests {
         assert_eq!(other.import_fleet(&snap).missing, 1);
         reader.import_fleet(&snap);
         for _ in 0..10 {
-            let o = reader.route(W, None, 40, &mut rng, false, &mut OwnBooks);
+            let o = reader.route(W, None, &Chain::NONE, 40, &mut rng, false, &mut OwnBooks);
             assert_ne!(routed(&o).map(|t| t.node), Some(2), "{o:?}");
         }
         // Books at a newer epoch than the snapshot's keep theirs (a ticket takes it).
@@ -207,7 +218,9 @@ mod tests {
         // The reader routes a request to node 2, then the poller reuses node 2's slot (its
         // shared books are empty: the busy check says so) for a new address.
         let on_2 = loop {
-            let t = routed(&reader.route(W, None, 10, &mut rng, false, &mut OwnBooks)).unwrap();
+            let t =
+                routed(&reader.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks))
+                    .unwrap();
             if t.node == 2 {
                 break t;
             }
@@ -233,7 +246,15 @@ mod tests {
             "listed"
         );
         // The old address's release finds a new tenant in the slot: nothing is taken away.
-        let on_new = routed(&reader.route(W, Some("x"), 30, &mut rng, false, &mut OwnBooks));
+        let on_new = routed(&reader.route(
+            W,
+            Some("x"),
+            &Chain::NONE,
+            30,
+            &mut rng,
+            false,
+            &mut OwnBooks,
+        ));
         let before = reader.nodes()[2].books().inflight_requests;
         reader.release(&on_2, 0);
         assert_eq!(reader.nodes()[2].books().inflight_requests, before);
@@ -278,7 +299,15 @@ mod tests {
         );
         // A name nobody lists goes to the node that serves any name.
         let mut rng = SplitMix64::new(2);
-        let o = reader.route(W, Some("gpt-4o"), 10, &mut rng, false, &mut OwnBooks);
+        let o = reader.route(
+            W,
+            Some("gpt-4o"),
+            &Chain::NONE,
+            10,
+            &mut rng,
+            false,
+            &mut OwnBooks,
+        );
         assert_eq!(routed(&o).map(|t| t.node), Some(0), "{o:?}");
     }
 }

@@ -213,6 +213,7 @@ mod tests {
                 output_tokens: o,
             },
             reserved_output: o + 10,
+            cached: 0,
         }
     }
 

@@ -30,14 +30,19 @@
 //! finishes that work soonest among those whose cache holds it all at once. The oracle is a
 //! reference point, not a bound: it is greedy, and it ignores batching effects.
 
-use mock_gpu_node::engine::{Engine, EngineConfig, Event as EngineEvent};
+pub mod workload;
+
+use mock_gpu_node::engine::{Engine, EngineConfig, Event as EngineEvent, Request as EngineRequest};
 use std::cmp::Reverse;
+use std::collections::HashSet;
 use std::collections::{BinaryHeap, VecDeque};
 use token_balancer_core::config::Config;
 use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::{Rng, SplitMix64};
 use token_balancer_core::route::balancer::{Balancer, Outcome as Routed, OwnBooks};
+use workload::Job;
 
 /// KV bytes per token the simulated nodes report (Llama-2-7B fp16), as the mock does.
 pub const KV_BYTES_PER_TOKEN: u64 = 512 * 1024;
@@ -125,6 +130,12 @@ pub struct Outcome {
     /// Requests still booked in flight in the replicas' balancers at the end (0 when every
     /// stream's end was released).
     pub inflight_left: u64,
+    /// Prompt tokens of the requests dispatched, the ones the engines found in their prefix
+    /// caches, and the ones a cache that forgot nothing and sat on every node would have found
+    /// (the leading blocks sent to any node before: the bound on what routing can reach).
+    pub prompt_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub prefix_bound_tokens: u64,
 }
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -136,6 +147,16 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 impl Outcome {
+    /// Share of prompt tokens the engines found cached.
+    pub fn hit_rate(&self) -> f64 {
+        self.prefix_hit_tokens as f64 / self.prompt_tokens.max(1) as f64
+    }
+
+    /// Share of prompt tokens that were sent to some node before (the bound of `hit_rate`).
+    pub fn hit_bound(&self) -> f64 {
+        self.prefix_bound_tokens as f64 / self.prompt_tokens.max(1) as f64
+    }
+
     pub fn p(&self, which: &str, q: f64) -> f64 {
         match which {
             "ttft" => percentile(&self.ttft_ms, q),
@@ -165,6 +186,8 @@ enum Kind {
 
 #[derive(Debug, Clone)]
 struct Req {
+    /// Which job of the workload it is (its shape and shared segments).
+    job: usize,
     arrive_ms: f64,
     prompt: u64,
     output: u64,
@@ -214,6 +237,9 @@ struct Sim<'a> {
     outstanding: usize,
     /// Each node's saturated throughput on this request mix, tokens/s.
     caps: Vec<f64>,
+    jobs: &'a [Job],
+    /// Engine block hashes sent to any node so far (for the hit-rate bound).
+    seen_blocks: HashSet<u64>,
 }
 
 fn uniform(rng: &mut SplitMix64) -> f64 {
@@ -311,8 +337,15 @@ pub fn saturated_throughput(config: &EngineConfig, sizes: &[(u64, u64)], max_tok
     done_tokens as f64 / ((end - warm) / 1000.0)
 }
 
-/// Runs one simulation.
+/// Runs one simulation of requests whose sizes are drawn from `sizes`, nothing shared.
 pub fn run(setup: &Setup, sizes: &[(u64, u64)]) -> Result<Outcome, String> {
+    run_jobs(setup, &workload::from_sizes(sizes))
+}
+
+/// Runs one simulation of requests drawn from `jobs` (see `workload`).
+pub fn run_jobs(setup: &Setup, jobs: &[Job]) -> Result<Outcome, String> {
+    let sizes: Vec<(u64, u64)> = jobs.iter().map(|j| (j.prompt, j.output)).collect();
+    let sizes = &sizes[..];
     if sizes.is_empty() || setup.nodes.is_empty() || setup.replicas == 0 {
         return Err("nothing to simulate: no sizes, nodes or replicas".into());
     }
@@ -348,6 +381,8 @@ pub fn run(setup: &Setup, sizes: &[(u64, u64)]) -> Result<Outcome, String> {
         max_hold_ms,
         outstanding: 0,
         caps,
+        jobs,
+        seen_blocks: HashSet::new(),
     };
     let mean_tokens = sizes
         .iter()
@@ -374,7 +409,7 @@ pub fn run(setup: &Setup, sizes: &[(u64, u64)]) -> Result<Outcome, String> {
         match kind {
             Kind::Arrive => {
                 if t < setup.duration_ms {
-                    sim.arrive(sizes, books);
+                    sim.arrive(books);
                     let gap = -(1.0 - uniform(&mut sim.traffic)).ln() / rate_per_ms;
                     sim.schedule(t + gap, Kind::Arrive);
                 }
@@ -399,13 +434,14 @@ impl Sim<'_> {
         self.heap.push(Reverse((us, self.seq, kind)));
     }
 
-    fn arrive(&mut self, sizes: &[(u64, u64)], books: bool) {
-        let pick = (self.traffic.next_u64() % sizes.len() as u64) as usize;
-        let (prompt, output) = sizes.get(pick).copied().unwrap_or((1, 1));
+    fn arrive(&mut self, books: bool) {
+        let pick = (self.traffic.next_u64() % self.jobs.len().max(1) as u64) as usize;
+        let (prompt, output) = self.jobs.get(pick).map_or((1, 1), |j| (j.prompt, j.output));
         let replica = (self.traffic.next_u64() % self.setup.replicas as u64) as usize;
         let id = self.requests.len();
         self.outstanding += 1;
         self.requests.push(Req {
+            job: pick,
             arrive_ms: self.now,
             prompt: prompt.max(1),
             output: output.clamp(1, self.setup.max_tokens.max(1)),
@@ -452,9 +488,17 @@ impl Sim<'_> {
                     .filter(|(h, _)| *h == id)
                     .map_or(0.0, |(_, since)| now - since);
                 let may_hold = self.max_hold_ms > 0.0 && waited < self.max_hold_ms;
+                // The chain the filter would hash from this prompt, when it prices prefixes.
+                let chain = match (b.chain_block_chars(), self.jobs.get(req.job)) {
+                    (Some(chars), Some(job)) if job.shares() => {
+                        Job::filter_chain(&job.tokens(id as u64), chars as u64)
+                    }
+                    _ => Chain::NONE,
+                };
                 match b.route(
                     weight,
                     None,
+                    &chain,
                     now as u64,
                     &mut self.rng,
                     may_hold,
@@ -531,6 +575,7 @@ impl Sim<'_> {
         };
         req.node = Some(node);
         let (prompt, output, replica) = (req.prompt, req.output, req.replica);
+        let req = req.clone();
         if let Some(c) = self
             .replicas
             .get_mut(replica)
@@ -542,10 +587,38 @@ impl Sim<'_> {
             x.work += prompt + output;
             x.kv_peak += prompt + output;
         }
+        let block_hashes = match self.jobs.get(req.job) {
+            Some(job) if job.shares() => {
+                let block = self
+                    .engines
+                    .get(node)
+                    .map_or(16, |e| e.config.prefix_block_tokens);
+                Job::engine_blocks(&job.tokens(id as u64), block)
+            }
+            _ => vec![],
+        };
+        let block = self
+            .engines
+            .get(node)
+            .map_or(16, |e| e.config.prefix_block_tokens);
+        let seen = block_hashes
+            .iter()
+            .take_while(|h| self.seen_blocks.contains(h))
+            .count() as u64;
+        if req.arrive_ms >= self.setup.warmup_ms {
+            self.out.prompt_tokens += prompt;
+            self.out.prefix_bound_tokens += (seen * block).min(prompt.saturating_sub(1));
+        }
+        self.seen_blocks.extend(block_hashes.iter().copied());
         let Some(engine) = self.engines.get_mut(node) else {
             return;
         };
-        engine.submit(id as u64, prompt, output);
+        engine.submit_request(EngineRequest {
+            id: id as u64,
+            prompt_tokens: prompt,
+            output_tokens: output,
+            block_hashes,
+        });
         if self.planned.get(node).is_some_and(Option::is_none) {
             self.plan(node);
         }
@@ -559,6 +632,15 @@ impl Sim<'_> {
         };
         match engine.step(now) {
             Some(it) => {
+                for a in it.admitted.iter().filter(|a| a.first) {
+                    let counted = usize::try_from(a.id)
+                        .ok()
+                        .and_then(|i| self.requests.get(i))
+                        .is_some_and(|r| r.arrive_ms >= self.setup.warmup_ms);
+                    if counted {
+                        self.out.prefix_hit_tokens += a.cached_tokens;
+                    }
+                }
                 if let Some(p) = self.planned.get_mut(node) {
                     *p = Some(it.events);
                 }

@@ -8,7 +8,8 @@
 //! overflows (engine preemptions), the max/mean of the nodes' utilization, and what completed.
 //! Writes `table.md` and `results.json` under `--out`.
 
-use sim::{azure_sizes, capacity, mixed_fleet, run, synthetic_sizes, Outcome, Policy, Setup};
+use sim::workload::{self, Job};
+use sim::{azure_sizes, capacity, mixed_fleet, run_jobs, synthetic_sizes, Outcome, Policy, Setup};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -24,6 +25,8 @@ struct Args {
     seed: u64,
     data: PathBuf,
     out: Option<PathBuf>,
+    workload: String,
+    tenants: usize,
 }
 
 fn usage() -> ! {
@@ -31,7 +34,8 @@ fn usage() -> ! {
         "usage: sim [--nodes 10,100] [--replicas 1,4,16] [--load 0.85] \
          [--policies tb,argmin-stale,least-request,round-robin,oracle] [--duration-s 120] \
          [--warmup-s 20] [--tick-ms 250] [--max-tokens 1024] [--seed 1] \
-         [--data ../shared/data] [--out results/sim-NAME]\n\
+         [--data ../shared/data] [--out results/sim-NAME] \
+         [--workload azure|tenants|hot|mooncake] [--tenants 40]\n\
          a policy may carry configuration overrides: tb:{{\"choices\":0}}"
     );
     std::process::exit(2)
@@ -57,6 +61,8 @@ fn parse_args() -> Args {
         seed: 1,
         data: PathBuf::from("../shared/data"),
         out: None,
+        workload: "azure".to_string(),
+        tenants: 40,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut it = argv.iter();
@@ -75,6 +81,8 @@ fn parse_args() -> Args {
             "--seed" => a.seed = v.parse().unwrap_or_else(|_| usage()),
             "--data" => a.data = PathBuf::from(v),
             "--out" => a.out = Some(PathBuf::from(v)),
+            "--workload" => a.workload = v.clone(),
+            "--tenants" => a.tenants = v.parse().unwrap_or_else(|_| usage()),
             _ => usage(),
         }
     }
@@ -124,6 +132,32 @@ fn main() {
             })
         })
         .collect();
+    let (jobs, source): (Vec<Job>, String) = match args.workload.as_str() {
+        "azure" => (workload::from_sizes(&sizes), source),
+        "tenants" => (
+            workload::tenants(args.tenants, 20_000, args.seed),
+            format!(
+                "{} tenants, each a 2k-6k-token system prompt, short questions (Zipf 0.8)",
+                args.tenants
+            ),
+        ),
+        "hot" => (
+            workload::hot(&sizes, 20_000, args.seed),
+            format!("one 2k-token system prompt in every request, then {source}"),
+        ),
+        "mooncake" => {
+            let path = args.data.join("mooncake_synthetic_trace.jsonl");
+            match std::fs::read_to_string(&path) {
+                Ok(text) => (workload::mooncake(&text), format!("{}", path.display())),
+                Err(e) => {
+                    eprintln!("sim: cannot read {}: {e}", path.display());
+                    std::process::exit(2)
+                }
+            }
+        }
+        _ => usage(),
+    };
+    let sizes: Vec<(u64, u64)> = jobs.iter().map(|j| (j.prompt, j.output)).collect();
     let mean = sizes.iter().map(|(p, o)| (p + o) as f64).sum::<f64>() / sizes.len().max(1) as f64;
     println!(
         "cluster simulator: {source} ({} requests, mean {mean:.0} tokens incl. true output), \
@@ -159,7 +193,7 @@ fn main() {
                     policy: policy.clone(),
                 };
                 let start = Instant::now();
-                match run(&setup, &sizes) {
+                match run_jobs(&setup, &jobs) {
                     Ok(o) => rows.push((name.clone(), o, start.elapsed().as_secs_f64())),
                     Err(e) => {
                         eprintln!("sim: {name}: {e}");
@@ -171,7 +205,7 @@ fn main() {
                 .iter()
                 .find(|(n, _, _)| n == "oracle")
                 .map(|(_, o, _)| (o.p("ttft", 0.99), o.p("e2e", 0.99)));
-            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows | max/mean utilization | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|\n";
+            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows | max/mean utilization | prefix hits (bound) | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
             let mut table = format!(
                 "\n**{nodes} nodes, {replicas} replicas, load {}**\n\n{header}",
                 args.load
@@ -180,7 +214,7 @@ fn main() {
                 let ratio =
                     |v: f64, r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.2}", v / r));
                 let line = format!(
-                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} | {:.2} | {}/{} | {} | {:.1} |\n",
+                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} | {:.2} | {:.1}% ({:.1}%) | {}/{} | {} | {:.1} |\n",
                     o.p("ttft", 0.5),
                     o.p("ttft", 0.99),
                     o.p("e2e", 0.5),
@@ -189,6 +223,8 @@ fn main() {
                     ratio(o.p("e2e", 0.99), oracle.map(|x| x.1)),
                     o.overflows,
                     o.imbalance(),
+                    100.0 * o.hit_rate(),
+                    100.0 * o.hit_bound(),
                     o.completed,
                     o.arrived,
                     o.peak_held,
@@ -203,6 +239,7 @@ fn main() {
                     "arrived": o.arrived, "completed": o.completed, "peak_held": o.peak_held,
                     "peak_queue": o.peak_queue, "fallbacks": o.fallbacks,
                     "inflight_left": o.inflight_left, "wall_s": wall,
+                    "prefix_hit_rate": o.hit_rate(), "prefix_hit_bound": o.hit_bound(),
                 }));
             }
             print!("{table}");

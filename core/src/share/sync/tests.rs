@@ -72,6 +72,7 @@ fn ticket(node: usize, address: &str) -> Ticket {
             output_tokens: 50,
         },
         reserved_output: 60,
+        cached: 0,
         // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
         generation: 0,
     }

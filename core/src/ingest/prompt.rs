@@ -1,0 +1,390 @@
+//! A prompt's prefix chain: the request's prompt, rendered in message order, cut into blocks of
+//! characters, each named by a hash that chains the hash of the block before it (so block i's
+//! hash stands for the whole prompt up to the end of block i, as vLLM names its KV blocks).
+//! Two prompts that share their first k blocks share the first k hashes, whatever follows.
+//!
+//! The filter has no tokenizer and sees no engine events, so the chain is over characters, not
+//! tokens: an engine caches blocks of tokens, and a block of `block_chars` characters is a few
+//! of them. What the chain is for is telling which node already holds a prompt's leading part
+//! (`fleet::prefixes` remembers which chains went where); how many tokens that saves is the
+//! matched share of the rendered characters times the prompt's estimated tokens (`Chain::cached`).
+//!
+//! Rendering: the model name seeds the chain (different models never share a cache); then the
+//! Anthropic `system`, then each message's role and text parts in order, with separators that
+//! cannot occur in JSON-decoded text boundaries being confused (a role, a part and a message
+//! each end with their own control byte); a completion's `prompt` string (or strings). Parts
+//! that are not text (images, audio) count as a marker only: hashing a megabyte of base64 per
+//! request would cost more than the routing, and equal text around them still matches. Token-id
+//! prompts have no chain. Only full blocks are hashed (a partial last block is never shared by
+//! an engine either), and at most `MAX_BLOCKS` of them.
+//!
+//! Hints: OpenAI's `prompt_cache_key` (the client's own name for a group of requests that share
+//! a prefix), else `user`, become `hint`, a key that independent routers can agree on before any
+//! of them has seen the prompt (see `route::choice`). A configured session header is added by
+//! the glue (`with_hint`).
+//!
+//! The hash is a word-at-a-time multiply-rotate mix (in the spirit of FxHash) with a SplitMix64
+//! finaliser per block: the prompt is read 8 bytes at a time, which keeps a 16 KiB prompt to a
+//! few microseconds inside the VM. It resists no crafted collision; a collision only makes a
+//! node look like it holds a prefix it does not, which costs one slower prefill.
+
+use serde_json::Value;
+
+/// Longest chain kept: 1,024 blocks of 256 characters cover a 256 KiB prompt (about 64k tokens).
+pub const MAX_BLOCKS: usize = 1024;
+
+const K: u64 = 0x9e37_79b9_7f4a_7c15;
+const END_ROLE: u8 = 0x1e;
+const END_PART: u8 = 0x1f;
+const END_MESSAGE: u8 = 0x1d;
+const OTHER_PART: &[u8] = b"\x1c";
+
+/// SplitMix64's finaliser: every input bit reaches every output bit.
+pub fn finish(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn mix(h: u64, word: u64) -> u64 {
+    (h.rotate_left(5) ^ word).wrapping_mul(K)
+}
+
+/// `h` continued over `bytes`, 8 at a time; the tail is packed with its length.
+fn hash_bytes(mut h: u64, bytes: &[u8]) -> u64 {
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(w);
+        h = mix(h, u64::from_le_bytes(a));
+    }
+    let tail = words.remainder();
+    if !tail.is_empty() {
+        let mut a = [0u8; 8];
+        for (d, s) in a.iter_mut().zip(tail) {
+            *d = *s;
+        }
+        h = mix(h, u64::from_le_bytes(a) ^ ((tail.len() as u64) << 59));
+    }
+    h
+}
+
+/// A hash of a short string (a model name, a hint, a node's address).
+pub fn hash_str(seed: u64, s: &str) -> u64 {
+    finish(hash_bytes(seed ^ K, s.as_bytes()) ^ s.len() as u64)
+}
+
+/// A prompt's chain of block hashes and what is needed to price a match.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Chain {
+    /// Hashes of the full blocks, first block first.
+    pub blocks: Vec<u64>,
+    /// Characters (bytes) rendered in all, full blocks and the rest.
+    pub rendered: u64,
+    /// Characters (bytes) a block covers.
+    pub block_chars: u64,
+    /// A key the client gave for requests that share a prefix (`prompt_cache_key`, `user`, a
+    /// session header), hashed with the model.
+    pub hint: Option<u64>,
+}
+
+impl Chain {
+    /// No chain: the request is priced the same on every node.
+    pub const NONE: Chain = Chain {
+        blocks: Vec::new(),
+        rendered: 0,
+        block_chars: 0,
+        hint: None,
+    };
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty() && self.hint.is_none()
+    }
+
+    /// Prompt tokens found cached where the first `matched` blocks are: that share of the
+    /// rendered characters, of `prompt_tokens`. At least one token is always computed (an
+    /// engine computes the last one to sample the first output).
+    pub fn cached(&self, matched: usize, prompt_tokens: u64) -> u64 {
+        if matched == 0 || self.rendered == 0 {
+            return 0;
+        }
+        let chars = (matched as u64).saturating_mul(self.block_chars);
+        let share = (chars as f64 / self.rendered as f64).min(1.0);
+        ((prompt_tokens as f64 * share) as u64).min(prompt_tokens.saturating_sub(1))
+    }
+
+    /// The key of the preference independent routers agree on (see `route::choice`): the
+    /// client's hint, else the first block (the prompt's opening, where shared system prompts
+    /// are); `None` for a prompt shorter than a block.
+    pub fn key(&self) -> Option<u64> {
+        self.hint.or_else(|| self.blocks.first().copied())
+    }
+
+    /// Adds a hint the request carries outside its body (a session header), when the body
+    /// gave none.
+    pub fn with_hint(mut self, model: Option<&str>, hint: Option<&str>) -> Chain {
+        if self.hint.is_none() {
+            self.hint = hint
+                .filter(|h| !h.is_empty())
+                .map(|h| hash_str(model_seed(model), h));
+        }
+        self
+    }
+}
+
+fn model_seed(model: Option<&str>) -> u64 {
+    hash_str(0x7072_6566_6978, model.unwrap_or(""))
+}
+
+/// Cuts rendered bytes into chained block hashes.
+struct Chainer {
+    block: usize,
+    filled: usize,
+    h: u64,
+    parent: u64,
+    rendered: u64,
+    blocks: Vec<u64>,
+}
+
+impl Chainer {
+    fn new(block_chars: usize, seed: u64) -> Chainer {
+        Chainer {
+            block: block_chars.max(1),
+            filled: 0,
+            h: seed,
+            parent: seed,
+            rendered: 0,
+            blocks: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, mut bytes: &[u8]) {
+        self.rendered = self.rendered.saturating_add(bytes.len() as u64);
+        while !bytes.is_empty() && self.blocks.len() < MAX_BLOCKS {
+            let n = (self.block - self.filled).min(bytes.len());
+            let (head, rest) = bytes.split_at(n);
+            self.h = hash_bytes(self.h, head);
+            self.filled += n;
+            if self.filled == self.block {
+                let b = finish(self.h ^ self.parent.rotate_left(17));
+                self.blocks.push(b);
+                self.parent = b;
+                self.h = b;
+                self.filled = 0;
+            }
+            bytes = rest;
+        }
+    }
+
+    fn content(&mut self, content: &Value) {
+        match content {
+            Value::String(s) => self.feed(s.as_bytes()),
+            Value::Array(parts) => {
+                for p in parts {
+                    match p {
+                        Value::String(s) => self.feed(s.as_bytes()),
+                        Value::Object(o) => match o.get("text").and_then(Value::as_str) {
+                            Some(t) => self.feed(t.as_bytes()),
+                            None => self.feed(OTHER_PART),
+                        },
+                        _ => self.feed(OTHER_PART),
+                    }
+                    self.feed(&[END_PART]);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The chain of a request body's prompt, in blocks of `block_chars` characters (see the
+/// module). `obj` is the body's object with `model` already taken out. A body with no prompt
+/// gives an empty chain.
+pub fn chain(
+    obj: &serde_json::Map<String, Value>,
+    model: Option<&str>,
+    block_chars: usize,
+) -> Chain {
+    let seed = model_seed(model);
+    let mut c = Chainer::new(block_chars, seed);
+    if let Some(Value::Array(messages)) = obj.get("messages") {
+        if let Some(system) = obj.get("system") {
+            c.feed(b"system");
+            c.feed(&[END_ROLE]);
+            c.content(system);
+            c.feed(&[END_MESSAGE]);
+        }
+        for m in messages {
+            if let Some(role) = m.get("role").and_then(Value::as_str) {
+                c.feed(role.as_bytes());
+            }
+            c.feed(&[END_ROLE]);
+            if let Some(content) = m.get("content") {
+                c.content(content);
+            }
+            c.feed(&[END_MESSAGE]);
+        }
+    } else if let Some(prompt) = obj.get("prompt") {
+        match prompt {
+            Value::String(s) => c.feed(s.as_bytes()),
+            Value::Array(items) if items.iter().all(Value::is_string) => c.content(prompt),
+            _ => {}
+        }
+    }
+    let hint = ["prompt_cache_key", "user"]
+        .iter()
+        .find_map(|k| match obj.get(*k) {
+            Some(Value::String(s)) if !s.is_empty() => Some(hash_str(seed, s)),
+            _ => None,
+        });
+    Chain {
+        blocks: c.blocks,
+        rendered: c.rendered,
+        block_chars: c.block as u64,
+        hint,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn of(body: &str, block: usize) -> Chain {
+        let v: Value = serde_json::from_str(body).unwrap();
+        let mut obj = v.as_object().unwrap().clone();
+        let model = obj.remove("model");
+        chain(&obj, model.as_ref().and_then(Value::as_str), block)
+    }
+
+    fn chat(system: &str, user: &str) -> String {
+        serde_json::json!({"model":"m","messages":[
+            {"role":"system","content":system},{"role":"user","content":user}]})
+        .to_string()
+    }
+
+    #[test]
+    fn shared_leading_text_shares_leading_blocks() {
+        let sys = "You are a careful assistant. ".repeat(40); // 1,160 characters
+        let a = of(&chat(&sys, "What is the capital of France?"), 64);
+        let b = of(
+            &chat(&sys, "Summarise the plot of Hamlet in two lines."),
+            64,
+        );
+        let common = a
+            .blocks
+            .iter()
+            .zip(&b.blocks)
+            .take_while(|(x, y)| x == y)
+            .count();
+        // The system prompt's full blocks (role and separator included) are shared ...
+        assert!(common >= 1160 / 64, "{common}");
+        // ... and the chains part where the questions do.
+        assert!(common < a.blocks.len().max(b.blocks.len()));
+    }
+
+    #[test]
+    fn the_chain_depends_on_everything_before_a_block() {
+        let cases = [
+            (
+                "another model",
+                r#"{"model":"x","prompt":"PPPPPPPPPPPPPPPPPPPP"}"#,
+            ),
+            (
+                "one character earlier",
+                r#"{"model":"m","prompt":"QPPPPPPPPPPPPPPPPPPP"}"#,
+            ),
+            (
+                "a role instead of raw text",
+                r#"{"model":"m","messages":[{"role":"user","content":"PPPPPPPPPPPPPPPPPPPP"}]}"#,
+            ),
+        ];
+        let base = of(r#"{"model":"m","prompt":"PPPPPPPPPPPPPPPPPPPP"}"#, 8);
+        assert_eq!(base.blocks.len(), 2);
+        for (name, body) in cases {
+            let c = of(body, 8);
+            assert_ne!(c.blocks.first(), base.blocks.first(), "{name}");
+        }
+        // Equal text gives equal blocks, even when it arrives in other pieces.
+        let parts = of(r#"{"model":"m","prompt":["PPPPPPPPPPPPPPPPPPPP"]}"#, 8);
+        assert_eq!(parts.blocks, base.blocks);
+    }
+
+    #[test]
+    fn block_boundaries_inside_a_piece_do_not_depend_on_what_follows() {
+        for len in [7usize, 8, 9, 15, 16, 17, 31, 33] {
+            let short = "abcdefghij".repeat(4);
+            let long = format!("{short}{}", "z".repeat(len));
+            let a = of(&format!(r#"{{"prompt":"{short}"}}"#), 8);
+            let b = of(&format!(r#"{{"prompt":"{long}"}}"#), 8);
+            assert_eq!(a.blocks[..], b.blocks[..a.blocks.len()], "+{len}");
+        }
+    }
+
+    #[test]
+    fn pricing_a_match() {
+        let c = Chain {
+            blocks: vec![1, 2, 3, 4],
+            rendered: 1000,
+            block_chars: 200,
+            hint: None,
+        };
+        assert_eq!(c.cached(0, 250), 0);
+        assert_eq!(c.cached(2, 250), 100); // 400 of 1000 characters
+        assert_eq!(c.cached(4, 250), 200);
+        // Never the whole prompt: the last token is always computed.
+        let whole = Chain {
+            rendered: 800,
+            ..c.clone()
+        };
+        assert_eq!(whole.cached(4, 250), 249);
+        assert_eq!(Chain::NONE.cached(3, 100), 0);
+    }
+
+    #[test]
+    fn hints_and_keys() {
+        let hinted = of(
+            r#"{"model":"m","prompt":"hi","prompt_cache_key":"tenant-7","user":"u"}"#,
+            8,
+        );
+        let user = of(r#"{"model":"m","prompt":"hi","user":"tenant-7"}"#, 8);
+        let other_model = of(r#"{"model":"n","prompt":"hi","user":"tenant-7"}"#, 8);
+        assert!(hinted.blocks.is_empty());
+        assert_eq!(hinted.key(), user.key(), "the same string, whichever field");
+        assert_ne!(user.key(), other_model.key());
+        let plain = of(r#"{"model":"m","prompt":"hi"}"#, 8);
+        assert_eq!(plain.key(), None);
+        assert_eq!(
+            plain.clone().with_hint(Some("m"), Some("tenant-7")).key(),
+            user.key()
+        );
+        assert_eq!(plain.clone().with_hint(Some("m"), Some("")).key(), None);
+        // A body's hint wins over a header's.
+        assert_eq!(
+            hinted.clone().with_hint(Some("m"), Some("other")).key(),
+            hinted.key()
+        );
+        // Without a hint the key is the first block.
+        let long = of(r#"{"model":"m","prompt":"0123456789abcdef"}"#, 8);
+        assert_eq!(long.key(), long.blocks.first().copied());
+    }
+
+    #[test]
+    fn chains_are_bounded_and_odd_bodies_give_none() {
+        let huge = "a".repeat(MAX_BLOCKS * 8 + 100);
+        let c = of(&format!(r#"{{"prompt":"{huge}"}}"#), 8);
+        assert_eq!(c.blocks.len(), MAX_BLOCKS);
+        for body in [
+            r#"{"prompt":[1,2,3]}"#,
+            r#"{"prompt":7}"#,
+            r#"{"input":"embed me, please, all of me"}"#,
+            r#"{"messages":"nope"}"#,
+        ] {
+            assert!(of(body, 8).blocks.is_empty(), "{body}");
+        }
+        let images = of(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:..."}},{"type":"text","text":"describe this picture in detail"}]}]}"#,
+            8,
+        );
+        assert!(images.blocks.len() >= 3);
+    }
+}

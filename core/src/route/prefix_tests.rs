@@ -1,0 +1,256 @@
+//! Prefix-aware pricing through the whole balancer: prompts that share a prefix go where it is
+//! cached until that node's backlog costs more than the prefill saved, a hot prefix in every
+//! prompt does not pull everything to one node, the node holding a prefix is compared even
+//! when the draws miss it, and independent balancers agree where a new prefix goes.
+
+use crate::ingest::prompt::{self, Chain};
+use crate::ingest::request::Weight;
+use crate::rng::SplitMix64;
+use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+use crate::route::testing::*;
+
+/// A chat prompt: `system` then `question`, its chain in 256-character blocks, and its weight
+/// (prompt tokens at 4 characters a token, `output` tokens out).
+fn prompt(system: &str, question: &str, output: u64) -> (Weight, Chain) {
+    let body = serde_json::json!({"messages":[
+        {"role":"system","content":system},{"role":"user","content":question}]});
+    let obj = body.as_object().cloned().unwrap_or_default();
+    let chain = prompt::chain(&obj, None, 256);
+    let chars = (system.len() + question.len()) as u64;
+    (
+        Weight {
+            prompt_tokens: chars / 4,
+            output_tokens: output,
+        },
+        chain,
+    )
+}
+
+/// A system prompt of about `chars` characters, its own for each `tenant`.
+fn system(tenant: u32, chars: usize) -> String {
+    let words = format!("Tenant {tenant} rules: be brief, be kind, cite sources. ");
+    words.repeat(chars / words.len() + 1)
+}
+
+fn go(
+    b: &mut Balancer,
+    (weight, chain): &(Weight, Chain),
+    now: u64,
+    rng: &mut SplitMix64,
+) -> Outcome {
+    b.route(*weight, None, chain, now, rng, false, &mut OwnBooks)
+}
+
+/// Requests of one tenant (a 16k-character system prompt, about 4k tokens, short questions)
+/// follow the node that holds the prompt while it is idle, and spill to an idle node once
+/// the home node reports a queue whose work costs more than the prefill saved there.
+#[test]
+fn a_shared_prefix_sticks_until_its_node_is_loaded() {
+    let mut b = idle_fleet(4, r#","choices":0"#);
+    let mut rng = SplitMix64::new(3);
+    let sys = system(1, 16_000);
+    let first = routed(&go(&mut b, &prompt(&sys, "question 0", 50), 10, &mut rng)).unwrap();
+    let home = first.node;
+    b.release(&first, 50);
+    for i in 1..20 {
+        let t = routed(&go(
+            &mut b,
+            &prompt(&sys, &format!("question {i}"), 50),
+            10,
+            &mut rng,
+        ))
+        .unwrap();
+        assert_eq!(t.node, home, "turn {i}");
+        assert!(t.cached > 3900, "priced as cached: {}", t.cached);
+        b.release(&t, 50);
+    }
+    // The home node reports half its throughput in use: the 4k-token prefill saved still
+    // outweighs it. Then it reports a queue of two requests of the mean size (about 4k
+    // tokens each): more work ahead than the prefill saved, and the request goes to an idle
+    // node.
+    let report = |load: u32, q: u32| {
+        format!(
+            r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000,"queue_depth":{q}}}"#
+        )
+    };
+    let mut place = |load: u32, q: u32, now: u64| {
+        b.on_health(home, Some(report(load, q).as_bytes()), now)
+            .unwrap();
+        let t = routed(&go(&mut b, &prompt(&sys, "one more", 50), now, &mut rng)).unwrap();
+        b.release(&t, 50);
+        t.node
+    };
+    assert_eq!(place(0, 0, 20), home);
+    assert_eq!(place(500, 0, 30), home);
+    assert_ne!(place(0, 2, 40), home);
+}
+
+/// With prefix pricing off, the same tenant's requests spread from the first (the control
+/// for the test above: it is the pricing that keeps them together).
+#[test]
+fn without_prefix_pricing_the_same_requests_spread() {
+    let mut b = idle_fleet(4, r#","choices":0,"prefix":{"enabled":false}"#);
+    let mut rng = SplitMix64::new(3);
+    let sys = system(1, 16_000);
+    let mut picks = [0usize; 4];
+    for i in 0..40 {
+        let (w, _) = prompt(&sys, &format!("question {i}"), 50);
+        let o = b.route(w, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
+        picks[routed_to(&o).unwrap()] += 1;
+    }
+    assert!(picks.iter().all(|&p| p == 10), "{picks:?}");
+}
+
+/// One 8k-character system prompt in every request and a unique 4k-character rest: once every
+/// node holds the system prompt no node is cheaper for it, and the load spreads evenly.
+#[test]
+fn a_hot_prefix_in_every_prompt_spreads() {
+    let mut b = idle_fleet(8, "");
+    let mut rng = SplitMix64::new(5);
+    let sys = system(0, 8_000);
+    let mut tokens = [0u64; 8];
+    let mut inflight = std::collections::VecDeque::new();
+    for i in 0..800u64 {
+        let q = format!("{i} ").repeat(4000 / format!("{i} ").len());
+        let o = go(&mut b, &prompt(&sys, &q, 200), 10 + i, &mut rng);
+        let Outcome::Routed { ticket, .. } = o else {
+            panic!("routed")
+        };
+        if i >= 100 {
+            tokens[ticket.node] += ticket.work();
+        }
+        // Each request ends once 16 more have been routed: a steady 16 in flight.
+        inflight.push_back(ticket);
+        if inflight.len() > 16 {
+            let done = inflight.pop_front().unwrap();
+            b.release(&done, 200);
+        }
+    }
+    let mean = tokens.iter().sum::<u64>() as f64 / 8.0;
+    let max = *tokens.iter().max().unwrap() as f64;
+    assert!(max / mean <= 1.2, "max/mean {:.2}: {tokens:?}", max / mean);
+}
+
+/// In a fleet of 20 drawn two at a time, the node that holds a prompt's prefix is compared on
+/// every request, not one time in ten.
+#[test]
+fn the_node_holding_the_prefix_joins_the_drawn_candidates() {
+    let mut b = idle_fleet(20, "");
+    let mut rng = SplitMix64::new(9);
+    let sys = system(2, 16_000);
+    let first = routed(&go(&mut b, &prompt(&sys, "q", 20), 10, &mut rng)).unwrap();
+    let home = first.node;
+    b.release(&first, 20);
+    for i in 0..30 {
+        let o = go(&mut b, &prompt(&sys, &format!("q{i}"), 20), 10, &mut rng);
+        let Outcome::Routed { ticket, .. } = o else {
+            panic!("routed")
+        };
+        assert_eq!(ticket.node, home, "request {i}");
+        b.release(&ticket, 20);
+    }
+}
+
+/// Two balancers that never talk (two Envoy replicas) send a new tenant's first request to the
+/// same node when the fleet is idle: the prefix-keyed preference. Over 40 tenants they agree
+/// on every one, and the tenants spread over the fleet.
+#[test]
+fn independent_balancers_agree_where_a_new_prefix_goes() {
+    let mut a = idle_fleet(8, "");
+    let mut b = idle_fleet(8, "");
+    let (mut ra, mut rb) = (SplitMix64::new(1), SplitMix64::new(2));
+    let mut homes = [0usize; 8];
+    for t in 0..40 {
+        let sys = system(100 + t, 4_000);
+        let na = routed_to(&go(
+            &mut a,
+            &prompt(&sys, "first question", 20),
+            10,
+            &mut ra,
+        ));
+        let nb = routed_to(&go(
+            &mut b,
+            &prompt(&sys, "another question", 20),
+            10,
+            &mut rb,
+        ));
+        assert_eq!(na, nb, "tenant {t}");
+        homes[na.unwrap()] += 1;
+        a = idle_again(a);
+        b = idle_again(b);
+    }
+    assert!(homes.iter().filter(|&&h| h > 0).count() >= 6, "{homes:?}");
+}
+
+/// The balancer with every node's books emptied by a new report (its index kept).
+fn idle_again(mut b: Balancer) -> Balancer {
+    for i in 0..b.nodes().len() {
+        let body = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000}"#;
+        b.on_health(i, Some(body), 10).unwrap();
+        let books = b.books(i).unwrap();
+        b.set_books(
+            i,
+            &crate::share::Books {
+                epoch: books.epoch,
+                tenant: books.tenant,
+                ..crate::share::Books::default()
+            },
+        );
+    }
+    b
+}
+
+/// A client's `prompt_cache_key` keeps short prompts (no full block to match) of one
+/// conversation on one node in an idle fleet, and different keys spread.
+#[test]
+fn a_prompt_cache_key_is_an_affinity_hint() {
+    let mut b = idle_fleet(6, "");
+    let mut rng = SplitMix64::new(4);
+    let mut nodes_of_key = vec![std::collections::BTreeSet::new(); 12];
+    for round in 0..5 {
+        for (key, set) in nodes_of_key.iter_mut().enumerate() {
+            let body = format!(r#"{{"prompt":"hi {round}","prompt_cache_key":"conv-{key}"}}"#);
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let chain = prompt::chain(v.as_object().unwrap(), None, 256);
+            assert!(chain.blocks.is_empty());
+            let o = b.route(W, None, &chain, 10 + round, &mut rng, false, &mut OwnBooks);
+            let t = routed(&o).unwrap();
+            set.insert(t.node);
+            b.release(&t, 100);
+        }
+    }
+    assert!(
+        nodes_of_key.iter().all(|s| s.len() == 1),
+        "{nodes_of_key:?}"
+    );
+    let distinct: std::collections::BTreeSet<_> = nodes_of_key
+        .iter()
+        .flat_map(|s| s.iter().copied())
+        .collect();
+    assert!(distinct.len() >= 4, "{distinct:?}");
+}
+
+/// A slot given to another address holds no prefix: the new node is not priced as holding
+/// what the old one held.
+#[test]
+fn a_node_replaced_in_its_slot_holds_nothing() {
+    let mut b = following("");
+    b.set_members(&members(&["10.0.0.1:8000", "10.0.0.2:8000"]), |_| false);
+    for i in 0..2 {
+        b.on_health(i, Some(IDLE), 0).unwrap();
+    }
+    let mut rng = SplitMix64::new(1);
+    let sys = system(3, 8_000);
+    let t = routed(&go(&mut b, &prompt(&sys, "q", 10), 10, &mut rng)).unwrap();
+    assert!(b.prefixes().unwrap().held_by(t.node) > 0);
+    b.release(&t, 10);
+    let kept = if t.node == 0 {
+        "10.0.0.2:8000"
+    } else {
+        "10.0.0.1:8000"
+    };
+    b.set_members(&members(&[kept]), |_| false);
+    b.set_members(&members(&[kept, "10.0.0.9:8000"]), |_| false);
+    assert_eq!(b.nodes()[t.node].address(), "10.0.0.9:8000");
+    assert_eq!(b.prefixes().unwrap().held_by(t.node), 0);
+}

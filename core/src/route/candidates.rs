@@ -193,18 +193,20 @@ pub fn sample(
     let mut drawn: Vec<usize> = Vec::with_capacity(want + 4);
     let mut reads = 0;
     let mut admitted: Vec<Ranked> = Vec::with_capacity(want);
-    // The nodes the prompt's prefix points to are compared with the drawn ones (see
-    // `choice::Prefix::joiners`): each one admitted adds one to the nodes compared.
+    // The nodes the prompt's prefix points to come first (see `choice::Prefix::joiners`):
+    // the preferred node as one of the `d`, the holders of the prefix besides them.
     let mut d = d;
     let joiners = ask.prefix.into_iter().flat_map(|x| x.joiners());
     let mut draws = 0;
-    let mut next = joiners.map(|i| (i, true)).chain(std::iter::from_fn(|| {
-        draws += 1;
-        (draws <= 4 * want + 8)
-            .then(|| pool.draw(rng))
-            .flatten()
-            .map(|i| (i, false))
-    }));
+    let mut next = joiners
+        .map(|(i, adds)| (i, Some(adds)))
+        .chain(std::iter::from_fn(|| {
+            draws += 1;
+            (draws <= 4 * want + 8)
+                .then(|| pool.draw(rng))
+                .flatten()
+                .map(|i| (i, None))
+        }));
     while admitted.len() < want.max(d) {
         let Some((i, joiner)) = next.next() else {
             break;
@@ -220,7 +222,7 @@ pub fn sample(
         // Only the compared nodes' books are read: with books in shared data that is a host
         // call each, and a decision must not cost one per node of the fleet. The nodes drawn
         // past the `d` compared only fill the retry list, where this VM's own books will do.
-        if joiner || (admitted.len() < d && reads < 2 * d) {
+        if joiner.is_some() || (admitted.len() < d && reads < 2 * d) {
             reads += 1;
             load_books(i, n);
         }
@@ -230,7 +232,7 @@ pub fn sample(
         };
         let (ranked, over) = evaluate(i, n, r, ask, &fleet, p);
         if !over {
-            if joiner {
+            if joiner == Some(true) {
                 d += 1;
             }
             admitted.push(ranked);

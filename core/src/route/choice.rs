@@ -166,14 +166,18 @@ pub struct Prefix<'a> {
 pub const LONGEST_JOINERS: usize = 2;
 
 impl<'a> Prefix<'a> {
-    /// The nodes compared besides the drawn ones: the preferred node, and the nodes believed
-    /// to hold the longest leading run of the prompt (power-of-two choices must not hide the
-    /// node that holds the prefix).
-    pub fn joiners(self) -> impl Iterator<Item = usize> + 'a {
+    /// The nodes a decision compares before any drawn at random (see `candidates::sample`):
+    /// the preferred node first, which takes the place of one random draw (a prefix-keyed
+    /// draw: for a prompt nobody shares it is as random as any draw), then the nodes believed
+    /// to hold the longest leading run of the prompt, which are compared besides the draws
+    /// (power-of-two choices must not hide the node that holds the prefix). Each comes with
+    /// whether it adds to the number of nodes compared.
+    pub fn joiners(self) -> impl Iterator<Item = (usize, bool)> + 'a {
         let (_, longest) = self.index.longest(&self.chain.blocks);
         self.preferred
+            .map(|i| (i, false))
             .into_iter()
-            .chain(longest.take(LONGEST_JOINERS))
+            .chain(longest.take(LONGEST_JOINERS).map(|i| (i, true)))
     }
 
     /// Prompt tokens node `node` is believed to hold of a prompt of `prompt_tokens`.

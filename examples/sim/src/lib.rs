@@ -105,6 +105,8 @@ pub struct Setup {
     pub max_tokens: u64,
     pub seed: u64,
     pub policy: Policy,
+    /// Requests are the workload's jobs in order (a trace replayed), not drawn at random.
+    pub in_order: bool,
 }
 
 /// Request sizes to draw from: (prompt tokens, true output tokens).
@@ -435,7 +437,12 @@ impl Sim<'_> {
     }
 
     fn arrive(&mut self, books: bool) {
-        let pick = (self.traffic.next_u64() % self.jobs.len().max(1) as u64) as usize;
+        let drawn = (self.traffic.next_u64() % self.jobs.len().max(1) as u64) as usize;
+        let pick = if self.setup.in_order {
+            self.requests.len() % self.jobs.len().max(1)
+        } else {
+            drawn
+        };
         let (prompt, output) = self.jobs.get(pick).map_or((1, 1), |j| (j.prompt, j.output));
         let replica = (self.traffic.next_u64() % self.setup.replicas as u64) as usize;
         let id = self.requests.len();
@@ -489,8 +496,9 @@ impl Sim<'_> {
                     .map_or(0.0, |(_, since)| now - since);
                 let may_hold = self.max_hold_ms > 0.0 && waited < self.max_hold_ms;
                 // The chain the filter would hash from this prompt, when it prices prefixes.
+                // Every prompt has one, shared or not, as in the filter.
                 let chain = match (b.chain_block_chars(), self.jobs.get(req.job)) {
-                    (Some(chars), Some(job)) if job.shares() => {
+                    (Some(chars), Some(job)) => {
                         Job::filter_chain(&job.tokens(id as u64), chars as u64)
                     }
                     _ => Chain::NONE,
@@ -587,8 +595,10 @@ impl Sim<'_> {
             x.work += prompt + output;
             x.kv_peak += prompt + output;
         }
+        // Every prompt is hashed, as an engine with prefix caching does (the control workload
+        // without shared prefixes then pays the cache's bookkeeping too, and hits nothing).
         let block_hashes = match self.jobs.get(req.job) {
-            Some(job) if job.shares() => {
+            Some(job) => {
                 let block = self
                     .engines
                     .get(node)
@@ -864,6 +874,7 @@ mod tests {
             max_tokens: 1024,
             seed: 1,
             policy: Policy::parse(policy).unwrap().1,
+            in_order: false,
         }
     }
 

@@ -191,6 +191,7 @@ fn main() {
                     max_tokens: args.max_tokens,
                     seed: args.seed,
                     policy: policy.clone(),
+                    in_order: args.workload == "mooncake",
                 };
                 let start = Instant::now();
                 match run_jobs(&setup, &jobs) {

@@ -38,6 +38,7 @@ use std::collections::HashSet;
 use std::collections::{BinaryHeap, VecDeque};
 use token_balancer_core::config::Config;
 use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::fleet::prefixes::PrefixIndex;
 use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::{Rng, SplitMix64};
@@ -59,10 +60,16 @@ pub enum Policy {
     LeastRequest,
     RoundRobin,
     Oracle,
+    /// Our re-implementation of the inference gateway's default scheduling profile: each
+    /// candidate scored 2 x queue (the shortest reported queue 1, the longest 0) + 2 x KV
+    /// (1 - reported KV-cache use) + 3 x prefix (the share of the prompt's blocks it is
+    /// believed to hold, from an approximate index of this replica's routing history), the
+    /// highest score wins, ties at random. It reads the same polls as `tb`.
+    Gateway,
 }
 
 impl Policy {
-    /// `tb`, `tb:{json}`, `argmin-stale`, `least-request`, `round-robin`, `oracle`.
+    /// `tb`, `tb:{json}`, `argmin-stale`, `least-request`, `round-robin`, `oracle`, `gateway`.
     pub fn parse(s: &str) -> Result<(String, Policy), String> {
         let (name, json) = match s.split_once(':') {
             Some((n, j)) => (n, j.to_string()),
@@ -84,6 +91,7 @@ impl Policy {
             "least-request" => Policy::LeastRequest,
             "round-robin" => Policy::RoundRobin,
             "oracle" => Policy::Oracle,
+            "gateway" => Policy::Gateway,
             other => return Err(format!("unknown policy {other:?}")),
         };
         Ok((s.to_string(), policy))
@@ -207,6 +215,10 @@ struct Replica {
     rr_next: usize,
     /// Requests this replica has active on each node (its least_request view).
     active: Vec<u64>,
+    /// The gateway profile's view: each node's (waiting, KV use) at the last poll, and its
+    /// prefix index.
+    gateway: Vec<(f64, f64)>,
+    gateway_index: PrefixIndex,
 }
 
 /// The oracle's exact books per node: tokens of work left, and the KV the outstanding
@@ -362,6 +374,8 @@ pub fn run_jobs(setup: &Setup, jobs: &[Job]) -> Result<Outcome, String> {
             held: VecDeque::new(),
             rr_next: 0,
             active: vec![0; n],
+            gateway: vec![(0.0, 0.0); n],
+            gateway_index: PrefixIndex::new(n.saturating_mul(31_250), 31_250),
         })
         .collect();
     let max_hold_ms = balancer.as_ref().map_or(0, |c| c.max_hold_ms) as f64;
@@ -478,6 +492,7 @@ impl Sim<'_> {
                 r.rr_next
             }
             Policy::LeastRequest => self.least_request(req.replica),
+            Policy::Gateway => self.gateway(id, req.replica, req.job),
             Policy::Tb { .. } => {
                 let weight = Weight {
                     prompt_tokens: req.prompt,
@@ -539,6 +554,35 @@ impl Sim<'_> {
         };
         self.dispatch(id, node);
         true
+    }
+
+    fn gateway(&mut self, id: usize, replica: usize, job: usize) -> usize {
+        let chain = self
+            .jobs
+            .get(job)
+            .map(|j| Job::filter_chain(&j.tokens(id as u64), 256))
+            .unwrap_or_default();
+        let Some(r) = self.replicas.get_mut(replica) else {
+            return 0;
+        };
+        let (lo, hi) = r
+            .gateway
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), (q, _)| (lo.min(*q), hi.max(*q)));
+        let blocks = chain.blocks.len().max(1) as f64;
+        let mut best: Option<(f64, u64, usize)> = None;
+        for (i, (q, kv)) in r.gateway.iter().enumerate() {
+            let queue = if hi > lo { (hi - q) / (hi - lo) } else { 1.0 };
+            let prefix = r.gateway_index.matched(i, &chain.blocks) as f64 / blocks;
+            let score = 2.0 * queue + 2.0 * (1.0 - kv.clamp(0.0, 1.0)) + 3.0 * prefix;
+            let tie = self.rng.next_u64();
+            if best.map_or(true, |(s, t, _)| score > s || (score == s && tie > t)) {
+                best = Some((score, tie, i));
+            }
+        }
+        let node = best.map_or(0, |(_, _, i)| i);
+        r.gateway_index.record(node, &chain.blocks);
+        node
     }
 
     fn least_request(&mut self, replica: usize) -> usize {
@@ -779,6 +823,13 @@ impl Sim<'_> {
         } else {
             for e in &self.engines {
                 self.out.peak_queue = self.out.peak_queue.max(e.waiting());
+            }
+            if let (Policy::Gateway, Some(r)) =
+                (&self.setup.policy, self.replicas.get_mut(replica))
+            {
+                for (v, e) in r.gateway.iter_mut().zip(&self.engines) {
+                    *v = (e.waiting() as f64, e.kv_cache_usage());
+                }
             }
         }
         self.admit_held(replica, books);

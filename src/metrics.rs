@@ -89,6 +89,10 @@ stats! {
     SharedImported Counter "token_balancer.shared.imported",
     SharedInflightRequests Gauge "token_balancer.shared.inflight_requests",
     SharedInflightTokens Gauge "token_balancer.shared.inflight_tokens",
+    PrefixPromptTokens Counter "token_balancer.prefix.prompt_tokens",
+    PrefixCachedTokens Counter "token_balancer.prefix.cached_tokens",
+    PrefixBlocks Gauge "token_balancer.prefix.blocks",
+    PrefixBytes Gauge "token_balancer.prefix.bytes",
 }
 
 /// A counter per node, named `token_balancer.node.<address>.<name>`
@@ -101,12 +105,18 @@ pub enum NodeStat {
     Picks,
     /// Health polls of the node that failed.
     HealthFailures,
+    /// Prompt tokens of the requests routed to the node.
+    PromptTokens,
+    /// The part of them its prefix cache was believed to hold (the predicted hits).
+    CachedTokens,
 }
 
 /// Every per-node counter, with its name after the node's, in `NodeStat`'s order.
-pub const NODE_STATS: [(NodeStat, &str); 2] = [
+pub const NODE_STATS: [(NodeStat, &str); 4] = [
     (NodeStat::Picks, "picks"),
     (NodeStat::HealthFailures, "health_failures"),
+    (NodeStat::PromptTokens, "prompt_tokens"),
+    (NodeStat::CachedTokens, "cached_tokens"),
 ];
 
 /// The distinct addresses a VM defines per-node counters for: twice the nodes it can follow,
@@ -234,6 +244,14 @@ impl<H: Host> Metrics<H> {
 
     /// Counts one event of node `node`.
     pub fn bump_node(&self, node: usize, stat: NodeStat) {
+        self.add_node(node, stat, 1);
+    }
+
+    /// Adds `n` to node `node`'s counter `stat` (nothing when `n` is 0).
+    pub fn add_node(&self, node: usize, stat: NodeStat, n: u64) {
+        if n == 0 {
+            return;
+        }
         let id = self
             .nodes
             .get(node)
@@ -241,7 +259,8 @@ impl<H: Host> Metrics<H> {
             .copied()
             .unwrap_or(0);
         if id != 0 {
-            self.host.increment_metric(id, 1);
+            self.host
+                .increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 

@@ -36,6 +36,8 @@ pub struct Root<H: Host> {
     timer_ms: Option<u64>,
     /// What this VM last added to the memory gauge.
     memory_reported: u64,
+    /// What this VM last added to the prefix index gauges (blocks, bytes).
+    prefix_reported: (u64, u64),
 }
 
 impl<H: Host> Root<H> {
@@ -46,6 +48,7 @@ impl<H: Host> Root<H> {
             state: Shared::default(),
             timer_ms: None,
             memory_reported: 0,
+            prefix_reported: (0, 0),
         }
     }
 
@@ -71,6 +74,24 @@ fn report_memory<H: Host>(reported: &mut u64, s: &State<H>) {
             .shift(Stat::VmMemoryBytes, now as i64 - *reported as i64);
         *reported = now;
     }
+}
+
+/// Moves the `prefix.blocks` and `prefix.bytes` gauges by this VM's prefix index's change
+/// since its last report (`reported`), so each is the total over every VM.
+fn report_prefixes<H: Host>(reported: &mut (u64, u64), s: &State<H>) {
+    let now = s
+        .balancer
+        .prefixes()
+        .map_or((0, 0), |ix| (ix.len() as u64, ix.bytes() as u64));
+    for (stat, was, is) in [
+        (Stat::PrefixBlocks, reported.0, now.0),
+        (Stat::PrefixBytes, reported.1, now.1),
+    ] {
+        if was != is {
+            s.metrics.shift(stat, is as i64 - was as i64);
+        }
+    }
+    *reported = now;
 }
 
 /// This VM's linear memory, bytes: what the VM costs Envoy, since a Wasm heap only grows.
@@ -183,6 +204,7 @@ impl<H: Host> RootContext for Root<H> {
             let Some(s) = guard.as_mut() else { return };
             let period = s.tick(s.host.now_ms());
             report_memory(&mut self.memory_reported, s);
+            report_prefixes(&mut self.prefix_reported, s);
             period
         };
         if self.timer_ms != Some(period) {

@@ -132,6 +132,17 @@ impl<H: Host> State<H> {
                 self.share(&ticket, Change::dispatch(&ticket), known);
                 self.metrics.shift(Stat::InflightNow, 1);
                 self.metrics.bump_node(ticket.node, NodeStat::Picks);
+                if self.balancer.prefixes().is_some() {
+                    let (prompt, cached) = (ticket.weight.prompt_tokens, ticket.cached);
+                    self.metrics
+                        .shift(Stat::PrefixPromptTokens, saturating_i64(prompt));
+                    self.metrics
+                        .shift(Stat::PrefixCachedTokens, saturating_i64(cached));
+                    self.metrics
+                        .add_node(ticket.node, NodeStat::PromptTokens, prompt);
+                    self.metrics
+                        .add_node(ticket.node, NodeStat::CachedTokens, cached);
+                }
                 if over_ceiling {
                     self.metrics.bump(Stat::RoutedOverVramCeiling);
                     if held_ms.is_some() {
@@ -140,8 +151,9 @@ impl<H: Host> State<H> {
                 }
                 let debug = debug_on.then(|| {
                     format!(
-                        "node={header_value}; prompt_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}{held}",
+                        "node={header_value}; prompt_tokens={}; cached_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}{held}",
                         ticket.weight.prompt_tokens,
+                        ticket.cached,
                         ticket.weight.output_tokens,
                         cap.output_tokens,
                         predicted_seconds * 1000.0
@@ -190,6 +202,10 @@ impl<H: Host> State<H> {
             }
         }
     }
+}
+
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 /// vLLM's answer to a model it does not serve (OpenAI's error shape), as JSON.

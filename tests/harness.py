@@ -146,6 +146,9 @@ class MockCluster:
     def by_port(self) -> dict[int, MockNode]:
         return {n.port: n for n in self.nodes}
 
+    def by_name(self, name: str) -> MockNode:
+        return next(n for n in self.nodes if n.name == name)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -46,6 +46,8 @@ const NAMES: &[&str] = &[
     "shared.books_gone",
     "shared.published",
     "shared.imported",
+    "prefix.prompt_tokens",
+    "prefix.cached_tokens",
 ];
 const GAUGES: &[&str] = &[
     "held_now",
@@ -55,6 +57,8 @@ const GAUGES: &[&str] = &[
     "shared.inflight_requests",
     "shared.inflight_tokens",
     "telemetry.not_found_now",
+    "prefix.blocks",
+    "prefix.bytes",
 ];
 
 #[test]
@@ -75,11 +79,14 @@ fn every_stat_keeps_its_name_and_kind() {
                 .iter()
                 .map(|n| (MetricType::Gauge, format!("token_balancer.{n}"))),
         )
-        .chain(
-            [A, B]
-                .iter()
-                .flat_map(|a| [node(a, "picks"), node(a, "health_failures")]),
-        )
+        .chain([A, B].iter().flat_map(|a| {
+            [
+                node(a, "picks"),
+                node(a, "health_failures"),
+                node(a, "prompt_tokens"),
+                node(a, "cached_tokens"),
+            ]
+        }))
         .collect();
     let key = |(k, n): &(MetricType, String)| (*k as u32, n.clone());
     got.sort_by_key(key);

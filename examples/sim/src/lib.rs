@@ -568,7 +568,9 @@ impl Sim<'_> {
         let (lo, hi) = r
             .gateway
             .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), (q, _)| (lo.min(*q), hi.max(*q)));
+            .fold((f64::MAX, f64::MIN), |(lo, hi), (q, _)| {
+                (lo.min(*q), hi.max(*q))
+            });
         let blocks = chain.blocks.len().max(1) as f64;
         let mut best: Option<(f64, u64, usize)> = None;
         for (i, (q, kv)) in r.gateway.iter().enumerate() {
@@ -824,8 +826,7 @@ impl Sim<'_> {
             for e in &self.engines {
                 self.out.peak_queue = self.out.peak_queue.max(e.waiting());
             }
-            if let (Policy::Gateway, Some(r)) =
-                (&self.setup.policy, self.replicas.get_mut(replica))
+            if let (Policy::Gateway, Some(r)) = (&self.setup.policy, self.replicas.get_mut(replica))
             {
                 for (v, e) in r.gateway.iter_mut().zip(&self.engines) {
                     *v = (e.waiting() as f64, e.kv_cache_usage());

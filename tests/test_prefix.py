@@ -1,0 +1,124 @@
+"""Integration tests of prefix-aware pricing: the real Envoy, the built filter, mock GPU nodes
+whose engines keep a prefix cache (the mock answers how many prompt tokens it found cached in
+`x-mock-prefix-hit-tokens`).
+
+Prompts that share a long system prompt go to the node that holds it while that node is not
+loaded, the engine confirms the hit, and they spill once the node reports a queue; one system
+prompt in every request (a hot prefix) does not pull the traffic to one node.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+
+import pytest
+
+from harness import Envoy, MockCluster, envoy_config, free_port, node_stat, wait_until
+
+TICK_MS = 100
+STALE_MS = 600
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = MockCluster([(f"node-{x}", "gpu=h100,kv_tokens=60000") for x in "abcd"])
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(cluster):
+    # The shipped power-of-two choices: the node holding a prefix must be compared although
+    # the draws pick two of four.
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS})
+    e = Envoy(cfg)
+    yield e
+    e.stop()
+
+
+def polls_seen(cluster, rounds: int = 4):
+    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
+    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
+                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+
+
+@pytest.fixture(autouse=True)
+def clean_health(cluster, envoy):
+    for n in cluster.nodes:
+        n.reset_health()
+    polls_seen(cluster)
+    yield
+
+
+def system_prompt(name: str) -> str:
+    """About 2,500 tokens of instructions of its own."""
+    return f"You are the assistant of {name}. " + " ".join(
+        f"Rule {i} of {name}: answer briefly, cite the handbook section {i}, never guess." for i in range(160))
+
+
+def ask(envoy, system: str, question: str, max_tokens: int = 4):
+    body = {"model": "mock-model", "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    r = envoy.post("/v1/chat/completions", body)
+    assert r.status == 200, (r.status, r.body[:200])
+    debug = dict(kv.split("=", 1) for kv in r.headers["x-token-balancer"].split("; "))
+    return r.headers["x-mock-node"], int(r.headers.get("x-mock-prefix-hit-tokens", 0)), debug
+
+
+def test_a_shared_prefix_stays_where_it_is_cached_until_that_node_is_loaded(cluster, envoy):
+    """One tenant's conversation turns (a 2.5k-token system prompt, short questions) all go to
+    the node that served the first, priced as cached by the filter and found cached by the
+    engine; once that node reports a queue, the next turn goes to another node."""
+    system = system_prompt("tenant-one")
+    home, _, first = ask(envoy, system, "What is the refund policy?")
+    assert int(first["cached_tokens"]) == 0, first
+    for i in range(10):
+        node, hit, debug = ask(envoy, system, f"Question {i}: how do I reset a password?")
+        assert node == home, (i, node, home)
+        assert hit > 2000, (i, hit)
+        assert int(debug["cached_tokens"]) > 2000, debug
+    before = envoy.counters()
+    assert before[node_stat(cluster.by_name(home).address, "cached_tokens")] > 20_000
+    assert before["token_balancer.prefix.cached_tokens"] >= before[node_stat(cluster.by_name(home).address, "cached_tokens")]
+    assert before["token_balancer.prefix.blocks"] > 0
+
+    # The home node reports a queue: work ahead of the request that costs more than the
+    # prefill it would save there.
+    cluster.by_name(home).set_health(queue_depth=40)
+    polls_seen(cluster)
+    elsewhere = collections.Counter(ask(envoy, system, f"Later question {i}")[0] for i in range(4))
+    assert elsewhere[home] == 0, elsewhere
+
+
+def test_another_tenant_is_not_pulled_to_the_first_tenants_node(cluster, envoy):
+    """Prompts that share nothing are not priced as cached anywhere: eight tenants' first
+    requests spread over the fleet."""
+    firsts = collections.Counter()
+    for t in range(8):
+        node, hit, debug = ask(envoy, system_prompt(f"tenant-spread-{t}"), "hello")
+        assert int(debug["cached_tokens"]) == 0, debug
+        firsts[node] += 1
+    assert len(firsts) >= 3, firsts
+
+
+def test_a_hot_prefix_in_every_request_spreads_over_the_fleet(cluster, envoy):
+    """One system prompt in every request, the rest unique, 32 at a time with answers long
+    enough to need the whole fleet: every node takes a share (max/mean of requests per node
+    at most 1.5), and the engines find the shared part cached on each. (With less work in
+    flight than one node's saved prefill, fewer nodes serve it: the cost model only spills
+    when the queue at the holders costs more than a prefill elsewhere.)"""
+    system = system_prompt("everyone")
+
+    def one(i):
+        return ask(envoy, system, f"Unique question number {i}: " + f"detail {i} " * 40, max_tokens=160)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(128)))
+    per_node = collections.Counter(node for node, _, _ in results)
+    assert len(per_node) == 4, per_node
+    mean = sum(per_node.values()) / 4
+    assert max(per_node.values()) / mean <= 1.5, per_node
+    hits = [hit for _, hit, _ in results[64:]]
+    assert sum(h > 2000 for h in hits) >= 56, hits

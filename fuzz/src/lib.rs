@@ -21,8 +21,9 @@ use serde_json::{json, Value};
 use token_balancer_core::config::{is_ip_port, Config, NodeConfig, Poller, UnknownModel};
 use token_balancer_core::ingest::engine::{self, Health, HealthFormat};
 use token_balancer_core::ingest::prometheus::parse_prometheus_samples;
+use token_balancer_core::ingest::prompt::MAX_BLOCKS;
 use token_balancer_core::ingest::rates::Tracker;
-use token_balancer_core::ingest::request::{estimate, Api, Weight};
+use token_balancer_core::ingest::request::{estimate, read_with_chain, Api, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::ingest::telemetry::{parse_health, Report, ABSURD};
 
@@ -101,6 +102,33 @@ pub fn request_body(data: &[u8]) {
         "an estimate from a body with no prompt"
     );
     check_weight(api, obj, w, default_max_tokens, body.len());
+    check_chain(api, body, default_max_tokens, w);
+}
+
+/// The prefix chain read in the same parse (`ingest::prompt`): the same weight as without it,
+/// at most `MAX_BLOCKS` blocks, no more full blocks than the rendered characters hold, a
+/// priced match never the whole prompt, and the same chain for the same body.
+fn check_chain(api: Api, body: &[u8], default_max_tokens: u64, w: Weight) {
+    for block in [16usize, 256] {
+        let e = read_with_chain(api, body, default_max_tokens, Some(block))
+            .expect("a body with a weight has one with a chain too");
+        assert_eq!(e.weight, w, "the chain changed the weight");
+        let c = &e.chain;
+        assert!(c.blocks.len() <= MAX_BLOCKS);
+        assert!(
+            (c.blocks.len() as u64).saturating_mul(block as u64) <= c.rendered,
+            "{} blocks of {block} from {} characters",
+            c.blocks.len(),
+            c.rendered
+        );
+        for m in [0, c.blocks.len()] {
+            assert!(c.cached(m, w.prompt_tokens) <= w.prompt_tokens.saturating_sub(1));
+        }
+        assert_eq!(
+            Some(e.chain.clone()),
+            read_with_chain(api, body, default_max_tokens, Some(block)).map(|e| e.chain)
+        );
+    }
 }
 
 fn check_weight(

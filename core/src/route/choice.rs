@@ -55,6 +55,29 @@
 //! Exact ties are broken at random with the injected generator, so equal idle nodes share a
 //! burst instead of the first one in the list taking it all.
 //!
+//! Prompts already cached (`fleet::prefixes`): the weight of a request is not one number but
+//! one per node, the tokens it will cost there. On a node believed to hold the first k blocks
+//! of the prompt's chain (`ingest::prompt`), `w` loses that share of the prompt, since the
+//! engine's prefill skips it (vLLM's automatic prefix caching, SGLang's radix cache). Nothing
+//! else changes: the node holding a tenant's system prompt wins while `B` there costs less than
+//! the prefill it saves (`B_home + w - cached < B_other + w` at equal spare rates), and an idle
+//! node wins once the backlog costs more. "Sticky until saturated" is the cost model's own
+//! trade of queue against work, with no threshold to tune, which is simpler than the weighted
+//! sum of a prefix score and a load score that the inference gateway and SGLang's router use
+//! (their weights decide for the operator how many queued requests a cached prefix is worth).
+//! Where it fails: the index believes a node holds what its engine may have evicted (a cache
+//! smaller than assumed, or filled by other routers' traffic), and then one request pays a full
+//! prefill where a short one was predicted; the saving is counted at the estimate's characters
+//! per token, not the engine's tokens; and with several Envoy replicas each sees only its own
+//! routing. The VRAM check still counts the whole prompt: cached blocks that no running
+//! sequence shares are free memory to the engine and a hit takes them back, which the filter
+//! cannot tell apart from blocks running sequences share.
+//!
+//! Agreement on new prefixes: a prompt whose opening no node holds, or one with a client's
+//! hint, prefers one node chosen by weighted rendezvous hashing (`Prefix::preferred`), whose
+//! time is let off by `PREFERENCE` (10%): independent routers put the same new prefix on the
+//! same node when the costs are close, and the cost model still overrules when they are not.
+//!
 //! A request that names a model is ranked among the nodes that serve it, or might (a node whose
 //! set is not known, see `models`); the others are not candidates at all, as a stale node is
 //! not. The capacity assumed for nodes that report none is still the fleet's: which nodes serve

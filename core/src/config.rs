@@ -22,6 +22,12 @@ pub enum Rule {
     /// The seed article's naive rule, kept as a baseline for the benchmarks: the lowest
     /// reported `tokens_per_sec_load` wins; no capacity, queue, in-flight or VRAM awareness.
     LeastReportedLoad,
+    /// Our re-implementation of the Kubernetes inference gateway's default scoring, kept as a
+    /// baseline for the benchmarks: each node scores 2 x queue (the shortest reported queue 1,
+    /// the longest 0) + 2 x (1 - KV-cache use) + 3 x the share of the prompt's prefix it is
+    /// believed to hold (the same index as `token_throughput`'s, see `fleet::prefixes`), and
+    /// the highest score wins; no capacity, in-flight or VRAM-ceiling awareness.
+    GatewayProfile,
 }
 
 /// One GPU node, as a member of the Envoy cluster that serves inference traffic.
@@ -641,10 +647,11 @@ impl Config {
         let policy = match f.string("policy")?.as_deref() {
             None | Some("token_throughput") => Rule::TokenThroughput,
             Some("least_reported_load") => Rule::LeastReportedLoad,
+            Some("gateway_profile") => Rule::GatewayProfile,
             Some(other) => {
                 return Err(err(
                     "policy",
-                    format!("{other:?} is not a policy (token_throughput, least_reported_load)"),
+                    format!("{other:?} is not a policy (token_throughput, least_reported_load, gateway_profile)"),
                 ))
             }
         };

@@ -254,3 +254,32 @@ fn a_node_replaced_in_its_slot_holds_nothing() {
     assert_eq!(b.nodes()[t.node].address(), "10.0.0.9:8000");
     assert_eq!(b.prefixes().unwrap().held_by(t.node), 0);
 }
+
+/// The benchmarks' re-implementation of the inference gateway's scoring: a node holding the
+/// whole prefix wins with a queue (3 for the prefix against 2 for the shortest queue) until its
+/// KV-cache use takes enough off its score.
+#[test]
+fn the_gateway_profile_scores_queue_kv_and_prefix() {
+    let mut b = idle_fleet(3, r#","policy":"gateway_profile""#);
+    let mut rng = SplitMix64::new(8);
+    let sys = system(4, 8_000);
+    let t = routed(&go(&mut b, &prompt(&sys, "q", 10), 10, &mut rng)).unwrap();
+    b.release(&t, 10);
+    let home = t.node;
+    let report = |q: u32, kv: f64| {
+        format!(
+            r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"queue_depth":{q},"kv_cache_usage":{kv}}}"#
+        )
+    };
+    for i in 0..3 {
+        let (q, kv) = if i == home { (5, 0.0) } else { (0, 0.0) };
+        b.on_health(i, Some(report(q, kv).as_bytes()), 20).unwrap();
+    }
+    let t = routed(&go(&mut b, &prompt(&sys, "again", 10), 20, &mut rng)).unwrap();
+    assert_eq!(t.node, home, "2 x 0 + 2 x 1 + 3 x 1 against 2 x 1 + 2 x 1");
+    b.release(&t, 10);
+    b.on_health(home, Some(report(5, 0.8).as_bytes()), 30)
+        .unwrap();
+    let t = routed(&go(&mut b, &prompt(&sys, "once more", 10), 30, &mut rng)).unwrap();
+    assert_ne!(t.node, home, "2 x 0 + 2 x 0.2 + 3 x 1 against 4");
+}

@@ -172,6 +172,60 @@ impl Ranking {
     }
 }
 
+/// The inference gateway's default scoring, as we re-implement it for the benchmarks (see
+/// `config::Rule::GatewayProfile`): `2 q + 2 (1 - kv) + 3 prefix`, highest first, with `q` the
+/// node's reported queue scaled so the shortest is 1 and the longest 0, `kv` its reported
+/// KV-cache use and `prefix` the share of the prompt's chain it is believed to hold. The
+/// `seconds` of each entry is the negated score (smaller is better, as elsewhere).
+fn gateway_profile<'a>(
+    fresh: impl Iterator<Item = (usize, &'a NodeState, &'a crate::ingest::telemetry::Report)>,
+    ask: &Ask,
+    p: &Params,
+    rng: &mut dyn Rng,
+) -> Vec<Ranked> {
+    let nodes: Vec<(usize, f64, f64)> = fresh
+        .map(|(i, _, r)| {
+            let kv = r
+                .kv_cache_usage
+                .or(match (r.vram_used_bytes, r.vram_total_bytes) {
+                    (Some(u), Some(t)) if t > 0.0 => Some(u / t),
+                    _ => None,
+                })
+                .unwrap_or(0.0)
+                .clamp(0.0, 1.0);
+            (i, r.queue_depth.unwrap_or(0.0), kv)
+        })
+        .collect();
+    let (lo, hi) = nodes
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), (_, q, _)| {
+            (lo.min(*q), hi.max(*q))
+        });
+    let blocks = ask.prefix.map_or(1, |x| x.chain.blocks.len().max(1)) as f64;
+    let mut scored: Vec<Entry> = nodes
+        .into_iter()
+        .map(|(i, q, kv)| {
+            let queue = if hi > lo { (hi - q) / (hi - lo) } else { 1.0 };
+            let prefix = ask
+                .prefix
+                .map_or(0.0, |x| x.index.matched(i, &x.chain.blocks) as f64 / blocks);
+            let score = 2.0 * queue + 2.0 * (1.0 - kv) + 3.0 * prefix;
+            let cached = ask
+                .prefix
+                .map_or(0, |x| x.cached(i, ask.weight.prompt_tokens));
+            let ranked = Ranked {
+                node: i,
+                seconds: -score,
+                kv_fraction: Some(kv),
+                cached,
+            };
+            (ranked, rng.next_u64())
+        })
+        .collect();
+    best(&mut scored, p.keep, by_time);
+    scored.into_iter().map(|(r, _)| r).collect()
+}
+
 /// Ranks the fresh nodes that may serve the request, keeping the `k` best of each kind.
 fn rank(
     nodes: &[NodeState],
@@ -219,6 +273,10 @@ fn rank(
         return Ranks::Done(Decision::Route(
             ranked.into_iter().map(|(r, _)| r).collect(),
         ));
+    }
+
+    if p.rule == Rule::GatewayProfile {
+        return Ranks::Done(Decision::Route(gateway_profile(fresh, ask, p, rng)));
     }
 
     let mut ranking = Ranking {

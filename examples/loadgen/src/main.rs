@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 
 const USAGE: &str = "\
-usage: loadgen --url http://HOST:PORT --trace azure:PATH|mooncake:PATH [options]
+usage: loadgen --url http://HOST:PORT --trace azure:PATH|mooncake:PATH|tenants:N|hot [options]
 
   --start-s S        skip the trace's first S seconds (default 0)
   --duration-s S     replay S seconds of trace (default 60)
@@ -36,6 +36,7 @@ usage: loadgen --url http://HOST:PORT --trace azure:PATH|mooncake:PATH [options]
                      prefix blocks (default: no cut); for traces whose longest prompts
                      exceed every node's KV cache
   --timeout-s S      per-request timeout, wall seconds (default 300)
+  --seed N           seed of the generated workloads (default 1)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -53,6 +54,7 @@ struct Args {
     timeout_s: f64,
     label: String,
     out: Option<String>,
+    seed: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -72,6 +74,7 @@ fn parse_args() -> Result<Args, String> {
         timeout_s: 300.0,
         label: "run".into(),
         out: None,
+        seed: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -96,6 +99,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--timeout-s" => a.timeout_s = pos(v()?, "--timeout-s")?,
             "--label" => a.label = v()?,
+            "--seed" => a.seed = pos(v()?, "--seed")? as u64,
             "--out" => a.out = Some(v()?),
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -115,13 +119,24 @@ fn parse_args() -> Result<Args, String> {
         .parse()
         .map_err(|_| format!("bad port in --url {url:?}"))?;
     let spec = trace_arg.ok_or("--trace is required")?;
-    let (kind, path) = spec.split_once(':').ok_or("--trace is KIND:PATH")?;
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("cannot read trace {path}: {e}"))?;
+    let (kind, path) = spec.split_once(':').unwrap_or((spec.as_str(), ""));
+    let read =
+        || std::fs::read_to_string(path).map_err(|e| format!("cannot read trace {path}: {e}"));
     a.trace = match kind {
-        "azure" => trace::parse_azure(&text)?,
-        "mooncake" => trace::parse_mooncake(&text)?,
-        _ => return Err(format!("unknown trace kind {kind:?} (azure, mooncake)")),
+        "azure" => trace::parse_azure(&read()?)?,
+        "mooncake" => trace::parse_mooncake(&read()?)?,
+        "tenants" => trace::tenants(
+            path.parse().map_err(|_| {
+                format!("--trace tenants:N needs a number of tenants, not {path:?}")
+            })?,
+            a.seed,
+        ),
+        "hot" => trace::hot(a.seed),
+        _ => {
+            return Err(format!(
+                "unknown trace kind {kind:?} (azure, mooncake, tenants, hot)"
+            ))
+        }
     };
     Ok(a)
 }
@@ -138,6 +153,11 @@ struct Record {
     ttft_ms: Option<f64>,
     e2e_ms: Option<f64>,
     tokens_received: u64,
+    /// Prompt tokens in leading blocks an earlier request sent (see `trace::seen_before`).
+    seen_before: u64,
+    /// Prompt tokens the serving engine found in its prefix cache (the mock's benchmark-only
+    /// `x-mock-prefix-hit-tokens` header).
+    cached: u64,
     error: Option<String>,
 }
 
@@ -157,7 +177,8 @@ impl Record {
         json!({"index": self.index, "sent_ms": self.sent_ms, "prompt_tokens": self.prompt_tokens,
                "output_tokens": self.output_tokens, "status": self.status, "node": self.node,
                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms, "tpot_ms": self.tpot_ms(),
-               "tokens_received": self.tokens_received, "error": self.error})
+               "tokens_received": self.tokens_received, "seen_before": self.seen_before,
+               "cached": self.cached, "error": self.error})
     }
 }
 
@@ -166,6 +187,7 @@ async fn one(
     index: usize,
     body: Bytes,
     output: u64,
+    prefix_key: String,
     sent: Instant,
     rec: &mut Record,
 ) -> Result<(), String> {
@@ -182,6 +204,9 @@ async fn one(
         .header("content-type", "application/json")
         .header("x-mock-output-tokens", output.to_string())
         .header("x-request-index", index.to_string())
+        // What a stock-Envoy user hashes on for affinity (ring_hash): the prompt's first
+        // shared block, or the request's own index when it shares none.
+        .header("x-prefix-key", prefix_key)
         .body(Full::new(body))
         .map_err(|e| e.to_string())?;
     let resp = sender
@@ -195,6 +220,12 @@ async fn one(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
+    rec.cached = resp
+        .headers()
+        .get("x-mock-prefix-hit-tokens")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let scale = args.time_scale;
     let mut body = resp.into_body();
     let mut pending = Vec::new();
@@ -258,6 +289,8 @@ fn dist(mut xs: Vec<f64>) -> Value {
 fn summarize(records: &[Record], model_span_ms: f64) -> Value {
     let ok: Vec<&Record> = records.iter().filter(|r| r.ok()).collect();
     let tokens: u64 = ok.iter().map(|r| r.tokens_received).sum();
+    let prompt: u64 = records.iter().map(|r| r.prompt_tokens).sum();
+    let share = |n: u64| n as f64 / prompt.max(1) as f64;
     let mut nodes = std::collections::BTreeMap::new();
     for r in records {
         *nodes
@@ -277,6 +310,9 @@ fn summarize(records: &[Record], model_span_ms: f64) -> Value {
         "tpot_ms": dist(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
         "output_tokens_per_s": if model_span_ms > 0.0 { tokens as f64 / (model_span_ms / 1000.0) } else { 0.0 },
         "requests_per_node": nodes,
+        // Prompt tokens the engines found cached, and the bound (leading blocks sent before).
+        "prefix_hit_rate": share(records.iter().map(|r| r.cached).sum()),
+        "prefix_bound": share(records.iter().map(|r| r.seen_before).sum()),
     })
 }
 
@@ -309,8 +345,9 @@ async fn main() {
         eprintln!("loadgen: no requests in the selected slice of the trace");
         std::process::exit(2);
     }
+    let seen = trace::seen_before(&selected);
     // Bodies are built before the clock starts, so building never delays an arrival.
-    let plan: Vec<(f64, Bytes, u64, u64)> = selected
+    let plan: Vec<(f64, Bytes, u64, u64, String)> = selected
         .iter()
         .enumerate()
         .map(|(i, r)| {
@@ -326,11 +363,16 @@ async fn main() {
             let body = json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
                               "messages": [{"role": "user", "content": text}]});
             let wall_ms = (r.at_ms - selected[0].at_ms) / args.rate / args.time_scale;
+            let prefix_key = match r.blocks.first() {
+                Some(b) if prompt_tokens >= trace::MOONCAKE_BLOCK_TOKENS => format!("b{b}"),
+                _ => format!("r{i}"),
+            };
             (
                 wall_ms,
                 Bytes::from(body.to_string()),
                 r.output_tokens.min(args.max_tokens),
                 prompt_tokens,
+                prefix_key,
             )
         })
         .collect();
@@ -344,8 +386,9 @@ async fn main() {
     );
     let t0 = Instant::now() + Duration::from_millis(50);
     let mut handles = Vec::with_capacity(n);
-    for (i, (at, body, output, prompt_tokens)) in plan.into_iter().enumerate() {
+    for (i, (at, body, output, prompt_tokens, prefix_key)) in plan.into_iter().enumerate() {
         let args = args.clone();
+        let seen_before = seen.get(i).copied().unwrap_or(0);
         handles.push(tokio::spawn(async move {
             let when = t0 + Duration::from_secs_f64(at / 1000.0);
             tokio::time::sleep_until(when.into()).await;
@@ -355,11 +398,15 @@ async fn main() {
                 sent_ms: sent.duration_since(t0).as_secs_f64() * 1000.0 * args.time_scale,
                 prompt_tokens,
                 output_tokens: output,
+                seen_before,
                 ..Record::default()
             };
             let timeout = Duration::from_secs_f64(args.timeout_s);
-            match tokio::time::timeout(timeout, one(args.clone(), i, body, output, sent, &mut rec))
-                .await
+            match tokio::time::timeout(
+                timeout,
+                one(args.clone(), i, body, output, prefix_key, sent, &mut rec),
+            )
+            .await
             {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => rec.error = Some(e),

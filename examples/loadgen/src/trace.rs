@@ -4,6 +4,14 @@
 //!   `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as `YYYY-MM-DD HH:MM:SS.fffffff`.
 //! - Mooncake trace (FAST'25), JSONL: `timestamp` (ms), `input_length`, `output_length`,
 //!   `hash_ids` (512-token prefix blocks; equal leading ids are a shared prefix).
+//!
+//! And two generated workloads with shared prefixes (seeded, Poisson arrivals; the shared
+//! parts are Mooncake-style blocks, so equal blocks become equal text):
+//! - `tenants:N`: N tenants, each with a system prompt of its own of 2k to 6k tokens (whole
+//!   blocks), users asking questions of 20 to 200 tokens, tenants drawn by a Zipf law of
+//!   exponent 0.8 (a few busy, many quiet), outputs log-normal around 150 tokens;
+//! - `hot`: one 2,048-token system prompt in every request, then a part of its own
+//!   (log-normal around 500 tokens), outputs log-normal around 150 tokens.
 
 /// One request of a trace, times relative to the trace's first request.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,6 +97,119 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, String> {
     Ok(out)
 }
 
+/// Requests per second (model time) of the generated workloads at rate 1.
+pub const GENERATED_RATE: f64 = 2.0;
+/// Requests generated: an hour at `GENERATED_RATE`.
+const GENERATED: usize = 7200;
+
+struct Gen(u64);
+
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+    fn lognormal(&mut self, median: f64, sigma: f64, lo: f64, hi: f64) -> u64 {
+        let u1 = self.uniform().max(1e-12);
+        let u2 = self.uniform();
+        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+        (median * (sigma * z).exp()).clamp(lo, hi) as u64
+    }
+    /// Exponential gap of a Poisson process of `rate` per second, ms.
+    fn gap_ms(&mut self, rate: f64) -> f64 {
+        -(1.0 - self.uniform()).ln() / rate * 1000.0
+    }
+}
+
+/// Block ids of generated shared prompts start here, apart from any trace's.
+const GENERATED_BLOCKS: u64 = 1 << 40;
+
+/// The `tenants:N` workload (see the module).
+pub fn tenants(n: usize, seed: u64) -> Vec<TraceRequest> {
+    let mut g = Gen(seed ^ 0x7e4a_4e75);
+    let n = n.max(1);
+    let systems: Vec<u64> = (0..n).map(|_| g.between(4, 12)).collect();
+    let weights: Vec<f64> = (1..=n).map(|k| 1.0 / (k as f64).powf(0.8)).collect();
+    let total: f64 = weights.iter().sum();
+    let mut at = 0.0;
+    (0..GENERATED)
+        .map(|_| {
+            at += g.gap_ms(GENERATED_RATE);
+            let mut u = g.uniform() * total;
+            let mut tenant = n - 1;
+            for (k, w) in weights.iter().enumerate() {
+                if u < *w {
+                    tenant = k;
+                    break;
+                }
+                u -= w;
+            }
+            let blocks = systems.get(tenant).copied().unwrap_or(4);
+            let base = GENERATED_BLOCKS + (tenant as u64) * 64;
+            TraceRequest {
+                at_ms: at,
+                prompt_tokens: blocks * MOONCAKE_BLOCK_TOKENS + g.between(20, 200),
+                output_tokens: g.lognormal(150.0, 0.8, 10.0, 1000.0),
+                blocks: (base..base + blocks).collect(),
+            }
+        })
+        .collect()
+}
+
+/// The `hot` workload (see the module).
+pub fn hot(seed: u64) -> Vec<TraceRequest> {
+    let mut g = Gen(seed ^ 0x4075);
+    let mut at = 0.0;
+    (0..GENERATED)
+        .map(|_| {
+            at += g.gap_ms(GENERATED_RATE);
+            TraceRequest {
+                at_ms: at,
+                prompt_tokens: 4 * MOONCAKE_BLOCK_TOKENS + g.lognormal(500.0, 0.8, 20.0, 4000.0),
+                output_tokens: g.lognormal(150.0, 0.8, 10.0, 1000.0),
+                blocks: (0..4).map(|b| GENERATED_BLOCKS - 1 - b).collect(),
+            }
+        })
+        .collect()
+}
+
+/// Prompt tokens of each request (in order) in leading blocks some earlier request sent
+/// already: what a prefix cache that forgot nothing and sat on every node would hold, the
+/// bound on what routing can make the engines find.
+pub fn seen_before(requests: &[&TraceRequest]) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::new();
+    requests
+        .iter()
+        .map(|r| {
+            let full = (r.prompt_tokens / MOONCAKE_BLOCK_TOKENS) as usize;
+            let blocks = r.blocks.get(..full.min(r.blocks.len())).unwrap_or_default();
+            // A block id stands for its whole prefix: a chain of ids, as in Mooncake.
+            let mut key = 0u64;
+            let mut hit = 0;
+            let mut leading = true;
+            for b in blocks {
+                key = key.rotate_left(13) ^ b.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                if leading && seen.contains(&key) {
+                    hit += 1;
+                } else {
+                    leading = false;
+                }
+                seen.insert(key);
+            }
+            (hit * MOONCAKE_BLOCK_TOKENS).min(r.prompt_tokens.saturating_sub(1))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,6 +225,41 @@ mod tests {
         assert!((t[1].at_ms - 1500.0).abs() < 1e-6);
         assert_eq!((t[1].prompt_tokens, t[1].output_tokens), (396, 1));
         assert!(parse_azure("h\nnot,a,row\n").is_err());
+    }
+
+    #[test]
+    fn generated_workloads_and_the_bound() {
+        let t = tenants(10, 1);
+        assert_eq!(t.len(), GENERATED);
+        let rate = t.len() as f64 / (t.last().unwrap().at_ms / 1000.0);
+        assert!((rate - GENERATED_RATE).abs() < 0.1, "{rate}");
+        let firsts: std::collections::BTreeSet<u64> = t.iter().map(|r| r.blocks[0]).collect();
+        assert_eq!(firsts.len(), 10);
+        assert!(t
+            .iter()
+            .all(|r| r.prompt_tokens >= r.blocks.len() as u64 * 512 + 20));
+        let h = hot(1);
+        assert!(h.iter().all(|r| r.blocks == h[0].blocks));
+        let refs: Vec<&TraceRequest> = h.iter().take(3).collect();
+        assert_eq!(seen_before(&refs), vec![0, 2048, 2048]);
+        // Only leading blocks count, and a partial last block never does.
+        let a = TraceRequest {
+            at_ms: 0.0,
+            prompt_tokens: 1100,
+            output_tokens: 1,
+            blocks: vec![1, 2, 3],
+        };
+        let b = TraceRequest {
+            prompt_tokens: 1600,
+            blocks: vec![9, 2, 3],
+            ..a.clone()
+        };
+        let c = TraceRequest {
+            prompt_tokens: 1600,
+            blocks: vec![1, 2, 3],
+            ..a.clone()
+        };
+        assert_eq!(seen_before(&[&a, &b, &c]), vec![0, 0, 1024]);
     }
 
     #[test]

@@ -357,6 +357,7 @@ fn to_json(c: &Config) -> Value {
     let policy = match c.policy {
         token_balancer_core::config::Rule::TokenThroughput => "token_throughput",
         token_balancer_core::config::Rule::LeastReportedLoad => "least_reported_load",
+        token_balancer_core::config::Rule::GatewayProfile => "gateway_profile",
     };
     let unknown_model = match c.unknown_model {
         UnknownModel::Fallback => "fallback",
@@ -389,6 +390,13 @@ fn to_json(c: &Config) -> Value {
         "models_poll_ms": c.models_poll_ms,
         "unknown_model": unknown_model,
         "poller": poller,
+        "prefix": {
+            "enabled": c.prefix.enabled,
+            "block_chars": c.prefix.block_chars,
+            "max_blocks": c.prefix.max_blocks,
+            "blocks_per_node": c.prefix.blocks_per_node,
+            "session_header": c.prefix.session_header,
+        },
     });
     // Optional fields are absent rather than null: the parser takes null as a wrong type.
     if let Some(h) = &c.debug_header {

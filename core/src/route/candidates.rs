@@ -138,7 +138,7 @@ impl Pool {
             below = cumulative;
             let u = ((finish(key ^ name) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
             let score = -w / u.ln();
-            if best.map_or(true, |(s, _)| score > s) {
+            if best.map(|(s, _)| score > s).unwrap_or(true) {
                 best = Some((score, i));
             }
         }

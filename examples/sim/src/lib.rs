@@ -578,7 +578,7 @@ impl Sim<'_> {
             let prefix = r.gateway_index.matched(i, &chain.blocks) as f64 / blocks;
             let score = 2.0 * queue + 2.0 * (1.0 - kv.clamp(0.0, 1.0)) + 3.0 * prefix;
             let tie = self.rng.next_u64();
-            if best.map_or(true, |(s, t, _)| score > s || (score == s && tie > t)) {
+            if best.is_none_or(|(s, t, _)| score > s || (score == s && tie > t)) {
                 best = Some((score, tie, i));
             }
         }

@@ -163,6 +163,17 @@ impl<H: Host> State<H> {
                     .unwrap_or_default()
                     .to_string();
                 let answered = self.balancer.on_health_answer(node, polled, now);
+                if let Some((hits, queries)) = self
+                    .balancer
+                    .nodes()
+                    .get(node)
+                    .and_then(|n| n.engine_prefix())
+                {
+                    self.metrics
+                        .record_node(node, NodeStat::EngineHitTokens, hits as u64);
+                    self.metrics
+                        .record_node(node, NodeStat::EngineQueryTokens, queries as u64);
+                }
                 if let Some(result) = answered.result {
                     self.count_health(
                         node,

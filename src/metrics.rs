@@ -109,14 +109,29 @@ pub enum NodeStat {
     PromptTokens,
     /// The part of them its prefix cache was believed to hold (the predicted hits).
     CachedTokens,
+    /// Gauges: the engine's own cumulative prefix-cache counters at its last scrape (vLLM
+    /// v1), prompt tokens found cached and looked up. Every VM that polls records the same
+    /// value (the engine's), so the gauge is the engine's figure, not a sum over VMs.
+    EngineHitTokens,
+    EngineQueryTokens,
 }
 
-/// Every per-node counter, with its name after the node's, in `NodeStat`'s order.
-pub const NODE_STATS: [(NodeStat, &str); 4] = [
-    (NodeStat::Picks, "picks"),
-    (NodeStat::HealthFailures, "health_failures"),
-    (NodeStat::PromptTokens, "prompt_tokens"),
-    (NodeStat::CachedTokens, "cached_tokens"),
+/// Every per-node stat, with its kind and its name after the node's, in `NodeStat`'s order.
+pub const NODE_STATS: [(NodeStat, Kind, &str); 6] = [
+    (NodeStat::Picks, Kind::Counter, "picks"),
+    (NodeStat::HealthFailures, Kind::Counter, "health_failures"),
+    (NodeStat::PromptTokens, Kind::Counter, "prompt_tokens"),
+    (NodeStat::CachedTokens, Kind::Counter, "cached_tokens"),
+    (
+        NodeStat::EngineHitTokens,
+        Kind::Gauge,
+        "engine_prefix_hit_tokens",
+    ),
+    (
+        NodeStat::EngineQueryTokens,
+        Kind::Gauge,
+        "engine_prefix_query_tokens",
+    ),
 ];
 
 /// The distinct addresses a VM defines per-node counters for: twice the nodes it can follow,
@@ -182,10 +197,10 @@ impl<H: Host> Metrics<H> {
 
     fn define_node(&self, address: &str) -> NodeIds {
         let mut ids = [0; NODE_STATS.len()];
-        for ((_, what), id) in NODE_STATS.iter().zip(ids.iter_mut()) {
+        for ((_, kind, what), id) in NODE_STATS.iter().zip(ids.iter_mut()) {
             *id = self
                 .host
-                .define_metric(MetricType::Counter, &node_stat_name(address, what));
+                .define_metric(kind.metric_type(), &node_stat_name(address, what));
         }
         ids
     }
@@ -252,16 +267,27 @@ impl<H: Host> Metrics<H> {
         if n == 0 {
             return;
         }
-        let id = self
-            .nodes
-            .get(node)
-            .and_then(|ids| ids.get(stat as usize))
-            .copied()
-            .unwrap_or(0);
+        let id = self.node_id(node, stat);
         if id != 0 {
             self.host
                 .increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Sets node `node`'s gauge `stat` to `value`.
+    pub fn record_node(&self, node: usize, stat: NodeStat, value: u64) {
+        let id = self.node_id(node, stat);
+        if id != 0 {
+            self.host.record_metric(id, value);
+        }
+    }
+
+    fn node_id(&self, node: usize, stat: NodeStat) -> u32 {
+        self.nodes
+            .get(node)
+            .and_then(|ids| ids.get(stat as usize))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Adds what shared-data calls came to (`share::sync`) to the `shared.*` counters: one
@@ -292,7 +318,7 @@ mod tests {
         for (i, (stat, _, _)) in STATS.iter().enumerate() {
             assert_eq!(*stat as usize, i, "{stat:?}");
         }
-        for (i, (stat, _)) in NODE_STATS.iter().enumerate() {
+        for (i, (stat, _, _)) in NODE_STATS.iter().enumerate() {
             assert_eq!(*stat as usize, i, "{stat:?}");
         }
         let mut names: Vec<&str> = STATS.iter().map(|s| s.2).collect();

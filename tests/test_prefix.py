@@ -122,3 +122,36 @@ def test_a_hot_prefix_in_every_request_spreads_over_the_fleet(cluster, envoy):
     assert max(per_node.values()) / mean <= 1.5, per_node
     hits = [hit for _, hit, _ in results[64:]]
     assert sum(h > 2000 for h in hits) >= 56, hits
+
+
+def test_the_engines_own_hit_counts_are_published_beside_the_prediction():
+    """In front of vLLM-flavoured nodes (whose /metrics carry vllm:prefix_cache_hits_total and
+    vllm:prefix_cache_queries_total), each node's counters are published as per-node gauges,
+    and on the node that served a tenant's turns the engine's hits match what the engines said
+    per response and are of the size the filter predicted."""
+    cluster = MockCluster([("vllm-a", "gpu=h100,metrics=vllm"), ("vllm-b", "gpu=h100,metrics=vllm")])
+    envoy = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                               plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}))
+    try:
+        wait_until(lambda: envoy.counter("token_balancer.telemetry.discovered") >= 2, 15,
+                   "the nodes' metrics to be found")
+        system = system_prompt("tenant-vllm")
+        served = [ask(envoy, system, f"Turn {i}") for i in range(6)]
+        home = served[0][0]
+        assert all(node == home for node, _, _ in served), served
+        engine_hits = sum(hit for _, hit, _ in served)
+        address = cluster.by_name(home).address
+
+        def gauges():
+            c = envoy.counters()
+            return (c.get(node_stat(address, "engine_prefix_hit_tokens"), 0),
+                    c.get(node_stat(address, "engine_prefix_query_tokens"), 0))
+
+        hits, queries = wait_until(lambda: gauges()[0] >= engine_hits and gauges(), 10,
+                                   lambda: f"the engine's hits in the gauge (have {gauges()}, want {engine_hits})")
+        assert hits == engine_hits and queries > hits, (hits, queries, engine_hits)
+        predicted = envoy.counter(node_stat(address, "cached_tokens"))
+        assert 0.8 * hits <= predicted <= 1.25 * hits, (predicted, hits)
+    finally:
+        envoy.stop()
+        cluster.stop()

@@ -66,10 +66,12 @@ fn every_stat_keeps_its_name_and_kind() {
     let (host, _root) = configured(&config(""));
     let mut got = host.metric_names();
     let node = |a: &str, what: &str| {
-        (
-            MetricType::Counter,
-            format!("token_balancer.node.{a}.{what}"),
-        )
+        let kind = if what.starts_with("engine_") {
+            MetricType::Gauge
+        } else {
+            MetricType::Counter
+        };
+        (kind, format!("token_balancer.node.{a}.{what}"))
     };
     let mut want: Vec<(MetricType, String)> = NAMES
         .iter()
@@ -85,6 +87,8 @@ fn every_stat_keeps_its_name_and_kind() {
                 node(a, "health_failures"),
                 node(a, "prompt_tokens"),
                 node(a, "cached_tokens"),
+                node(a, "engine_prefix_hit_tokens"),
+                node(a, "engine_prefix_query_tokens"),
             ]
         }))
         .collect();

@@ -93,6 +93,9 @@ pub struct NodeState {
     models: ServedModels,
     /// The models changed since this was last asked (`take_models_changed`).
     models_changed: bool,
+    /// The engine's cumulative prefix-cache counters at its last scrape: prompt tokens found
+    /// cached, prompt tokens looked up (vLLM v1); `None` when it publishes none.
+    engine_prefix: Option<(f64, f64)>,
     report: Option<(Report, u64)>,
     /// The in-flight books; their epoch is the node's report epoch and their tenant
     /// `tenant_of(address)`, so a ticket can be matched to the node that issued it.
@@ -162,6 +165,7 @@ impl NodeState {
             tracker: Tracker::default(),
             models: ServedModels::default(),
             models_changed: false,
+            engine_prefix: None,
             report: None,
             books: Books::of(tenant_of(address)),
             failures_in_row: 0,
@@ -349,6 +353,10 @@ impl NodeState {
                 let added = self.models.observe_metrics(&scrape.models);
                 let engine = self.models.set_engine(scrape.engine);
                 self.models_changed |= added || engine;
+                self.engine_prefix = scrape
+                    .prefix_hits
+                    .zip(scrape.prefix_queries)
+                    .map(|(h, q)| (h.total, q.total));
                 self.tracker.observe(&scrape, now_ms, self.kv_cache_tokens)
             }
             Err(e) => {
@@ -358,6 +366,12 @@ impl NodeState {
         };
         let _ = self.accept_report(report, now_ms);
         Ok(report)
+    }
+
+    /// The engine's cumulative prefix-cache counters at its last scrape, tokens: (found
+    /// cached, looked up); `None` when it publishes none.
+    pub fn engine_prefix(&self) -> Option<(f64, f64)> {
+        self.engine_prefix
     }
 
     /// Whether the models changed (names seen in the metrics, the engine learned) since this

@@ -183,6 +183,8 @@ impl Engine {
             (Engine::Vllm, "vllm:prompt_tokens_total") => Prompt,
             (Engine::Vllm, "vllm:generation_tokens_total") => Generation,
             (Engine::Vllm, "vllm:cache_config_info") => CacheInfo("block_size", "num_gpu_blocks"),
+            (Engine::Vllm, "vllm:prefix_cache_hits_total") => PrefixHits,
+            (Engine::Vllm, "vllm:prefix_cache_queries_total") => PrefixQueries,
 
             (Engine::Sglang, "sglang:num_running_reqs") => Running,
             (Engine::Sglang, "sglang:num_queue_reqs") => Waiting,
@@ -237,6 +239,9 @@ enum Field {
     KvTokensPerBlock,
     Prompt,
     Generation,
+    /// Prompt tokens the prefix cache held, and the prompt tokens looked up (vLLM v1).
+    PrefixHits,
+    PrefixQueries,
     /// An info metric whose labels give (tokens per block, blocks).
     CacheInfo(&'static str, &'static str),
 }
@@ -267,6 +272,11 @@ pub struct Scrape {
     pub prompt_tokens: Option<Counter>,
     /// Cumulative generated (decode) tokens.
     pub generation_tokens: Option<Counter>,
+    /// Cumulative prompt tokens found in the prefix cache, and looked up there (vLLM v1's
+    /// `prefix_cache_hits_total` and `prefix_cache_queries_total`): the engine's own word on
+    /// the hit rate, beside the filter's prediction (see `fleet::prefixes`).
+    pub prefix_hits: Option<Counter>,
+    pub prefix_queries: Option<Counter>,
     /// Sample lines read, lines skipped as invalid, and values dropped as not believable.
     pub samples: usize,
     pub skipped_lines: usize,
@@ -378,6 +388,8 @@ struct Accs {
     cache_info_tokens: Acc,
     prompt: Acc,
     generation: Acc,
+    prefix_hits: Acc,
+    prefix_queries: Acc,
     rejected: usize,
 }
 
@@ -412,6 +424,8 @@ impl Accs {
             Field::CacheInfo(..) => &mut self.cache_info_tokens,
             Field::Prompt => &mut self.prompt,
             Field::Generation => &mut self.generation,
+            Field::PrefixHits => &mut self.prefix_hits,
+            Field::PrefixQueries => &mut self.prefix_queries,
         };
         acc.add(value);
     }
@@ -510,6 +524,8 @@ pub fn scrape(engine: Option<Engine>, body: &[u8]) -> Result<Scrape, FormatError
         kv_total_tokens,
         prompt_tokens: accs.prompt.counter(),
         generation_tokens: accs.generation.counter(),
+        prefix_hits: accs.prefix_hits.counter(),
+        prefix_queries: accs.prefix_queries.counter(),
         samples: count,
         skipped_lines,
         rejected_values: accs.rejected,
@@ -1098,5 +1114,24 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// vLLM v1's prefix-cache counters are read, summed over data-parallel engines; engines
+    /// that publish none give none.
+    #[test]
+    fn prefix_cache_counters() {
+        let counters = |text: &str| {
+            let s = scrape(None, text.as_bytes()).unwrap();
+            (
+                s.prefix_hits.map(|c| c.total),
+                s.prefix_queries.map(|c| c.total),
+            )
+        };
+        assert_eq!(counters(VLLM_V1), (Some(411_522.0), Some(1_235_591.0)));
+        let (hits, queries) = counters(VLLM_V1_DP2);
+        assert!(queries.unwrap() > 5048.0, "{queries:?}");
+        assert!(hits.unwrap() <= queries.unwrap());
+        assert_eq!(counters(SGLANG), (None, None));
+        assert_eq!(counters(VLLM_V0).1, None);
     }
 }

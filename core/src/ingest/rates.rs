@@ -223,6 +223,8 @@ mod tests {
             kv_total_tokens: None,
             prompt_tokens: c(prompt),
             generation_tokens: c(generation),
+            prefix_hits: None,
+            prefix_queries: None,
             samples: 10,
             skipped_lines: 0,
             rejected_values: 0,

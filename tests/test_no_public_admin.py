@@ -11,10 +11,12 @@ JSON blocks of README.md and docs/*.md. The rules:
    published port reaches the container's network address, where the admin does not listen).
 3. No Kubernetes Service exposes an admin port (9901 here, Envoy Gateway's 19000, Istio's 15000).
 4. No route sends traffic to a cluster whose endpoint is an admin address (that would publish
-   the admin through a listener)."""
+   the admin through a listener), in any shipped file, but for a route that matches exactly the
+   path /stats/prometheus for GET alone (the stats-only listener of docs/DEPLOY.md)."""
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import json
 import re
@@ -100,7 +102,15 @@ def endpoint_addresses(cluster: dict) -> list[tuple[str, int]]:
     return out
 
 
-def problems(doc, where: str, admin_ports: set[int]) -> list[str]:
+def stats_only(route_entry: dict) -> bool:
+    """A route that matches exactly GET /stats/prometheus and nothing else."""
+    match = route_entry.get("match") or {}
+    methods = [h for h in match.get("headers") or [] if h.get("name") == ":method"]
+    return (match.get("path") == "/stats/prometheus" and set(match) <= {"path", "headers"}
+            and len(methods) == 1 and (methods[0].get("string_match") or {}).get("exact") == "GET")
+
+
+def problems(doc, where: str, admin_ports: set[int], admin_clusters: set[str] = frozenset()) -> list[str]:
     found = []
     # Rule 1.
     for addr in admin_addresses(doc):
@@ -114,26 +124,21 @@ def problems(doc, where: str, admin_ports: set[int]) -> list[str]:
                 ports = {p.get("port"), p.get("targetPort")}
                 if ports & admin_ports:
                     found.append(f"{where}: Service {m.get('metadata', {}).get('name')} exposes admin port {ports & admin_ports}")
-    # Rule 4.
-    admin_clusters = set()
-    for m in walk(doc):
-        if "name" in m and ("load_assignment" in m or "type" in m and "connect_timeout" in m):
-            for host, port in endpoint_addresses(m):
-                if is_loopback(host) and port in admin_ports:
-                    admin_clusters.add(m["name"])
+    # Rule 4: the admin clusters of this document and of every other shipped one.
+    admin_clusters = set(admin_clusters) | admin_clusters_in(doc, admin_ports)
     for m in walk(doc):
         route = m.get("route")
-        if isinstance(route, dict) and route.get("cluster") in admin_clusters:
+        if isinstance(route, dict) and route.get("cluster") in admin_clusters and not stats_only(m):
             found.append(f"{where}: a route sends traffic to admin cluster {route['cluster']}")
     return found
 
 
-def admin_clusters_in(docs) -> set[str]:
+def admin_clusters_in(docs, admin_ports=KNOWN_ADMIN_PORTS) -> set[str]:
     """Names of the clusters that point at an admin port on loopback (the membership reads)."""
     out = set()
     for m in walk(docs):
         if "name" in m and "load_assignment" in m:
-            if any(is_loopback(h) and p in KNOWN_ADMIN_PORTS for h, p in endpoint_addresses(m)):
+            if any(is_loopback(h) and p in admin_ports for h, p in endpoint_addresses(m)):
                 out.add(m["name"])
     return out
 
@@ -190,9 +195,12 @@ def test_every_shipped_file_is_read():
 @pytest.mark.parametrize("path", shipped_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_shipped_file_exposes_the_admin(path):
     admin_ports = all_admin_ports()
+    everywhere = set()
+    for other in shipped_files():
+        everywhere |= admin_clusters_in(documents(other), admin_ports)
     found = []
     for doc in documents(path):
-        found += problems(doc, str(path.relative_to(ROOT)), admin_ports)
+        found += problems(doc, str(path.relative_to(ROOT)), admin_ports, everywhere)
     if path.name == "docker-compose.yml":
         found += compose_problems(yaml.safe_load(path.read_text()), ROOT)
     assert not found, found
@@ -224,6 +232,49 @@ def test_the_checks_catch_an_exposed_admin(tmp_path):
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
                 "address": "127.0.0.1", "port_value": 9901}}}}]}]}}]}}
     assert problems(routed, "x", {9901})
+    # ... also when the admin cluster is declared in another file.
+    elsewhere = copy.deepcopy(routed)
+    elsewhere["static_resources"]["clusters"] = []
+    assert problems(elsewhere, "x", {9901}, {"admin"})
+    # A stats-only route is the one exception; a prefix or another method is not.
+    vhost = routed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]
+    get_only = [{"name": ":method", "string_match": {"exact": "GET"}}]
+    vhost["routes"][0]["match"] = {"path": "/stats/prometheus", "headers": get_only}
+    assert not problems(routed, "x", {9901})
+    vhost["routes"][0]["match"] = {"prefix": "/stats", "headers": get_only}
+    assert problems(routed, "x", {9901})
+    vhost["routes"][0]["match"] = {"path": "/stats/prometheus"}
+    assert problems(routed, "x", {9901})
     # And the safe forms pass.
     assert not problems({"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9901}}}}, "x", {9901})
     assert not problems({"admin": {"address": {"pipe": {"path": "/tmp/admin.sock"}}}}, "x", {9901})
+
+
+def test_the_stats_only_listener_serves_metrics_and_nothing_else():
+    """The stats-only listener of docs/DEPLOY.md, added to the shipped Envoy configuration:
+    Prometheus gets /stats/prometheus through it; the admin's other pages and its actions
+    (/quitquitquit, /config_dump, a POST) are not reachable through it."""
+    from harness import Envoy, envoy_config, free_port, request
+
+    text = (ROOT / "docs/DEPLOY.md").read_text()
+    block = next(m.group(2) for m in FENCE.finditer(text) if "name: stats" in m.group(2))
+    (listener,) = yaml.safe_load(block)
+    admin_port, stats_port = free_port(), free_port()
+    cfg = envoy_config([f"127.0.0.1:{free_port()}"], free_port(), admin_port)
+    listener["address"]["socket_address"].update({"address": "127.0.0.1", "port_value": stats_port})
+    cfg["static_resources"]["listeners"].append(listener)
+    cfg["static_resources"]["clusters"].append({
+        "name": "envoy_admin", "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "envoy_admin", "endpoints": [{"lb_endpoints": [{"endpoint": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}}}]}]}})
+    envoy = Envoy(cfg)
+    try:
+        r = request(stats_port, "GET", "/stats/prometheus")
+        assert r.status == 200 and b"envoy_server_live" in r.body
+        for method, path in [("POST", "/quitquitquit"), ("GET", "/config_dump"), ("GET", "/stats"),
+                             ("POST", "/stats/prometheus"), ("POST", "/logging?level=trace")]:
+            assert request(stats_port, method, path).status == 404, (method, path)
+        assert request(admin_port, "GET", "/ready").status == 200  # still running
+    finally:
+        envoy.stop()

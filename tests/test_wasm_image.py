@@ -169,6 +169,23 @@ def test_registry_round_trip_gives_back_the_built_wasm(registry, release, varian
     assert plugin[:4] == b"\0asm"
 
 
+@pytest.mark.parametrize("variant", ["compat", "oci"])
+def test_skopeo_copies_the_layout_as_it_is(registry, release, variant):
+    """Another implementation of OCI layouts and of the distribution API (skopeo, what
+    docs/DEPLOY.md pushes with) reads the layout and pushes it without changing a byte: the
+    registry then serves the digest release.sh printed and the built plugin.wasm."""
+    skopeo = shutil.which("skopeo")
+    assert skopeo, "skopeo is missing: run scripts/setup.sh (Debian package skopeo)"
+    tag, digest = (release / "IMAGES").read_text().split(f"image-{variant} ", 1)[1].split()[:2]
+    ref = oci_client.Ref(registry, "token-balancer-skopeo", f"{variant}-{tag}")
+    r = subprocess.run([skopeo, "copy", "--dest-tls-verify=false", f"oci:{release / f'image-{variant}'}:{tag}",
+                        f"docker://{ref.host}/{ref.repo}:{ref.tag}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest, served, blobs = oci_client.pull(ref, plain_http=True)
+    assert served == digest
+    assert sha256_hex(fetcher_extract(manifest, blobs)) == sha256_hex(WASM.read_bytes())
+
+
 def test_a_layer_of_the_type_fetchers_refuse_is_refused(tmp_path):
     """The check above is not vacuous: the media type some tools write by default fails it."""
     wasm_image.write_layout(b"\0asm\1\0\0\0", tmp_path, "oci")

@@ -193,3 +193,16 @@ def test_a_layer_of_the_type_fetchers_refuse_is_refused(tmp_path):
     manifest["layers"][1]["mediaType"] = REJECTED
     with pytest.raises(AssertionError):
         fetcher_extract(manifest, blobs)
+
+
+def test_license_file_image_and_crates_agree():
+    """LICENSE is the license every crate declares, and the image says so too."""
+    import re
+    declared = {re.search(r'^license = "(.*)"$', p.read_text(), re.M).group(1)
+                for p in [ROOT / "Cargo.toml", *ROOT.glob("core/Cargo.toml"), *ROOT.glob("examples/*/Cargo.toml")]}
+    assert declared == {"Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text.splitlines()[0] and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the whole text, not a notice
+    manifest, _ = wasm_image.image_blobs(b"\0asm\1\0\0\0", "compat", "1.0.0")
+    assert json.loads(manifest.data)["annotations"]["org.opencontainers.image.licenses"] == "Apache-2.0"

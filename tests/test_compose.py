@@ -82,10 +82,10 @@ def test_compose_references_exist_and_match():
     assert mounts["./target/wasm32-wasip1/release/token_balancer.wasm"] == \
         plugin(cfg)["vm_config"]["code"]["local"]["filename"]
 
-    # Published ports are the listener and the admin port.
+    # The only published port is the inference listener's (the admin stays inside: see
+    # test_no_public_admin.py).
     listener = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
-    admin = cfg["admin"]["address"]["socket_address"]["port_value"]
-    assert sorted(envoy["ports"]) == sorted([f"{listener}:{listener}", f"{admin}:{admin}"])
+    assert envoy["ports"] == [f"{listener}:{listener}"]
 
     # Every mock node service is a node of the filter and an endpoint of the cluster, at its
     # fixed address, serving on the port the configuration names; and nothing else is.

@@ -24,6 +24,10 @@ pub struct Stream {
     pub resumed: u32,
     /// The status of the filter's own answer, if it sent one.
     pub reply: Option<u32>,
+    /// The downstream address (`source.address`).
+    pub source: Option<String>,
+    /// What the filter set in the stream's filter state, by key.
+    pub filter_state: HashMap<String, String>,
 }
 
 /// A callout sent.
@@ -176,6 +180,17 @@ impl Host for FakeHost {
 
     fn set_response_header(&self, name: &str, value: &str) {
         set(&mut self.world().stream().response, name, value);
+    }
+
+    fn source_address(&self) -> Option<String> {
+        self.world().stream().source.clone()
+    }
+
+    fn set_filter_state(&self, key: &str, value: &str) {
+        let mut w = self.world();
+        w.stream()
+            .filter_state
+            .insert(key.to_string(), value.to_string());
     }
 
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {

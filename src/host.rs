@@ -32,6 +32,12 @@ pub trait Host: Store + Clone + 'static {
     fn response_header(&self, name: &str) -> Option<String>;
     /// Sets a response header; a failure leaves the response without it.
     fn set_response_header(&self, name: &str, value: &str);
+    /// The downstream address of the effective stream (`ip:port`, Envoy's `source.address`);
+    /// `None` when Envoy cannot say.
+    fn source_address(&self) -> Option<String>;
+    /// Sets `key` in the stream's filter state, where Envoy's access log reads it as
+    /// `%FILTER_STATE(wasm.<key>:PLAIN)%`; a failure leaves it unset.
+    fn set_filter_state(&self, key: &str, value: &str);
 
     /// The first `size` bytes of the request body buffered so far; `None` when there is none
     /// or it cannot be read.
@@ -139,6 +145,17 @@ impl Host for Envoy {
 
     fn set_response_header(&self, name: &str, value: &str) {
         let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+    }
+
+    fn source_address(&self) -> Option<String> {
+        hostcalls::get_property(vec!["source", "address"])
+            .ok()
+            .flatten()
+            .and_then(|bytes| String::from_utf8(bytes).ok())
+    }
+
+    fn set_filter_state(&self, key: &str, value: &str) {
+        let _ = hostcalls::set_property(vec![key], Some(value.as_bytes()));
     }
 
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {

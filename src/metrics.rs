@@ -56,6 +56,8 @@ stats! {
     FallbackNoFleet Counter "token_balancer.fallback.no_fleet",
     RejectedUnknownModel Counter "token_balancer.rejected.unknown_model",
     ClientRoutingHeaderRemoved Counter "token_balancer.client_routing_header_removed",
+    ExplainGranted Counter "token_balancer.explain.granted",
+    ExplainRefused Counter "token_balancer.explain.refused",
     Held Counter "token_balancer.held",
     HeldRoutedOverCeiling Counter "token_balancer.held_routed_over_ceiling",
     HeldNow Gauge "token_balancer.held_now",

@@ -10,7 +10,8 @@
 //!    the routing header is set and the request continues, or it is held while every node is
 //!    full (it then goes on when a callback admits it, see `state::admit_held`), or the filter
 //!    answers it (`unknown_model: reject`).
-//! 3. Response: its headers carry the debug header when configured; its body's output
+//! 3. Response: its headers carry the debug header when configured, and the explanation
+//!    when the request asked for it from an allowed source (`explain`); its body's output
 //!    tokens advance the request's booking (and, for a reader, the shared books every
 //!    `SHARED_PROGRESS_STEP` tokens).
 //! 4. End (`on_log`, or the context dropped without it): the booking is released exactly
@@ -20,12 +21,13 @@
 
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::state::{admit_held, Placement, Shared, State};
+use crate::state::{admit_held, Placement, Shared, State, Waiting};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
 use std::rc::Rc;
 use token_balancer_core::config::Config;
+use token_balancer_core::explain::{self, Asked, Decision};
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::{self, Api, Weight};
@@ -45,8 +47,13 @@ pub struct Request<H: Host> {
     placement: Option<Placement>,
     api: Api,
     ticket: Option<Ticket>,
-    /// Value of the debug response header, when that header is configured.
-    debug: Option<String>,
+    /// What was decided, rendered only for a response that is to carry it.
+    decision: Option<Decision>,
+    /// The request asked for its explanation from an allowed source.
+    explain: bool,
+    /// The body's model and estimate (with its cap), for the explanation.
+    model: Option<String>,
+    asked: Option<Weight>,
     /// The routing decision is made (or given up); later body chunks pass straight through.
     decided: bool,
     /// Output observed in the response so far (`meter.progress()` when last read), and what
@@ -70,7 +77,10 @@ impl<H: Host> Request<H> {
             placement: None,
             api: Api::Other,
             ticket: None,
-            debug: None,
+            decision: None,
+            explain: false,
+            model: None,
+            asked: None,
             decided: false,
             received: 0,
             meter: OutputMeter::new(),
@@ -114,17 +124,10 @@ impl<H: Host> Request<H> {
         self.decided
     }
 
-    fn fallback(&mut self, why: &str, stat: Stat) -> Action {
+    fn fallback(&mut self, why: &'static str, stat: Stat) -> Action {
         self.decided = true;
-        let debug_on = self
-            .with(|s| {
-                s.metrics.bump(stat);
-                s.config.debug_header.is_some()
-            })
-            .unwrap_or(false);
-        if debug_on {
-            self.debug = Some(format!("fallback={why}"));
-        }
+        self.with(|s| s.metrics.bump(stat));
+        self.decision = Some(Decision::fallback(why));
         Action::Continue
     }
 
@@ -140,12 +143,16 @@ impl<H: Host> Request<H> {
         }
         self.decided = true;
         let id = self.context_id;
+        let explain = self.explain;
         let step = self.with(|s| {
             let m = model.as_deref();
             let (outcome, reads) = s.decide(weight, m, &chain, now, s.held.may_hold());
             match outcome {
                 Outcome::Saturated => {
-                    let placement: Placement = Rc::new(RefCell::new(None));
+                    let placement: Placement = Rc::new(RefCell::new(Waiting {
+                        explain,
+                        placed: None,
+                    }));
                     // The queue keeps its own copy of the model: held requests are few.
                     match s.held.push(
                         id,
@@ -163,17 +170,20 @@ impl<H: Host> Request<H> {
                         // `may_hold` said there was room; route over the ceiling if not.
                         Err(_) => {
                             let (outcome, reads) = s.decide(weight, m, &chain, now, false);
-                            Ok(s.place(outcome, weight, m, None, reads))
+                            Ok(s.place(outcome, weight, m, None, reads, explain))
                         }
                     }
                 }
-                outcome => Ok(s.place(outcome, weight, m, None, reads)),
+                outcome => Ok(s.place(outcome, weight, m, None, reads, explain)),
             }
         });
+        // Kept for the explanation (moved, not copied).
+        self.model = model;
+        self.asked = Some(weight);
         match step {
             Some(Ok(placed)) => {
                 self.ticket = placed.ticket;
-                self.debug = placed.debug;
+                self.decision = placed.decision;
                 if placed.answered {
                     // The local reply is on its way; the request goes no further.
                     Action::Pause
@@ -195,10 +205,13 @@ impl<H: Host> Request<H> {
         let Some(placement) = &self.placement else {
             return;
         };
-        let placed = placement.try_borrow_mut().ok().and_then(|mut p| p.take());
+        let placed = placement
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut w| w.placed.take());
         if let Some(placed) = placed {
             self.ticket = placed.ticket;
-            self.debug = placed.debug;
+            self.decision = placed.decision;
             self.placement = None;
         }
     }
@@ -251,6 +264,23 @@ impl<H: Host> HttpContext for Request<H> {
         }
         if let Some(h) = &config.debug_header {
             self.host.remove_request_header(h);
+        }
+        // An explanation is asked for with its header, and given only to the configured
+        // sources; the header never goes upstream.
+        if let Some(ex) = &config.explain {
+            if self.host.request_header(&ex.header).is_some() {
+                self.host.remove_request_header(&ex.header);
+                let source = self.host.source_address();
+                let allowed = explain::allowed(&ex.sources, source.as_deref());
+                self.explain = allowed;
+                self.with(|s| {
+                    s.metrics.bump(if allowed {
+                        Stat::ExplainGranted
+                    } else {
+                        Stat::ExplainRefused
+                    })
+                });
+            }
         }
         // The operator's beliefs path: looked at only where it is configured, so an ordinary
         // request on a listener without it costs no host call more.
@@ -346,9 +376,16 @@ impl<H: Host> HttpContext for Request<H> {
             .host
             .response_header(":status")
             .is_some_and(|s| s == "200");
-        if let Some(value) = &self.debug {
-            if let Some(name) = self.config().and_then(|c| c.debug_header.clone()) {
-                self.host.set_response_header(&name, value);
+        if let Some(decision) = &self.decision {
+            let asked = Asked {
+                model: self.model.as_deref(),
+                weight: self.asked,
+            };
+            let headers = self
+                .with(|s| s.told(decision, asked, self.explain))
+                .unwrap_or_default();
+            for (name, value) in headers {
+                self.host.set_response_header(&name, &value);
             }
         }
         Action::Continue

@@ -14,6 +14,7 @@ use log::info;
 use std::cell::RefCell;
 use std::rc::Rc;
 use token_balancer_core::config::{Config, UnknownModel};
+use token_balancer_core::explain::{Asked, Decision, Detail, Route, Verdict};
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::SplitMix64;
@@ -41,13 +42,24 @@ pub type Shared<H> = Rc<RefCell<Option<State<H>>>>;
 
 /// Where a held request finds its placement once it is admitted: written by whichever
 /// callback admits it (a tick, a health answer, another request's end), read by the request.
-pub type Placement = Rc<RefCell<Option<Placed>>>;
+pub type Placement = Rc<RefCell<Waiting>>;
 
-/// A routed request's booking and debug header value.
+/// A held request, as its admission needs it.
+#[derive(Debug, Default)]
+pub struct Waiting {
+    /// The request asked for its explanation from an allowed source.
+    pub explain: bool,
+    /// Its placement, once it is admitted.
+    pub placed: Option<Placed>,
+}
+
+/// A routed request's booking and decision.
 #[derive(Debug, Default)]
 pub struct Placed {
     pub ticket: Option<Ticket>,
-    pub debug: Option<String>,
+    /// What was decided, for the debug header and the explanation; none when a host call
+    /// failed (`fallback.internal`).
+    pub decision: Option<Decision>,
     /// The filter answered the request itself: it must not be resumed.
     pub answered: bool,
 }
@@ -96,7 +108,9 @@ impl<H: Host> State<H> {
     /// Applies a routing outcome to the effective request: sets the routing header and counts
     /// it, or answers the request itself. `model` is the body's; `held_ms` is how long the
     /// request waited in the hold queue, if it did; `reads` are the shared-books reads its
-    /// decision made (the dispatch is written from the chosen node's).
+    /// decision made (the dispatch is written from the chosen node's); `explain`: the request
+    /// asked for its explanation from an allowed source (a reply of the filter's own carries
+    /// it at once).
     pub fn place(
         &mut self,
         outcome: Outcome,
@@ -104,11 +118,9 @@ impl<H: Host> State<H> {
         model: Option<&str>,
         held_ms: Option<u64>,
         reads: Reads,
+        explain: bool,
     ) -> Placed {
-        let debug_on = self.config.debug_header.is_some();
-        let held = held_ms
-            .map(|ms| format!("; held_ms={ms}"))
-            .unwrap_or_default();
+        let decided = |verdict| Some(Decision { verdict, held_ms });
         match outcome {
             Outcome::Routed {
                 ticket,
@@ -116,6 +128,7 @@ impl<H: Host> State<H> {
                 predicted_seconds,
                 over_ceiling,
                 inflight_before,
+                compared,
             } => {
                 if self
                     .host
@@ -149,29 +162,39 @@ impl<H: Host> State<H> {
                         self.metrics.bump(Stat::HeldRoutedOverCeiling);
                     }
                 }
-                let debug = debug_on.then(|| {
-                    format!(
-                        "node={header_value}; prompt_tokens={}; cached_tokens={}; output_tokens={}; output_cap={}; predicted_ms={:.1}; inflight={inflight_before}{held}",
-                        ticket.weight.prompt_tokens,
-                        ticket.cached,
-                        ticket.weight.output_tokens,
-                        cap.output_tokens,
-                        predicted_seconds * 1000.0
-                    )
-                });
+                // Kept, not rendered: only a response that is to carry it renders it.
+                let decision = decided(Verdict::Routed(Route {
+                    header_value,
+                    weight: ticket.weight,
+                    cached_tokens: ticket.cached,
+                    output_cap: cap.output_tokens,
+                    predicted_seconds,
+                    inflight_before,
+                    over_ceiling,
+                    compared,
+                }));
                 Placed {
                     ticket: Some(ticket),
-                    debug,
+                    decision,
                     answered: false,
                 }
             }
             Outcome::UnknownModel if self.config.unknown_model == UnknownModel::Reject => {
-                let debug = debug_on.then(|| format!("rejected=unknown_model{held}"));
+                let decision = Decision {
+                    verdict: Verdict::Rejected("unknown_model"),
+                    held_ms,
+                };
+                let asked = Asked {
+                    model,
+                    weight: Some(cap),
+                };
                 let body = model_not_found_body(model.unwrap_or_default());
-                let mut headers = vec![("content-type", "application/json")];
-                if let (Some(name), Some(value)) = (&self.config.debug_header, &debug) {
-                    headers.push((name.as_str(), value.as_str()));
-                }
+                let mut headers = vec![("content-type".to_string(), "application/json".into())];
+                headers.extend(self.told(&decision, asked, explain));
+                let headers = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
                 if self.host.send_response(404, headers, &body).is_err() {
                     // Envoy would not take the answer: let its balancer route the request.
                     self.metrics.bump(Stat::FallbackInternal);
@@ -180,7 +203,7 @@ impl<H: Host> State<H> {
                 self.metrics.bump(Stat::RejectedUnknownModel);
                 Placed {
                     ticket: None,
-                    debug,
+                    decision: Some(decision),
                     answered: true,
                 }
             }
@@ -188,7 +211,7 @@ impl<H: Host> State<H> {
                 self.metrics.bump(Stat::FallbackUnknownModel);
                 Placed {
                     ticket: None,
-                    debug: debug_on.then(|| format!("fallback=unknown_model{held}")),
+                    decision: decided(Verdict::Fallback("unknown_model")),
                     answered: false,
                 }
             }
@@ -196,17 +219,44 @@ impl<H: Host> State<H> {
                 self.metrics.bump(Stat::FallbackNoFreshNodes);
                 Placed {
                     ticket: None,
-                    debug: debug_on.then(|| format!("fallback=no_fresh_nodes{held}")),
+                    decision: decided(Verdict::Fallback("no_fresh_nodes")),
                     answered: false,
                 }
             }
         }
+    }
+
+    /// What the effective request's response tells of `decision`, as (header, value) pairs:
+    /// the debug header when configured, the explanation when the request asked for it
+    /// (`explain`) from an allowed source; the explanation also goes into the stream's filter
+    /// state with `explain.access_log`.
+    pub fn told(&self, decision: &Decision, asked: Asked, explain: bool) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        if let Some(name) = &self.config.debug_header {
+            out.push((name.clone(), decision.render(Detail::Brief, asked)));
+        }
+        if let Some(ex) = &self.config.explain {
+            if explain || ex.access_log {
+                let value = decision.render(Detail::Full(self.config.policy), asked);
+                if ex.access_log {
+                    self.host.set_filter_state(FILTER_STATE_KEY, &value);
+                }
+                if explain {
+                    out.push((ex.header.clone(), value));
+                }
+            }
+        }
+        out
     }
 }
 
 fn saturating_i64(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
+
+/// The filter-state key of a request's explanation with `explain.access_log`; Envoy's access
+/// log prints it as `%FILTER_STATE(wasm.token_balancer.decision:PLAIN)%`.
+pub const FILTER_STATE_KEY: &str = "token_balancer.decision";
 
 /// vLLM's answer to a model it does not serve (OpenAI's error shape), as JSON.
 fn model_not_found_body(model: &str) -> Vec<u8> {
@@ -246,6 +296,7 @@ pub fn admit_held<H: Host>(state: &Shared<H>, current: u32) {
             }
             continue;
         }
+        let explain = held.payload.try_borrow().is_ok_and(|w| w.explain);
         let placed = s.place(
             outcome,
             held.weight,
@@ -253,10 +304,11 @@ pub fn admit_held<H: Host>(state: &Shared<H>, current: u32) {
             Some(now.saturating_sub(held.since_ms)),
             // Several may go at once, each changing the books the next read: no reuse.
             Reads::default(),
+            explain,
         );
         let answered = placed.answered;
-        if let Ok(mut placement) = held.payload.try_borrow_mut() {
-            *placement = Some(placed);
+        if let Ok(mut waiting) = held.payload.try_borrow_mut() {
+            waiting.placed = Some(placed);
         }
         if !answered {
             s.host.resume_request();

@@ -9,6 +9,7 @@
 //! The whole schema is in this one file, longer than the others: every field, its default and
 //! its check read in one place, next to the tests that name each error's field.
 
+use crate::explain::Cidr;
 use crate::fleet::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
 use crate::ingest::engine::HealthFormat;
 use serde_json::{Map, Value};
@@ -111,6 +112,8 @@ pub struct Config {
     /// When set, a GET of exactly this path is answered by the filter with its beliefs (see
     /// `route::beliefs`) as JSON, never forwarded. Set it only on an operator's listener.
     pub beliefs_path: Option<String>,
+    /// When set, one request can ask for an explanation of its decision (see `explain`).
+    pub explain: Option<Explain>,
     /// The ranking rule: `token_throughput` (default), or the seed article's naive
     /// `least_reported_load`, kept only as a benchmark baseline.
     pub policy: Rule,
@@ -248,6 +251,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "max_hosts_in_header",
     "debug_header",
     "beliefs_path",
+    "explain",
     "policy",
     "choices",
     "max_hold_ms",
@@ -320,6 +324,64 @@ fn parse_membership(value: &Value, tick_ms: u64) -> Result<Membership, ConfigErr
         admin_cluster,
         poll_ms,
         node_defaults: node_settings(&d, String::new())?,
+    })
+}
+
+/// The per-request explanation (`explain` in the configuration; see `crate::explain`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Explain {
+    /// Request header asking for the explanation; the response carries it under this name.
+    pub header: String,
+    /// Downstream networks a request may ask from; from anywhere else the header is dropped.
+    pub sources: Vec<Cidr>,
+    /// Every request's explanation goes into Envoy's filter state, for the access log.
+    pub access_log: bool,
+}
+
+/// The most networks `explain.sources` lists.
+pub const MAX_EXPLAIN_SOURCES: usize = 64;
+const EXPLAIN_FIELDS: &[&str] = &["header", "sources", "access_log"];
+
+fn parse_explain(value: &Value, taken: &[(&str, &str)]) -> Result<Explain, ConfigError> {
+    let f = Fields::new(value, "explain.", EXPLAIN_FIELDS)?;
+    let header = header_name(&f, "header", "x-token-balancer-explain")?;
+    if let Some((other, _)) = taken.iter().find(|(_, h)| *h == header) {
+        return Err(err(f.name("header"), format!("is already `{other}`")));
+    }
+    let sources = match f.get("sources") {
+        None => Vec::new(),
+        Some(Value::Array(list)) if list.len() <= MAX_EXPLAIN_SOURCES => list
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let name = format!("explain.sources[{i}]");
+                let s = v.as_str().ok_or_else(|| err(&name, "must be a string"))?;
+                Cidr::parse(s).map_err(|why| err(name, why))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(err(
+                f.name("sources"),
+                format!("must be an array of at most {MAX_EXPLAIN_SOURCES} IP networks"),
+            ))
+        }
+    };
+    let access_log = match f.get("access_log") {
+        None => false,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| err(f.name("access_log"), "must be true or false"))?,
+    };
+    if sources.is_empty() && !access_log {
+        return Err(err(
+            "explain",
+            "explains nothing: list the `sources` a request may ask from, or set `access_log`",
+        ));
+    }
+    Ok(Explain {
+        header,
+        sources,
+        access_log,
     })
 }
 
@@ -644,6 +706,15 @@ impl Config {
                 ));
             }
         }
+        let routing_header = header_name(&f, "routing_header", "x-gateway-destination-endpoint")?;
+        let explain = match f.get("explain") {
+            None => None,
+            Some(v) => {
+                let mut taken = vec![("routing_header", routing_header.as_str())];
+                taken.extend(debug_header.as_deref().map(|h| ("debug_header", h)));
+                Some(parse_explain(v, &taken)?)
+            }
+        };
         let policy = match f.string("policy")?.as_deref() {
             None | Some("token_throughput") => Rule::TokenThroughput,
             Some("least_reported_load") => Rule::LeastReportedLoad,
@@ -746,12 +817,13 @@ impl Config {
             tick_ms,
             health_timeout_ms,
             stale_after_ms,
-            routing_header: header_name(&f, "routing_header", "x-gateway-destination-endpoint")?,
+            routing_header,
             max_body_bytes: usize::try_from(max_body_bytes).unwrap_or(usize::MAX),
             vram_ceiling,
             default_max_tokens,
             kv_bytes_per_token,
             max_hosts_in_header: usize::try_from(max_hosts_in_header).unwrap_or(usize::MAX),
+            explain,
             debug_header,
             beliefs_path,
         })
@@ -823,6 +895,7 @@ mod tests {
         assert_eq!(c.models_poll_ms, 30_000);
         assert_eq!(c.unknown_model, UnknownModel::Fallback);
         assert_eq!(c.poller, Poller::Vm);
+        assert_eq!(c.explain, None);
         let c = Config::parse(
             br#"{"nodes":[{"address":"127.0.0.1:8001"}],"health_cluster":"h","poller":"singleton"}"#,
         );
@@ -950,6 +1023,125 @@ mod tests {
             let e = Config::parse(json.as_bytes()).expect_err(&json);
             assert_eq!(e.field, field, "config {json}: {e}");
             assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
+    fn explain_parses_with_its_defaults() {
+        let with = |e: &str| {
+            format!(
+                r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h","explain":{e}}}"#
+            )
+        };
+        let c =
+            Config::parse(with(r#"{"sources":["127.0.0.1/32","10.0.0.0/8","::1"]}"#).as_bytes())
+                .unwrap();
+        let e = c.explain.unwrap();
+        assert_eq!(e.header, "x-token-balancer-explain");
+        let shown: Vec<String> = e.sources.iter().map(ToString::to_string).collect();
+        assert_eq!(shown, ["127.0.0.1/32", "10.0.0.0/8", "::1/128"]);
+        assert!(!e.access_log);
+        let c = Config::parse(with(r#"{"header":"x-why","access_log":true}"#).as_bytes()).unwrap();
+        let e = c.explain.unwrap();
+        assert_eq!(
+            (e.header.as_str(), e.sources.len(), e.access_log),
+            ("x-why", 0, true)
+        );
+    }
+
+    /// Every rejected `explain` names its field, down to the network at fault.
+    #[test]
+    fn each_explain_error_names_its_field() {
+        let with = |e: &str| {
+            format!(
+                r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h","debug_header":"x-debug",{e}}}"#
+            )
+        };
+        let many: Vec<String> = (0..65).map(|i| format!(r#""10.0.0.{i}""#)).collect();
+        let cases: Vec<(String, &str, &str)> = vec![
+            (
+                with(r#""explain":{"sources":["10.0.0.0/33"]}"#),
+                "explain.sources[0]",
+                "0 to 32",
+            ),
+            (
+                with(r#""explain":{"sources":["127.0.0.1/32","10.1.2.3/8"]}"#),
+                "explain.sources[1]",
+                "10.0.0.0/8",
+            ),
+            (
+                with(r#""explain":{"sources":["localhost"]}"#),
+                "explain.sources[0]",
+                "not an IP network",
+            ),
+            (
+                with(r#""explain":{"sources":["fd00::/200"]}"#),
+                "explain.sources[0]",
+                "0 to 128",
+            ),
+            (
+                with(r#""explain":{"sources":[7]}"#),
+                "explain.sources[0]",
+                "string",
+            ),
+            (
+                with(r#""explain":{"sources":"127.0.0.1/32"}"#),
+                "explain.sources",
+                "array",
+            ),
+            (
+                with(&format!(r#""explain":{{"sources":[{}]}}"#, many.join(","))),
+                "explain.sources",
+                "at most 64",
+            ),
+            (
+                with(r#""explain":{"header":"X-Explain","sources":["::1"]}"#),
+                "explain.header",
+                "header name",
+            ),
+            (
+                with(r#""explain":{"header":"x explain","sources":["::1"]}"#),
+                "explain.header",
+                "header name",
+            ),
+            (
+                with(r#""explain":{"header":"","sources":["::1"]}"#),
+                "explain.header",
+                "header name",
+            ),
+            (
+                with(r#""explain":{"header":"x-debug","sources":["::1"]}"#),
+                "explain.header",
+                "debug_header",
+            ),
+            (
+                with(r#""explain":{"header":"x-gateway-destination-endpoint","sources":["::1"]}"#),
+                "explain.header",
+                "routing_header",
+            ),
+            (
+                with(r#""explain":{"sources":["::1"],"from":["::1"]}"#),
+                "explain.from",
+                "not a known field",
+            ),
+            (
+                with(r#""explain":{"sources":["::1"],"access_log":"yes"}"#),
+                "explain.access_log",
+                "true or false",
+            ),
+            (with(r#""explain":{}"#), "explain", "explains nothing"),
+            (
+                with(r#""explain":{"sources":[]}"#),
+                "explain",
+                "explains nothing",
+            ),
+            (with(r#""explain":true"#), "explain", "JSON object"),
+        ];
+        for (json, field, says) in cases {
+            let e = Config::parse(json.as_bytes()).expect_err(&json);
+            assert_eq!(e.field, field, "config {json}: {e}");
+            assert!(e.to_string().contains(&format!("`{field}`")), "{e}");
+            assert!(e.reason.contains(says), "config {json}: {e}");
         }
     }
 

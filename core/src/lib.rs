@@ -20,9 +20,12 @@
 //! - `share`: what the VMs of one Envoy share through proxy-wasm's shared data (the fleet
 //!   snapshot and the books), behind a narrow `Store` trait: the bytes (`codec`), the books'
 //!   read-modify-writes (`ledger`), and a balancer's nodes to the snapshot and back (`fleet`).
-//! - `config`: the plugin configuration, typed and closed; `rng`: injectable randomness.
+//! - `config`: the plugin configuration, typed and closed; `rng`: injectable randomness;
+//!   `explain`: a decision in words (the debug header, a request's explanation) and the
+//!   networks an explanation may be asked from.
 
 pub mod config;
+pub mod explain;
 pub mod fleet;
 pub mod ingest;
 pub mod rng;

@@ -1,9 +1,10 @@
 //! The glue against a fake host (`fake`): a request's way through the filter (`requests`),
 //! the root context's configure, tick and callout answers (`roots`), how a node's telemetry
-//! is found when only its address is configured (`discovery`), and the per-node stats under
-//! churn (`metrics`).
+//! is found when only its address is configured (`discovery`), the per-node stats under
+//! churn (`metrics`), and the per-request explanation (`explain`).
 
 mod discovery;
+mod explain;
 mod metrics;
 mod requests;
 mod roots;

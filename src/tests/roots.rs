@@ -20,6 +20,8 @@ const NAMES: &[&str] = &[
     "fallback.no_fleet",
     "rejected.unknown_model",
     "client_routing_header_removed",
+    "explain.granted",
+    "explain.refused",
     "held",
     "held_routed_over_ceiling",
     "health.ok",

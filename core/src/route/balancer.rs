@@ -32,7 +32,7 @@ use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
-use crate::route::choice::{Ask, Growth, Params, Prefix};
+use crate::route::choice::{Ask, Growth, Params, Prefix, Ranked};
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 pub use crate::share::fleet::Imported;
@@ -61,6 +61,8 @@ pub enum Outcome {
         over_ceiling: bool,
         /// Requests this filter had in flight on the chosen node before this one (visibility).
         inflight_before: u64,
+        /// The nodes of the routing header, in its order, as they were weighed (visibility).
+        compared: Box<[Ranked]>,
     },
     /// No basis to choose: the routing header is not set and Envoy's fallback balancer routes.
     NoFreshNodes,
@@ -441,6 +443,7 @@ impl Balancer {
             predicted_seconds: first.seconds,
             over_ceiling,
             inflight_before,
+            compared: ranked.into_boxed_slice(),
         }
     }
 

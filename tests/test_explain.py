@@ -2,9 +2,13 @@
 
 A request that carries the explain header from a configured source (here 127.0.0.1, where the
 tests connect from) gets the explanation on its response; with only other networks configured
-it gets nothing; a request without the header never gets it; the header never goes upstream.
-With `explain.access_log`, Envoy's access log prints every request's explanation from the
-filter state."""
+it gets nothing, even when it forges an `x-forwarded-for` inside them; a request without the
+header never gets it; the header never goes upstream. With `explain.access_log`, Envoy's access
+log prints every request's explanation from the filter state.
+
+The listener sets `use_remote_address: true`, as docs/CONFIGURATION.md asks of a listener that
+lets sources ask: without it Envoy takes the request's source address from the client's own
+`x-forwarded-for`."""
 
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ def with_access_log(cfg: dict, path: Path) -> dict:
 def start(cluster, explain: dict, log: Path | None = None) -> Envoy:
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
                        plugin={"tick_ms": TICK_MS, "explain": explain})
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["use_remote_address"] = True
     if log is not None:
         cfg = with_access_log(cfg, log)
     return Envoy(cfg)
@@ -126,8 +132,10 @@ def test_another_source_gets_nothing(cluster):
         envoy = start(cluster, {"sources": ["10.0.0.0/8", "fd00::/8"]}, log)
         try:
             wait_routed(envoy)
-            for i in range(3):
-                r = envoy.post("/v1/chat/completions", chat(f"explain me {i}", 4), headers={EXPLAIN: "1"})
+            # A forged x-forwarded-for inside the sources changes nothing: the peer decides.
+            for i, forged in enumerate([None, "10.1.2.3", "127.0.0.1, 10.1.2.3"]):
+                headers = {EXPLAIN: "1", **({"x-forwarded-for": forged} if forged else {})}
+                r = envoy.post("/v1/chat/completions", chat(f"explain me {i}", 4), headers=headers)
                 assert r.status == 200
                 assert EXPLAIN not in r.headers, r.headers
                 # Routed all the same.

@@ -303,6 +303,16 @@ pub fn config(data: &[u8]) {
         .beliefs_path
         .as_deref()
         .map_or(true, |p| p.starts_with('/')));
+    if let Some(e) = &c.explain {
+        assert!(lower_header_name(&e.header));
+        assert_ne!(e.header, c.routing_header);
+        assert_ne!(Some(&e.header), c.debug_header.as_ref());
+        assert!(
+            !e.sources.is_empty() || e.access_log,
+            "an explain that explains nothing"
+        );
+        assert!(e.sources.len() <= token_balancer_core::config::MAX_EXPLAIN_SOURCES);
+    }
 
     // Written back out with every field explicit, the configuration parses to itself.
     let again = Config::parse(to_json(&c).to_string().as_bytes())
@@ -404,6 +414,14 @@ fn to_json(c: &Config) -> Value {
     }
     if let Some(p) = &c.beliefs_path {
         out["beliefs_path"] = json!(p);
+    }
+    if let Some(e) = &c.explain {
+        let sources: Vec<String> = e.sources.iter().map(ToString::to_string).collect();
+        out["explain"] = json!({
+            "header": e.header,
+            "sources": sources,
+            "access_log": e.access_log,
+        });
     }
     if let Some(m) = &c.membership {
         let mut d = node_json(&m.node_defaults);

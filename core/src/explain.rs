@@ -8,7 +8,7 @@
 //! `explain.header` from an allowed source; or the access log's filter state with
 //! `explain.access_log`. The explanation is the debug header's value with more fields: the
 //! verdict and why first, then the model, the weight and every node of the routing header with
-//! the predicted time to serve and KV-cache use it was weighed with. Both are one header value
+//! the predicted time to serve, KV-cache use and cached prompt tokens it was weighed with. Both are one header value
 //! of `key=value` fields separated by `; `.
 
 use crate::config::Rule;
@@ -140,6 +140,7 @@ impl Decision {
                             }
                             None => out.push_str("unknown"),
                         }
+                        let _ = write!(out, " cached={}", n.cached);
                     }
                 }
             }
@@ -314,7 +315,7 @@ mod tests {
                         node: 1,
                         seconds: 0.055,
                         kv_fraction: None,
-                        cached: 0,
+                        cached: 512,
                     },
                 ]
                 .into(),
@@ -365,7 +366,7 @@ mod tests {
             "decision=routed; why=shortest_predicted_time; model=llama-3-8b; \
              node=10.0.0.1:8000,[fd00::2]:8000; prompt_tokens=812; cached_tokens=512; output_tokens=214; \
              output_cap=1024; predicted_ms=41.7; inflight=3; held_ms=350; weight_tokens=1026; \
-             candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471,[fd00::2]:8000 predicted_ms=55.0 kv=unknown"
+             candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
         );
         let over = routed(true, None).render(full, Asked::default());
         assert!(

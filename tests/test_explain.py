@@ -3,7 +3,8 @@
 A request that carries the explain header from a configured source (here 127.0.0.1, where the
 tests connect from) gets the explanation on its response; with only other networks configured
 it gets nothing, even when it forges an `x-forwarded-for` inside them; a request without the
-header never gets it; the header never goes upstream. With `explain.access_log`, Envoy's access
+header never gets it; the header never goes upstream; the filter's own 404 for an unknown
+model carries it once. With `explain.access_log`, Envoy's access
 log prints every request's explanation from the filter state.
 
 The listener sets `use_remote_address: true`, as docs/CONFIGURATION.md asks of a listener that
@@ -12,12 +13,15 @@ lets sources ask: without it Envoy takes the request's source address from the c
 
 from __future__ import annotations
 
+import http.client
+import json
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
+
+from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until, with_node_settings
 
 TICK_MS = 100
 EXPLAIN = "x-token-balancer-explain"
@@ -47,9 +51,11 @@ def with_access_log(cfg: dict, path: Path) -> dict:
     return cfg
 
 
-def start(cluster, explain: dict, log: Path | None = None) -> Envoy:
+def start(cluster, explain: dict, log: Path | None = None, **plugin) -> Envoy:
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
-                       plugin={"tick_ms": TICK_MS, "explain": explain})
+                       plugin={"tick_ms": TICK_MS, "explain": explain, **plugin})
+    # The nodes serve mock-model only: another model is the filter's own 404 (unknown_model).
+    cfg = with_node_settings(cfg, [{"models": ["mock-model"]} for _ in cluster.nodes])
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["use_remote_address"] = True
     if log is not None:
@@ -73,7 +79,8 @@ def wait_routed(envoy: Envoy):
 def test_an_allowed_source_gets_the_explanation_and_the_access_log_has_every_decision(cluster):
     with tempfile.TemporaryDirectory(prefix="tb-explain-") as d:
         log = Path(d) / "access.log"
-        envoy = start(cluster, {"sources": ["127.0.0.1/32", "fd00::/8"], "access_log": True}, log)
+        envoy = start(cluster, {"sources": ["127.0.0.1/32", "fd00::/8"], "access_log": True}, log,
+                      unknown_model="reject")
         try:
             wait_routed(envoy)
             names = {n.name: n.address for n in cluster.nodes}
@@ -112,18 +119,32 @@ def test_an_allowed_source_gets_the_explanation_and_the_access_log_has_every_dec
             r = envoy.post("/v1/chat/completions", "not json", headers={EXPLAIN: "1",
                                                                         "content-type": "application/json"})
             assert r.headers.get(EXPLAIN) == "decision=fallback; why=body_unusable", r.headers
+            # The filter's own 404 carries the explanation once.
+            conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=30)
+            try:
+                conn.request("POST", "/v1/chat/completions", body=json.dumps(chat("who?", 4) | {"model": "no-such"}),
+                             headers={EXPLAIN: "1", "content-type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                explained = [v for k, v in resp.getheaders() if k.lower() == EXPLAIN]
+            finally:
+                conn.close()
+            assert resp.status == 404
+            assert explained == ["decision=rejected; why=unknown_model; model=no-such; "
+                                 f"prompt_tokens={fields(explained[0])['prompt_tokens']}; output_cap=4"], explained
             assert envoy.counter("token_balancer.explain.refused") == 0
 
             # The access log: one line per request (the warm-up ones included), each with its
             # explanation from the filter state, and never the explain header upstream.
             def logged():
                 lines = log.read_text().splitlines() if log.exists() else []
-                return lines if sum("decision=" in li for li in lines) >= 5 else None
+                return lines if sum("decision=" in li for li in lines) >= 6 else None
             lines = wait_until(logged, 10, lambda: f"access log lines ({log.read_text() if log.exists() else ''})")
             assert all(li.startswith("upstream_explain=- ") for li in lines), lines
             assert any(" decision=routed; why=shortest_predicted_time; model=mock-model; node=" in li
                        for li in lines), lines
             assert any(li.endswith(" decision=fallback; why=body_unusable") for li in lines), lines
+            assert any(" decision=rejected; why=unknown_model; model=no-such; " in li for li in lines), lines
         finally:
             envoy.stop()
 

@@ -794,6 +794,23 @@ impl Config {
             None => PrefixConfig::default(),
             Some(v) => parse_prefix(v)?,
         };
+        // The filter removes these from every request before reading any hint.
+        if let Some(h) = &prefix.session_header {
+            let taken = [
+                ("routing_header", Some(routing_header.as_str())),
+                ("debug_header", debug_header.as_deref()),
+                (
+                    "explain.header",
+                    explain.as_ref().map(|e| e.header.as_str()),
+                ),
+            ];
+            if let Some((other, _)) = taken.iter().find(|(_, t)| *t == Some(h.as_str())) {
+                return Err(err(
+                    "prefix.session_header",
+                    format!("is already `{other}`"),
+                ));
+            }
+        }
         Ok(Config {
             poller,
             prefix,
@@ -1023,6 +1040,84 @@ mod tests {
             let e = Config::parse(json.as_bytes()).expect_err(&json);
             assert_eq!(e.field, field, "config {json}: {e}");
             assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
+    fn prefix_parses_with_its_defaults_and_names_each_error() {
+        let c = Config::parse(MIN.as_bytes()).unwrap();
+        assert_eq!(c.prefix, PrefixConfig::default());
+        assert!(c.prefix.enabled);
+        let with = |p: &str| {
+            format!(r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h",{p}}}"#)
+        };
+        let c = Config::parse(
+            with(r#""prefix":{"enabled":false,"block_chars":64,"max_blocks":0,"blocks_per_node":9,"session_header":"x-session-id"}"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.prefix,
+            PrefixConfig {
+                enabled: false,
+                block_chars: 64,
+                max_blocks: 0,
+                blocks_per_node: 9,
+                session_header: Some("x-session-id".into()),
+            }
+        );
+        let cases = [
+            (
+                r#""prefix":{"enabled":"yes"}"#,
+                "prefix.enabled",
+                "true or false",
+            ),
+            (
+                r#""prefix":{"block_chars":8}"#,
+                "prefix.block_chars",
+                "between 16",
+            ),
+            (
+                r#""prefix":{"max_blocks":-1}"#,
+                "prefix.max_blocks",
+                "non-negative",
+            ),
+            (
+                r#""prefix":{"blocks_per_node":0}"#,
+                "prefix.blocks_per_node",
+                "between 1",
+            ),
+            (
+                r#""prefix":{"session_header":"X-Session"}"#,
+                "prefix.session_header",
+                "lower-case",
+            ),
+            (
+                r#""prefix":{"hint":"x"}"#,
+                "prefix.hint",
+                "not a known field",
+            ),
+            (r#""prefix":true"#, "prefix", "JSON object"),
+            (
+                r#""prefix":{"session_header":"x-gateway-destination-endpoint"}"#,
+                "prefix.session_header",
+                "routing_header",
+            ),
+            (
+                r#""debug_header":"x-tb","prefix":{"session_header":"x-tb"}"#,
+                "prefix.session_header",
+                "debug_header",
+            ),
+            (
+                r#""explain":{"sources":["127.0.0.1"]},"prefix":{"session_header":"x-token-balancer-explain"}"#,
+                "prefix.session_header",
+                "explain.header",
+            ),
+        ];
+        for (body, field, reason) in cases {
+            let e = Config::parse(with(body).as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{body}");
+            assert!(e.reason.contains(reason), "{body}: {}", e.reason);
         }
     }
 

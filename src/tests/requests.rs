@@ -259,3 +259,44 @@ fn without_a_beliefs_path_the_path_is_an_ordinary_request() {
     assert_eq!(host.stream(2).reply, None);
     assert_eq!(host.metric("token_balancer.fallback.no_body"), 1);
 }
+
+/// The configured session header is an affinity hint: short prompts of one session (no
+/// character block to match) go where the session's first went, whichever worker of a fleet
+/// of equals, and the hint is priced nowhere as cached.
+#[test]
+fn a_session_header_keeps_a_sessions_short_prompts_together() {
+    let (host, root) = reported(
+        &config(r#","prefix":{"session_header":"x-session-id"}"#),
+        IDLE,
+    );
+    let mut nodes = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+    for (id, session) in (2u32..).zip(["s1", "s2", "s1", "s3", "s2", "s1", "s3", "s4"]) {
+        let len = BODY.len().to_string();
+        let mut req = request(
+            &host,
+            &root,
+            id,
+            &[
+                (":path", "/v1/completions"),
+                ("content-length", &len),
+                ("x-session-id", session),
+            ],
+        );
+        host.stream(id).body = BODY.as_bytes().to_vec();
+        host.enter(id);
+        assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+        assert_eq!(req.on_http_request_body(BODY.len(), true), Action::Continue);
+        let routed = host.request_header_of(id, ROUTING).expect("routed");
+        let first = routed.split(',').next().unwrap().to_string();
+        nodes.entry(session.into()).or_default().insert(first);
+        // The session header reaches the node as the client sent it.
+        assert_eq!(
+            host.request_header_of(id, "x-session-id").as_deref(),
+            Some(session)
+        );
+        respond(&host, &mut req, id, "200");
+        end(&host, &mut req, id);
+    }
+    assert!(nodes.values().all(|n| n.len() == 1), "{nodes:?}");
+    assert_eq!(host.metric("token_balancer.prefix.cached_tokens"), 0);
+}

@@ -10,8 +10,11 @@
 //! median of several batches. Prints one line per fleet size, for the default power-of-two
 //! choices (`choices: 2`) and for the comparison of every node (`choices: 0`), and for fleets
 //! where only one node in 10 or in 100 has VRAM room (draws then often find none, and the
-//! decision falls back to comparing every node). Then the other pure work of a request: reading
-//! the weight and model from a 4 KiB chat body.
+//! decision falls back to comparing every node). The runs marked `prefix` route prompts that
+//! share long system prompts (50 tenants, 16 KiB each, 64 blocks of the prefix chain), priced on
+//! each node by the prefix index after a warm-up that fills it: the decision with its prefix
+//! lookups. Then the other pure work of a request: reading the weight and model from a 4 KiB
+//! chat body, without and with its prefix chain.
 
 use std::time::Instant;
 use token_balancer_core::config::Config;
@@ -59,32 +62,80 @@ fn fleet(n: usize, choices: usize, full_every: usize) -> Balancer {
     b
 }
 
+static NO_CHAIN: Chain = Chain::NONE;
+
+/// Chat bodies of 50 tenants (a 16 KiB system prompt each) with four questions each, read
+/// into their weights and prefix chains as the filter reads them.
+fn tenant_prompts() -> Vec<(Weight, Chain)> {
+    let mut out = Vec::new();
+    for t in 0..50 {
+        let system = format!("Tenant {t}: be brief and cite the handbook. ").repeat(400);
+        let system = system.get(..16_000).unwrap_or(&system).to_string();
+        for q in 0..4 {
+            let body = serde_json::json!({"model": "m", "max_tokens": 256, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("question {q} of tenant {t}")}]});
+            if let Some(e) =
+                request::read_with_chain(Api::Chat, body.to_string().as_bytes(), 256, Some(256))
+            {
+                out.push((e.weight, e.chain));
+            }
+        }
+    }
+    out
+}
+
 fn main() {
     let mut rng = SplitMix64::new(7);
-    println!("choices  nodes  with room  route+release, median us (min us)");
+    let prompts = tenant_prompts();
+    println!("choices  nodes  with room  prompts  route+release, median us (min us)");
     let runs = [
-        (2, 10, 1),
-        (2, 100, 1),
-        (2, 1000, 1),
-        (2, 1000, 10),
-        (2, 1000, 100),
-        (0, 10, 1),
-        (0, 100, 1),
-        (0, 1000, 1),
+        (2, 10, 1, false),
+        (2, 100, 1, false),
+        (2, 1000, 1, false),
+        (2, 1000, 10, false),
+        (2, 1000, 100, false),
+        (0, 10, 1, false),
+        (0, 100, 1, false),
+        (0, 1000, 1, false),
+        (2, 10, 1, true),
+        (2, 250, 1, true),
+        (2, 1000, 1, true),
+        (0, 1000, 1, true),
     ];
-    for (choices, n, full_every) in runs {
+    for (choices, n, full_every, prefix) in runs {
         let mut b = fleet(n, choices, full_every);
         let per_batch = (20_000 / n).max(20);
+        let mut k = 0usize;
+        let mut next = |batch: usize, r: usize| -> (Weight, &Chain) {
+            k += 1;
+            match prompts.get(k % prompts.len().max(1)) {
+                Some((w, c)) if prefix => (*w, c),
+                _ => (
+                    Weight {
+                        prompt_tokens: 200 + ((batch * per_batch + r) % 2000) as u64,
+                        output_tokens: 256,
+                    },
+                    &NO_CHAIN,
+                ),
+            }
+        };
+        // Fills the prefix index (where prompts have chains) before anything is timed.
+        for r in 0..2000 {
+            let (w, c) = next(0, r);
+            if let Outcome::Routed { ticket, .. } =
+                b.route(w, None, c, 1, &mut rng, false, &mut OwnBooks)
+            {
+                b.release(&ticket, 0);
+            }
+        }
         let mut batches = Vec::new();
         for batch in 0..15 {
             let start = Instant::now();
             for r in 0..per_batch {
-                let w = Weight {
-                    prompt_tokens: 200 + ((batch * per_batch + r) % 2000) as u64,
-                    output_tokens: 256,
-                };
+                let (w, c) = next(batch, r);
                 if let Outcome::Routed { ticket, .. } =
-                    b.route(w, None, &Chain::NONE, 1, &mut rng, false, &mut OwnBooks)
+                    b.route(w, None, c, 1, &mut rng, false, &mut OwnBooks)
                 {
                     b.release(&ticket, 0);
                 }
@@ -95,7 +146,8 @@ fn main() {
         let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
         let min = batches.first().copied().unwrap_or(f64::NAN);
         let room = format!("1/{full_every}");
-        println!("{choices:7}  {n:5}  {room:>9}  {median:8.2} ({min:.2})");
+        let kind = if prefix { "tenants" } else { "plain" };
+        println!("{choices:7}  {n:5}  {room:>9}  {kind:>7}  {median:8.2} ({min:.2})");
     }
     body_cost();
 }
@@ -107,22 +159,29 @@ fn body_cost() {
     let body = format!(
         r#"{{"model":"mock-model","max_tokens":16,"messages":[{{"role":"user","content":"{content}"}}]}}"#
     );
-    let mut batches = Vec::new();
-    let mut tokens = 0;
-    for _ in 0..15 {
-        let start = Instant::now();
-        for _ in 0..1000 {
-            tokens += request::read(Api::Chat, body.as_bytes(), 256)
-                .map_or(0, |e| e.weight.prompt_tokens);
+    for chain in [None, Some(256)] {
+        let mut batches = Vec::new();
+        let mut tokens = 0;
+        for _ in 0..15 {
+            let start = Instant::now();
+            for _ in 0..1000 {
+                tokens += request::read_with_chain(Api::Chat, body.as_bytes(), 256, chain)
+                    .map_or(0, |e| e.weight.prompt_tokens);
+            }
+            batches.push(start.elapsed().as_secs_f64() * 1e6 / 1000.0);
         }
-        batches.push(start.elapsed().as_secs_f64() * 1e6 / 1000.0);
+        batches.sort_by(f64::total_cmp);
+        let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
+        let min = batches.first().copied().unwrap_or(f64::NAN);
+        let with = if chain.is_some() {
+            "with its prefix chain"
+        } else {
+            "without a chain"
+        };
+        println!(
+            "request::read of a {}-byte chat body, {with}: {median:.2} us median ({min:.2} min; {} tokens)",
+            body.len(),
+            tokens / 15_000
+        );
     }
-    batches.sort_by(f64::total_cmp);
-    let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
-    let min = batches.first().copied().unwrap_or(f64::NAN);
-    println!(
-        "request::read of a {}-byte chat body: {median:.2} us median ({min:.2} min; {} tokens)",
-        body.len(),
-        tokens / 15_000
-    );
 }

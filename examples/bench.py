@@ -125,7 +125,7 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
     cluster = MockCluster(CLUSTER, time_scale=args.time_scale)
     envoy = None
     try:
-        envoy = Envoy(envoy_for(policy, [n.address for n in cluster.nodes]))
+        envoy = Envoy(envoy_for(policy, [n.address for n in cluster.nodes]), concurrency=args.concurrency)
         if policy in ("naive_seed", "token_balancer", *VARIANTS):
             wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2 * len(CLUSTER), 10,
                        "first health reports")
@@ -296,6 +296,8 @@ def main():
                     help="comma-separated GPU presets of the nodes, fast first (default a100,a100,l4,l4)")
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--tenants", default="40", help="tenants of the generated tenants workload")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="Envoy worker threads (each keeps its own prefix index)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--name", default="")
     ap.add_argument("--sweep", default="", help="comma-separated rates: report the SLO capacity per policy")

@@ -41,7 +41,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Books a full comparison brings up to date at most (see `ranking`). With the drawn
 /// candidates' (at most twice the number of choices, see `candidates::sample`), a decision
-/// reads at most `2 * choices + COMPARISON_READS` books from its `BookSource`, however large
+/// and the nodes a prompt's prefix adds (at most `1 + choice::LONGEST_JOINERS`), reads at
+/// most `2 * choices + 3 + COMPARISON_READS` books from its `BookSource`, however large
 /// the fleet.
 pub const COMPARISON_READS: usize = 8;
 /// Weight of the newest request in the running mean of request size (used to turn a reported

@@ -287,6 +287,57 @@ mod tests {
         n
     }
 
+    /// Weighted rendezvous: over many keys each member is preferred in proportion to its
+    /// capacity, and a member leaving moves only the keys it was preferred for.
+    #[test]
+    fn the_preferred_member_follows_capacity_and_moves_little() {
+        let named = |a: &str, c: f64| {
+            let mut n = NodeState::new(a, None, None);
+            n.accept_report(
+                Report {
+                    load_tokens_per_sec: 0.0,
+                    capacity_tokens_per_sec: Some(c),
+                    ..Report::default()
+                },
+                0,
+            );
+            n
+        };
+        let fleet = |n: usize| -> Vec<NodeState> {
+            (0..n)
+                .map(|i| {
+                    named(
+                        &format!("10.0.0.{i}:8000"),
+                        if i == 0 { 3000.0 } else { 1000.0 },
+                    )
+                })
+                .collect()
+        };
+        let mut pool = Pool::default();
+        pool.refresh(&fleet(4), 0, P.stale_after_ms);
+        let keys: Vec<u64> = (0..6000u64).map(|k| finish(k)).collect();
+        let before: Vec<usize> = keys.iter().map(|&k| pool.preferred(k).unwrap()).collect();
+        let share = |node: usize| before.iter().filter(|&&n| n == node).count() as f64 / 6000.0;
+        // Capacities 3:1:1:1: half the keys to node 0, a sixth to each other.
+        assert!((share(0) - 0.5).abs() < 0.03, "{}", share(0));
+        assert!((share(1) - 1.0 / 6.0).abs() < 0.03, "{}", share(1));
+        // Node 3 leaves: only its keys move.
+        let mut smaller = fleet(4);
+        smaller[3].note_failure();
+        smaller[3].note_failure();
+        pool.refresh(&smaller, 0, P.stale_after_ms);
+        pool.invalidate();
+        pool.refresh(&smaller, 0, P.stale_after_ms);
+        for (&k, &was) in keys.iter().zip(&before) {
+            let now = pool.preferred(k).unwrap();
+            if was != 3 {
+                assert_eq!(now, was);
+            } else {
+                assert_ne!(now, 3);
+            }
+        }
+    }
+
     #[test]
     fn members_are_the_fresh_nodes_not_ejected() {
         let mut ejected = node(Some(100.0), Some(0));

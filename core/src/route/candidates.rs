@@ -315,7 +315,7 @@ mod tests {
         };
         let mut pool = Pool::default();
         pool.refresh(&fleet(4), 0, P.stale_after_ms);
-        let keys: Vec<u64> = (0..6000u64).map(|k| finish(k)).collect();
+        let keys: Vec<u64> = (0..6000u64).map(finish).collect();
         let before: Vec<usize> = keys.iter().map(|&k| pool.preferred(k).unwrap()).collect();
         let share = |node: usize| before.iter().filter(|&&n| n == node).count() as f64 / 6000.0;
         // Capacities 3:1:1:1: half the keys to node 0, a sixth to each other.

@@ -12,6 +12,7 @@ use log::warn;
 use proxy_wasm::types::MetricType;
 use std::collections::HashMap;
 use token_balancer_core::route::balancer::MAX_NODES;
+use token_balancer_core::share::journal::JournalCounts;
 use token_balancer_core::share::sync::Counts;
 
 /// Whether a stat counts events or holds a level.
@@ -95,6 +96,10 @@ stats! {
     PrefixCachedTokens Counter "token_balancer.prefix.cached_tokens",
     PrefixBlocks Gauge "token_balancer.prefix.blocks",
     PrefixBytes Gauge "token_balancer.prefix.bytes",
+    PrefixSharedPublished Counter "token_balancer.prefix.shared_published",
+    PrefixSharedDropped Counter "token_balancer.prefix.shared_dropped",
+    PrefixSharedTaken Counter "token_balancer.prefix.shared_taken",
+    PrefixSharedMissed Counter "token_balancer.prefix.shared_missed",
 }
 
 /// A counter per node, named `token_balancer.node.<address>.<name>`
@@ -303,6 +308,23 @@ impl<H: Host> Metrics<H> {
             (Stat::SharedBooksGone, c.books_gone),
             (Stat::SharedPublished, c.published),
             (Stat::SharedImported, c.imported),
+        ] {
+            if n > 0 {
+                self.shift(stat, i64::from(n));
+            }
+        }
+    }
+
+    /// Counts what became of one step of the placements journal (`share::journal`); its
+    /// CAS retries and host failures count with the books' (`shared.*`).
+    pub fn count_journal(&self, c: &JournalCounts) {
+        for (stat, n) in [
+            (Stat::PrefixSharedPublished, c.published),
+            (Stat::PrefixSharedDropped, c.dropped),
+            (Stat::PrefixSharedTaken, c.taken),
+            (Stat::PrefixSharedMissed, c.missed),
+            (Stat::SharedCasRetries, c.cas_retries),
+            (Stat::SharedFailed, c.failed),
         ] {
             if n > 0 {
                 self.shift(stat, i64::from(n));

@@ -39,8 +39,9 @@ pub enum Role {
 
 impl Role {
     /// The role of a VM configured with `config`, `is_poller` when its root_id is the poller
-    /// service's, started at `now_ms`. `None`: the poller service must be `singleton`.
-    pub fn new(config: &Config, is_poller: bool, now_ms: u64) -> Option<Role> {
+    /// service's, started at `now_ms`; `id` tells this VM from the others of the Envoy. `None`:
+    /// the poller service must be `singleton`.
+    pub fn new(config: &Config, is_poller: bool, now_ms: u64, id: u64) -> Option<Role> {
         match (is_poller, config.poller) {
             (true, Poller::Singleton) => Some(Role::Service(
                 Polls::new(config),
@@ -49,7 +50,7 @@ impl Role {
                 sync::Service::new(config.nodes.iter().map(|n| n.address.as_str()), now_ms),
             )),
             (true, Poller::Vm) => None,
-            (false, Poller::Singleton) => Some(Role::Reader(sync::Reader::default())),
+            (false, Poller::Singleton) => Some(Role::Reader(sync::Reader::new(id))),
             (false, Poller::Vm) => Some(Role::Vm(Polls::new(config))),
         }
     }
@@ -85,6 +86,7 @@ impl<H: Host> State<H> {
         now_ms: u64,
         may_hold: bool,
     ) -> (Outcome, Reads) {
+        self.follow_placements(now_ms);
         let Role::Reader(reader) = &self.role else {
             let outcome = self.balancer.route(
                 weight,
@@ -109,7 +111,25 @@ impl<H: Host> State<H> {
         );
         let (reads, counts) = books.finish();
         self.metrics.count(&counts);
+        self.publish_placements();
         (outcome, reads)
+    }
+
+    /// Reader: takes the other workers' placements into this VM's prefix index
+    /// (`share::journal`).
+    fn follow_placements(&mut self, now_ms: u64) {
+        if let Role::Reader(reader) = &mut self.role {
+            let c = reader.follow_placements(&mut self.host, &mut self.balancer, now_ms);
+            self.metrics.count_journal(&c);
+        }
+    }
+
+    /// Reader: publishes this VM's placements for the other workers.
+    fn publish_placements(&mut self) {
+        if let Role::Reader(reader) = &mut self.role {
+            let c = reader.publish_placements(&mut self.host, &mut self.balancer);
+            self.metrics.count_journal(&c);
+        }
     }
 
     /// The filter's beliefs at `now_ms` as JSON (see `route::beliefs`): a reader's with the
@@ -134,6 +154,7 @@ impl<H: Host> State<H> {
     /// Takes the held requests that may now go out of the queue, with their outcomes
     /// (`HoldQueue::admit`, with the books `decide` uses).
     pub fn admit(&mut self, now_ms: u64) -> Vec<(Held<Placement>, Outcome)> {
+        self.follow_placements(now_ms);
         let Role::Reader(reader) = &self.role else {
             return self
                 .held
@@ -145,6 +166,7 @@ impl<H: Host> State<H> {
             .admit(now_ms, &mut self.balancer, &mut self.rng, &mut books);
         let (_, counts) = books.finish();
         self.metrics.count(&counts);
+        self.publish_placements();
         admitted
     }
 

@@ -71,9 +71,12 @@ impl<H: Host> State<H> {
             host.clone(),
             config.nodes.iter().map(|n| n.address.as_str()),
         );
+        let mut balancer = Balancer::new(&config);
+        // A reader's placements are published for the other workers' prefix indexes.
+        balancer.keep_placements(matches!(role, Role::Reader(_)));
         State {
             host,
-            balancer: Balancer::new(&config),
+            balancer,
             rng: SplitMix64::new(seed),
             metrics,
             held: HoldQueue::new(config.max_held_requests, config.max_hold_ms),

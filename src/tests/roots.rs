@@ -50,6 +50,10 @@ const NAMES: &[&str] = &[
     "shared.imported",
     "prefix.prompt_tokens",
     "prefix.cached_tokens",
+    "prefix.shared_published",
+    "prefix.shared_dropped",
+    "prefix.shared_taken",
+    "prefix.shared_missed",
 ];
 const GAUGES: &[&str] = &[
     "held_now",
@@ -298,4 +302,50 @@ fn a_model_list_answer_becomes_its_nodes_list() {
     let nodes = state.as_ref().unwrap().balancer.nodes();
     assert_eq!(nodes[0].models().listed(), Some(&["m".to_string()][..]));
     assert_eq!(nodes[1].models().listed(), None);
+}
+
+#[test]
+fn a_workers_placements_reach_the_other_workers_prefix_index() {
+    let (host, _service, first) = singleton();
+    host.enter(200);
+    let mut second = Root::new(200, host.clone());
+    assert!(second.on_configure(0));
+    let long = format!(
+        r#"{{"model":"m","prompt":"{}","max_tokens":20}}"#,
+        "You are a careful assistant. ".repeat(60)
+    );
+    let (mut req, _, body) = post(&host, &first, 2, &long);
+    assert_eq!(body, Action::Continue);
+    let routed = host.request_header_of(2, ROUTING).unwrap();
+    end(&host, &mut req, 2);
+    let (there, elsewhere) = if routed.starts_with(A) {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!(host.metric("token_balancer.prefix.shared_published"), 1);
+    let held = |root: &Root<FakeHost>, node: usize| {
+        let state = root.state().borrow();
+        let ix = state.as_ref().unwrap().balancer.prefixes().unwrap().clone();
+        ix.held_by(node)
+    };
+    assert_eq!(
+        held(&second, there),
+        0,
+        "not before the second worker decides"
+    );
+    // The second worker's next decision takes the first's placement in first.
+    host.advance(20);
+    let (mut req, _, _) = post(&host, &second, 3, BODY);
+    end(&host, &mut req, 3);
+    assert!(held(&first, there) >= 6, "{}", held(&first, there));
+    assert_eq!(held(&second, there), held(&first, there));
+    assert_eq!(held(&second, elsewhere), 0);
+    assert_eq!(host.metric("token_balancer.prefix.shared_taken"), 1);
+    assert_eq!(host.metric("token_balancer.prefix.shared_missed"), 0);
+    assert_eq!(host.metric("token_balancer.prefix.shared_dropped"), 0);
+    // And prices the same prompt where it is held.
+    host.advance(20);
+    let (_req, _, _) = post(&host, &second, 4, &long);
+    assert_eq!(host.request_header_of(4, ROUTING).unwrap(), routed);
 }

@@ -97,7 +97,13 @@ pub struct Balancer {
     /// Characters of rendered prompt a chain's block covers (for a node's cache size in
     /// blocks).
     block_chars: usize,
+    /// The placements made since the last `take_placements`, kept only while another VM
+    /// shares this index (`share::journal`): (node, the chain's blocks).
+    placements: Option<Vec<(usize, Vec<u64>)>>,
 }
+
+/// Placements kept for `take_placements` at most; the glue takes them after every decision.
+const MAX_PLACEMENTS: usize = 64;
 
 impl Balancer {
     pub fn new(cfg: &Config) -> Self {
@@ -123,6 +129,31 @@ impl Balancer {
                 .enabled
                 .then(|| PrefixIndex::new(cfg.prefix.max_blocks, cfg.prefix.blocks_per_node)),
             block_chars: cfg.prefix.block_chars,
+            placements: None,
+        }
+    }
+
+    /// Keeps the placements this balancer makes for `take_placements` (`on`), for another
+    /// VM's index to learn them (`share::journal`).
+    pub fn keep_placements(&mut self, on: bool) {
+        self.placements = on.then(Vec::new);
+    }
+
+    /// The placements made since the last call: (node, the chain's blocks), in order.
+    pub fn take_placements(&mut self) -> Vec<(usize, Vec<u64>)> {
+        self.placements
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Another router sent a prompt with chain `blocks` to node `node`: it is believed
+    /// cached there, as this balancer's own placements are.
+    pub fn believe_placed(&mut self, node: usize, blocks: &[u64]) {
+        if let Some(ix) = self.prefixes.as_mut() {
+            if node < self.fleet.nodes().len() {
+                ix.record(node, blocks);
+            }
         }
     }
 
@@ -436,6 +467,11 @@ impl Balancer {
         };
         if let Some(ix) = self.prefixes.as_mut() {
             ix.record(first.node, &chain.blocks);
+            if let Some(kept) = self.placements.as_mut() {
+                if kept.len() < MAX_PLACEMENTS && !chain.blocks.is_empty() {
+                    kept.push((first.node, chain.blocks.clone()));
+                }
+            }
         }
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {

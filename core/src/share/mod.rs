@@ -51,6 +51,7 @@
 //! back), `sync` (the protocol between the poller service and the workers' VMs over them).
 pub mod codec;
 pub mod fleet;
+pub mod journal;
 pub mod ledger;
 pub mod sync;
 #[cfg(test)]

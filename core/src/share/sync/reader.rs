@@ -1,9 +1,11 @@
 //! The filter VM's side of the sync: the fleet snapshot followed through the version record,
-//! the books keys mapped by address, and the reader's writes to the shared books.
+//! the books keys mapped by address, the reader's writes to the shared books, and its side of
+//! the placements journal.
 
 use super::{BookKey, Counts, VERSION_RECHECK_MS};
 use crate::fleet::node::Ticket;
 use crate::route::balancer::{Balancer, BookSource};
+use crate::share::journal::{Journal, JournalCounts};
 use crate::share::{
     Books, Change, Ledger, Read, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
@@ -72,9 +74,61 @@ pub struct Reader {
     fleet_ok: bool,
     /// The loss of the fleet has been reported (once until it is back).
     warned: bool,
+    /// Where every worker's prompts went (see `share::journal`).
+    pub(crate) journal: Journal,
 }
 
 impl Reader {
+    /// The reader of the VM known as `writer` in the placements journal (any number unlikely
+    /// to be another VM's).
+    pub fn new(writer: u64) -> Reader {
+        Reader {
+            journal: Journal::new(writer),
+            ..Reader::default()
+        }
+    }
+
+    /// Publishes the placements `balancer` made since the last call (`share::journal`), for
+    /// the other workers' prefix indexes. A placement on a node without books key (not in
+    /// the poller's fleet) is not published.
+    pub fn publish_placements<S: Store>(
+        &mut self,
+        store: &mut S,
+        balancer: &mut Balancer,
+    ) -> JournalCounts {
+        let mut counts = JournalCounts::default();
+        for (node, blocks) in balancer.take_placements() {
+            if let Some(Some(book)) = self.keys.get(node) {
+                let c = self.journal.publish(store, book.slot, book.tenant, &blocks);
+                counts.add(c);
+            }
+        }
+        counts
+    }
+
+    /// Takes the other workers' placements into `balancer`'s prefix index, at most once per
+    /// `journal::FOLLOW_MS`; one whose slot now counts for another address is dropped.
+    pub fn follow_placements<S: Store>(
+        &mut self,
+        store: &mut S,
+        balancer: &mut Balancer,
+        now_ms: u64,
+    ) -> JournalCounts {
+        if balancer.chain_block_chars().is_none() {
+            return JournalCounts::default();
+        }
+        let keys = &self.keys;
+        self.journal.follow(store, now_ms, |slot, tenant, blocks| {
+            let node = keys.iter().position(|k| {
+                k.as_ref()
+                    .is_some_and(|b| b.slot == slot && b.tenant == tenant)
+            });
+            if let Some(node) = node {
+                balancer.believe_placed(node, blocks);
+            }
+        })
+    }
+
     /// Takes in a new fleet snapshot if the version moved, and says whether there is a usable
     /// one (present, and the poller's heartbeat no older than `stale_after_ms`). One store
     /// call when nothing changed, none within `VERSION_RECHECK_MS` of the last look while the

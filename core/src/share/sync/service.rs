@@ -4,6 +4,7 @@
 use super::{BookKey, Counts};
 use crate::fleet::node::tenant_of;
 use crate::route::balancer::{Balancer, MemberChange};
+use crate::share::journal;
 use crate::share::{
     ensure_books, totals, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
@@ -37,14 +38,18 @@ impl Service {
         }
     }
 
-    /// Creates the books of every configured node (kept where they already count for it):
-    /// they exist before any worker routes, since workers never create books.
+    /// Creates the books of every configured node (kept where they already count for it) and
+    /// the placements journal's head: they exist before any worker routes, since workers
+    /// never create keys.
     pub fn claim_all<S: Store>(&self, store: &mut S) -> Counts {
         let mut counts = Counts::default();
         for book in self.keys.iter().flatten() {
             if ensure_books(store, &book.key, book.tenant).is_err() {
                 counts.fail();
             }
+        }
+        if journal::ensure_head(store).is_err() {
+            counts.fail();
         }
         counts
     }

@@ -345,3 +345,66 @@ fn counts_follow_what_each_write_became() {
         }
     );
 }
+
+#[test]
+fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
+    use crate::ingest::prompt::Chain;
+    use crate::rng::SplitMix64;
+    use crate::route::balancer::{Outcome, OwnBooks};
+    let mut store = Mem::default();
+    let (_s, mut sb) = started(&mut store, &[A, B], 1000);
+    report(&mut sb, 1, 1000);
+    let (mut r1, mut b1) = (Reader::new(1), balancer(&[A, B]));
+    let (mut r2, mut b2) = (Reader::new(2), balancer(&[B, A]));
+    b1.keep_placements(true);
+    for (r, b) in [(&mut r1, &mut b1), (&mut r2, &mut b2)] {
+        assert!(r.sync(&mut store, b, 1000, STALE).usable);
+    }
+    let chain = Chain {
+        blocks: vec![11, 12, 13],
+        rendered: 3 * 256,
+        block_chars: 256,
+        hint: None,
+    };
+    let weight = Weight {
+        prompt_tokens: 192,
+        output_tokens: 10,
+    };
+    let out = b1.route(
+        weight,
+        None,
+        &chain,
+        1000,
+        &mut SplitMix64::new(7),
+        false,
+        &mut OwnBooks,
+    );
+    let Outcome::Routed { ticket, .. } = out else {
+        panic!("{out:?}")
+    };
+    let address = b1.nodes()[ticket.node].address().to_string();
+    assert_eq!(r1.publish_placements(&mut store, &mut b1).published, 1);
+    assert!(b1.take_placements().is_empty(), "taken once");
+    // The second reader lists the nodes in another order: found by slot and address.
+    let taken = r2.follow_placements(&mut store, &mut b2, 1000);
+    assert_eq!((taken.taken, taken.missed), (1, 0));
+    let there = b2
+        .nodes()
+        .iter()
+        .position(|n| n.address() == address)
+        .unwrap();
+    let ix = b2.prefixes().unwrap();
+    assert_eq!(ix.matched(there, &chain.blocks), 3);
+    assert_eq!(ix.matched(1 - there, &chain.blocks), 0);
+    // A placement whose slot now counts for another address is dropped.
+    let slot = r1.key(ticket.node).unwrap().slot;
+    r1.journal
+        .publish(&mut store, slot, tenant_of("10.9.9.9:1"), &[21, 22]);
+    assert_eq!(
+        r2.follow_placements(&mut store, &mut b2, 1000 + 10).taken,
+        1
+    );
+    let ix = b2.prefixes().unwrap();
+    assert_eq!(ix.matched(there, &[21, 22]), 0);
+    assert_eq!(ix.matched(1 - there, &[21, 22]), 0);
+}

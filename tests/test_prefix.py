@@ -138,6 +138,9 @@ def test_the_engines_own_hit_counts_are_published_beside_the_prediction():
     try:
         wait_until(lambda: envoy.counter("token_balancer.telemetry.discovered") >= 2, 15,
                    "the nodes' metrics to be found")
+        # Found is not yet reported: two rounds of reports from the metrics pages.
+        wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 4, 15,
+                   "the nodes' first reports from their metrics")
         system = system_prompt("tenant-vllm")
         served = [ask(envoy, system, f"Turn {i}") for i in range(6)]
         home = served[0][0]
@@ -158,3 +161,29 @@ def test_the_engines_own_hit_counts_are_published_beside_the_prediction():
     finally:
         envoy.stop()
         cluster.stop()
+
+
+def test_the_workers_of_one_envoy_know_where_each_other_sent_a_prompt(cluster):
+    """With the poller service and four workers, each new connection may land on another
+    worker: every worker prices a tenant's turns as cached on the node the first turn went to,
+    though only one worker routed that turn (the placements journal in shared data)."""
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}, poller="singleton")
+    envoy = Envoy(cfg, concurrency=4)
+    try:
+        wait_until(lambda: envoy.counter("token_balancer.shared.imported") >= 4, 15,
+                   "every worker to take in the poller's fleet")
+        system = system_prompt("tenant-across-workers")
+        home, _, first = ask(envoy, system, "First question")
+        assert int(first["cached_tokens"]) == 0, first
+        turns = [ask(envoy, system, f"Question {i}") for i in range(16)]
+        assert all(node == home for node, _, _ in turns), turns
+        assert all(int(debug["cached_tokens"]) > 2000 for _, _, debug in turns), turns
+        c = envoy.counters()
+        # Each request is a new connection: some went to workers that did not route the first.
+        assert c["token_balancer.prefix.shared_taken"] >= 1, c
+        assert c["token_balancer.prefix.shared_published"] == 17, c
+        assert c["token_balancer.prefix.shared_missed"] == 0, c
+        assert c["token_balancer.prefix.shared_dropped"] == 0, c
+    finally:
+        envoy.stop()

@@ -158,6 +158,9 @@ struct Record {
     /// Prompt tokens the serving engine found in its prefix cache (the mock's benchmark-only
     /// `x-mock-prefix-hit-tokens` header).
     cached: u64,
+    /// The prompt's first shared block (what `x-prefix-key` carries), to tell which
+    /// requests share a prefix.
+    prefix_key: String,
     error: Option<String>,
 }
 
@@ -178,7 +181,7 @@ impl Record {
                "output_tokens": self.output_tokens, "status": self.status, "node": self.node,
                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms, "tpot_ms": self.tpot_ms(),
                "tokens_received": self.tokens_received, "seen_before": self.seen_before,
-               "cached": self.cached, "error": self.error})
+               "cached": self.cached, "prefix_key": self.prefix_key, "error": self.error})
     }
 }
 
@@ -399,6 +402,7 @@ async fn main() {
                 prompt_tokens,
                 output_tokens: output,
                 seen_before,
+                prefix_key: prefix_key.clone(),
                 ..Record::default()
             };
             let timeout = Duration::from_secs_f64(args.timeout_s);

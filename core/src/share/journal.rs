@@ -28,6 +28,7 @@
 
 use super::codec;
 use super::{SetError, Store, StoreFailed, MAX_CAS_RETRIES};
+use std::collections::VecDeque;
 
 /// Key of the journal's head (the next sequence number, 8 bytes little-endian).
 pub const HEAD_KEY: &str = "token_balancer.prefix.head";
@@ -136,8 +137,11 @@ impl JournalCounts {
 /// One VM's side of the journal (see the module).
 #[derive(Debug, Clone, Default)]
 pub struct Journal {
-    /// Who this VM is in the entries it writes.
+    /// Who this VM is in the entries it writes (for a reader of the store; a VM tells its
+    /// own entries by their numbers, `own`).
     writer: u64,
+    /// The numbers of this VM's latest entries (at most `SLOTS`): already in its index.
+    own: VecDeque<u64>,
     /// The next entry to read; `None` before the first look.
     next: Option<u64>,
     followed_ms: Option<u64>,
@@ -154,7 +158,7 @@ impl Journal {
 
     /// Publishes that `blocks` were sent to the node in `slot` counting for `tenant`.
     pub fn publish<S: Store>(
-        &self,
+        &mut self,
         store: &mut S,
         slot: usize,
         tenant: u64,
@@ -199,6 +203,10 @@ impl Journal {
                 c.failed = 1;
                 break;
             }
+            if self.own.len() >= SLOTS as usize {
+                self.own.pop_front();
+            }
+            self.own.push_back(seq);
             c.published = 1;
             return c;
         }
@@ -254,7 +262,7 @@ impl Journal {
             };
             match read.as_ref().map(|(bytes, _)| Entry::decode(bytes)) {
                 Some(Some(e)) if e.seq == next => {
-                    if e.writer != self.writer {
+                    if !self.own.contains(&e.seq) {
                         take(e.slot as usize, e.tenant, &e.blocks);
                         c.taken = c.taken.saturating_add(1);
                     }
@@ -331,7 +339,7 @@ mod tests {
     #[test]
     fn a_reader_takes_the_others_placements_in_order_and_not_its_own() {
         let mut s = store();
-        let (mut a, b) = (Journal::new(1), Journal::new(2));
+        let (mut a, mut b) = (Journal::new(1), Journal::new(2));
         assert_eq!(b.publish(&mut s, 0, 10, &[1, 2]).published, 1);
         assert_eq!(a.publish(&mut s, 1, 11, &[3]).published, 1);
         assert_eq!(b.publish(&mut s, 2, 12, &[4, 5, 6]).published, 1);
@@ -345,6 +353,17 @@ mod tests {
         b.publish(&mut s, 1, 11, &[7]);
         assert!(follow(&mut a, &mut s, 9).0.is_empty());
         assert_eq!(follow(&mut a, &mut s, 10).0, vec![(1, 11, vec![7])]);
+    }
+
+    #[test]
+    fn a_vm_tells_its_own_entries_by_their_numbers_not_by_its_name() {
+        // Two VMs that happen to carry the same name still learn from each other.
+        let mut s = store();
+        let (mut a, mut b) = (Journal::new(5), Journal::new(5));
+        a.publish(&mut s, 0, 1, &[1]);
+        b.publish(&mut s, 1, 2, &[2]);
+        assert_eq!(follow(&mut a, &mut s, 0).0, vec![(1, 2, vec![2])]);
+        assert_eq!(follow(&mut b, &mut s, 0).0, vec![(0, 1, vec![1])]);
     }
 
     #[test]
@@ -405,7 +424,7 @@ mod tests {
     #[test]
     fn an_entry_claimed_but_not_written_is_waited_for_then_skipped_after_lag_entries() {
         let mut s = store();
-        let w = Journal::new(1);
+        let mut w = Journal::new(1);
         let mut r = Journal::new(2);
         w.publish(&mut s, 0, 1, &[1]);
         // A writer claimed number 1 and has not written its entry yet.
@@ -447,7 +466,7 @@ mod tests {
     #[test]
     fn the_journal_is_bounded_and_a_reader_behind_by_a_lap_skips_what_was_overwritten() {
         let mut s = store();
-        let w = Journal::new(1);
+        let mut w = Journal::new(1);
         let mut r = Journal::new(2);
         let _ = follow(&mut r, &mut s, 0);
         for i in 0..(SLOTS + 10) {

@@ -17,6 +17,7 @@ survives the node going down, and a node back with another list is learned anew.
 from __future__ import annotations
 
 import collections
+import copy
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -50,10 +51,19 @@ def concurrent_spread(envoy, n: int, body, clients: int = 8) -> collections.Coun
     """`n` requests from `clients` clients at once. Sequential requests would each end before
     the next is placed, so every choice would see no work in flight and follow the reported
     load alone, which lags by its measuring window; with requests in flight, each one counts
-    on its node until it ends, as in real traffic."""
+    on its node until it ends, as in real traffic. Each request opens with its own words, so no
+    two share a cached prefix (prefix affinity is tested in test_prefix.py)."""
     with ThreadPoolExecutor(clients) as pool:
-        return collections.Counter(pool.map(lambda _: served_by(envoy.post("/v1/chat/completions", body)),
-                                            range(n)))
+        return collections.Counter(pool.map(
+            lambda i: served_by(envoy.post("/v1/chat/completions", own_opening(body, i))), range(n)))
+
+
+def own_opening(body: dict, i: int) -> dict:
+    """`body` with its first message opening with request `i`'s own words."""
+    body = copy.deepcopy(body)
+    first = body["messages"][0]
+    first["content"] = f"Request {i}. " + first["content"]
+    return body
 
 
 # About 200 prompt tokens: each request's own weight, counted on its node while it is in flight,

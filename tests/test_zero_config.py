@@ -14,6 +14,7 @@ a gauge and a warning saying what was tried and what to do; a node that is down 
 from __future__ import annotations
 
 import collections
+import copy
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -44,10 +45,21 @@ def served_by(r) -> str:
     return r.headers["x-mock-node"]
 
 
-def spread(envoy, n: int, body, clients: int = 8) -> collections.Counter:
+def spread(envoy, n: int, body, clients: int = 8, own: bool = True) -> collections.Counter:
+    """`n` requests from `clients` clients at once; with `own`, each opens with its own words,
+    so no two share a cached prefix (prefix affinity is tested in test_prefix.py)."""
     with ThreadPoolExecutor(clients) as pool:
-        return collections.Counter(pool.map(lambda _: served_by(envoy.post("/v1/chat/completions", body)),
-                                            range(n)))
+        return collections.Counter(pool.map(
+            lambda i: served_by(envoy.post("/v1/chat/completions", own_opening(body, i) if own else body)),
+            range(n)))
+
+
+def own_opening(body: dict, i: int) -> dict:
+    """`body` with its first message opening with request `i`'s own words."""
+    body = copy.deepcopy(body)
+    first = body["messages"][0]
+    first["content"] = f"Request {i}. " + first["content"]
+    return body
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +149,9 @@ def test_a_llamacpp_node_gets_no_prompt_longer_than_its_context():
         wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 8, 10, "reports")
         # About 1,000 tokens: over the cramped node's 256 (it would answer 400), inside 8,192.
         long = chat("lorem ipsum dolor sit amet " * 150, 2)
-        assert spread(envoy, 20, long) == {"roomy": 20}
+        # The same long prompt each time: with twenty different ones, the short requests below
+        # all went to the cramped node (the roomy one still reporting the long ones' load).
+        assert spread(envoy, 20, long, own=False) == {"roomy": 20}
         # Short prompts still go to both; any model name is served.
         assert set(spread(envoy, 30, chat("Say hi.", 2, model="whatever"))) == {"cramped", "roomy"}
     finally:

@@ -60,8 +60,6 @@ pub struct World {
     pub defines: usize,
     pub shared: HashMap<String, (Vec<u8>, u32)>,
     cas: u32,
-    /// `clock_ns` answers: one more on every call, so each VM configured gets its own.
-    ns: u64,
     /// Header writes fail (Envoy refusing them).
     pub refuse_headers: bool,
 }
@@ -154,12 +152,6 @@ impl Store for FakeHost {
 impl Host for FakeHost {
     fn now_ms(&self) -> u64 {
         self.world().now_ms
-    }
-
-    fn clock_ns(&self) -> u64 {
-        let mut w = self.world();
-        w.ns += 1;
-        w.now_ms.saturating_mul(1_000_000).saturating_add(w.ns)
     }
 
     fn request_header(&self, name: &str) -> Option<String> {

@@ -22,10 +22,6 @@ pub trait Host: Store + Clone + 'static {
     /// Wall-clock time, ms since the epoch; 0 if the host cannot say.
     fn now_ms(&self) -> u64;
 
-    /// Wall-clock time in ns since the epoch, to tell apart VMs started within one ms (it
-    /// names a VM in shared data); 0 if the host cannot say.
-    fn clock_ns(&self) -> u64;
-
     /// A request header's value; `None` when absent or unreadable.
     fn request_header(&self, name: &str) -> Option<String>;
     /// Sets a request header (replacing any value).
@@ -124,14 +120,6 @@ impl Host for Envoy {
             .ok()
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map(|d| d.as_millis() as u64)
-            .unwrap_or(0)
-    }
-
-    fn clock_ns(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| d.as_nanos() as u64)
             .unwrap_or(0)
     }
 

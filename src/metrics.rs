@@ -300,7 +300,7 @@ impl<H: Host> Metrics<H> {
     /// Adds what shared-data calls came to (`share::sync`) to the `shared.*` counters: one
     /// host call per counter that moved, none when nothing did.
     pub fn count(&self, c: &Counts) {
-        for (stat, n) in [
+        self.shift_each(&[
             (Stat::SharedFailed, c.failed),
             (Stat::SharedCasRetries, c.cas_retries),
             (Stat::SharedCasExhausted, c.cas_exhausted),
@@ -308,24 +308,25 @@ impl<H: Host> Metrics<H> {
             (Stat::SharedBooksGone, c.books_gone),
             (Stat::SharedPublished, c.published),
             (Stat::SharedImported, c.imported),
-        ] {
-            if n > 0 {
-                self.shift(stat, i64::from(n));
-            }
-        }
+        ]);
     }
 
     /// Counts what became of one step of the placements journal (`share::journal`); its
     /// CAS retries and host failures count with the books' (`shared.*`).
     pub fn count_journal(&self, c: &JournalCounts) {
-        for (stat, n) in [
+        self.shift_each(&[
             (Stat::PrefixSharedPublished, c.published),
             (Stat::PrefixSharedDropped, c.dropped),
             (Stat::PrefixSharedTaken, c.taken),
             (Stat::PrefixSharedMissed, c.missed),
             (Stat::SharedCasRetries, c.cas_retries),
             (Stat::SharedFailed, c.failed),
-        ] {
+        ]);
+    }
+
+    /// Moves each counter by its count, where that is not 0.
+    fn shift_each(&self, counts: &[(Stat, u32)]) {
+        for &(stat, n) in counts {
             if n > 0 {
                 self.shift(stat, i64::from(n));
             }

@@ -39,9 +39,8 @@ pub enum Role {
 
 impl Role {
     /// The role of a VM configured with `config`, `is_poller` when its root_id is the poller
-    /// service's, started at `now_ms`; `id` tells this VM from the others of the Envoy. `None`:
-    /// the poller service must be `singleton`.
-    pub fn new(config: &Config, is_poller: bool, now_ms: u64, id: u64) -> Option<Role> {
+    /// service's, started at `now_ms`. `None`: the poller service must be `singleton`.
+    pub fn new(config: &Config, is_poller: bool, now_ms: u64) -> Option<Role> {
         match (is_poller, config.poller) {
             (true, Poller::Singleton) => Some(Role::Service(
                 Polls::new(config),
@@ -50,7 +49,7 @@ impl Role {
                 sync::Service::new(config.nodes.iter().map(|n| n.address.as_str()), now_ms),
             )),
             (true, Poller::Vm) => None,
-            (false, Poller::Singleton) => Some(Role::Reader(sync::Reader::new(id))),
+            (false, Poller::Singleton) => Some(Role::Reader(sync::Reader::default())),
             (false, Poller::Vm) => Some(Role::Vm(Polls::new(config))),
         }
     }

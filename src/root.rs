@@ -166,7 +166,7 @@ impl<H: Host> RootContext for Root<H> {
             .root_id()
             .is_some_and(|id| id == POLLER_ROOT_ID.as_bytes());
         let now = self.host.now_ms();
-        let Some(role) = Role::new(&config, is_poller, now, self.host.clock_ns()) else {
+        let Some(role) = Role::new(&config, is_poller, now) else {
             error!(
                 "invalid token-balancer configuration: `poller` must be \"singleton\" for the poller service (root_id {POLLER_ROOT_ID})"
             );

@@ -13,10 +13,11 @@
 //!   creates it at start (workers never create keys); a worker claims a number by
 //!   compare-and-swap on the head, retried up to `MAX_CAS_RETRIES` times, then writes its
 //!   entry under `entry_key(seq % SLOTS)`: the node's slot in the poller's fleet and its
-//!   tenant (as the books carry them, see `share`), the writer, and the chain's block hashes.
+//!   tenant (as the books carry them, see `share`) and the chain's block hashes.
 //! - **Readers** follow the head at most once per `FOLLOW_MS`, read the entries from the last
 //!   one taken to the head, and take in those written by another VM whose slot still counts
 //!   for the same address (a placement on a node that has left is dropped, as its books are).
+//!   A VM knows its own entries by the numbers it claimed.
 //!   An entry whose number was claimed but not written yet stops the reading until it is, or
 //!   until `LAG` later entries are there (its writer may have gone). A reader more than
 //!   `SLOTS` entries behind skips what was overwritten.
@@ -58,7 +59,6 @@ pub fn ensure_head<S: Store>(store: &mut S) -> Result<(), StoreFailed> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     pub seq: u64,
-    pub writer: u64,
     pub slot: u32,
     pub tenant: u64,
     pub blocks: Vec<u64>,
@@ -68,7 +68,6 @@ impl Entry {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(32 + 8 * self.blocks.len());
         out.extend_from_slice(&self.seq.to_le_bytes());
-        out.extend_from_slice(&self.writer.to_le_bytes());
         out.extend_from_slice(&self.slot.to_le_bytes());
         out.extend_from_slice(&self.tenant.to_le_bytes());
         out.extend_from_slice(&(self.blocks.len() as u32).to_le_bytes());
@@ -82,7 +81,6 @@ impl Entry {
     pub fn decode(bytes: &[u8]) -> Option<Entry> {
         let mut r = codec::Reader::new(bytes);
         let seq = r.u64()?;
-        let writer = r.u64()?;
         let slot = r.u32()?;
         let tenant = r.u64()?;
         let n = r.u32()? as usize;
@@ -96,7 +94,6 @@ impl Entry {
             .collect();
         Some(Entry {
             seq,
-            writer,
             slot,
             tenant,
             blocks,
@@ -137,9 +134,6 @@ impl JournalCounts {
 /// One VM's side of the journal (see the module).
 #[derive(Debug, Clone, Default)]
 pub struct Journal {
-    /// Who this VM is in the entries it writes (for a reader of the store; a VM tells its
-    /// own entries by their numbers, `own`).
-    writer: u64,
     /// The numbers of this VM's latest entries (at most `SLOTS`): already in its index.
     own: VecDeque<u64>,
     /// The next entry to read; `None` before the first look.
@@ -148,14 +142,6 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// The journal of the VM known as `writer` (any number unlikely to be another VM's).
-    pub fn new(writer: u64) -> Journal {
-        Journal {
-            writer,
-            ..Journal::default()
-        }
-    }
-
     /// Publishes that `blocks` were sent to the node in `slot` counting for `tenant`.
     pub fn publish<S: Store>(
         &mut self,
@@ -194,7 +180,6 @@ impl Journal {
             }
             let entry = Entry {
                 seq,
-                writer: self.writer,
                 slot,
                 tenant,
                 blocks: blocks.to_vec(),
@@ -318,7 +303,6 @@ mod tests {
     fn entries_round_trip_and_anything_else_is_refused() {
         let e = Entry {
             seq: 7,
-            writer: 9,
             slot: 3,
             tenant: 11,
             blocks: vec![1, 2, u64::MAX],
@@ -332,14 +316,14 @@ mod tests {
         longer.push(0);
         assert_eq!(Entry::decode(&longer), None);
         let mut huge = bytes;
-        huge[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+        huge[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Entry::decode(&huge), None);
     }
 
     #[test]
     fn a_reader_takes_the_others_placements_in_order_and_not_its_own() {
         let mut s = store();
-        let (mut a, mut b) = (Journal::new(1), Journal::new(2));
+        let (mut a, mut b) = (Journal::default(), Journal::default());
         assert_eq!(b.publish(&mut s, 0, 10, &[1, 2]).published, 1);
         assert_eq!(a.publish(&mut s, 1, 11, &[3]).published, 1);
         assert_eq!(b.publish(&mut s, 2, 12, &[4, 5, 6]).published, 1);
@@ -356,10 +340,9 @@ mod tests {
     }
 
     #[test]
-    fn a_vm_tells_its_own_entries_by_their_numbers_not_by_its_name() {
-        // Two VMs that happen to carry the same name still learn from each other.
+    fn a_vm_tells_its_own_entries_by_the_numbers_it_claimed() {
         let mut s = store();
-        let (mut a, mut b) = (Journal::new(5), Journal::new(5));
+        let (mut a, mut b) = (Journal::default(), Journal::default());
         a.publish(&mut s, 0, 1, &[1]);
         b.publish(&mut s, 1, 2, &[2]);
         assert_eq!(follow(&mut a, &mut s, 0).0, vec![(1, 2, vec![2])]);
@@ -380,7 +363,7 @@ mod tests {
                 data.insert(HEAD_KEY.into(), ((h + 1).to_le_bytes().to_vec(), *next_cas));
             }
         }));
-        let c = Journal::new(1).publish(&mut s, 4, 40, &[8]);
+        let c = Journal::default().publish(&mut s, 4, 40, &[8]);
         assert_eq!((c.published, c.cas_retries), (1, 2));
         s.interfere = None;
         // Ours is number 2, after the two the other worker claimed.
@@ -397,7 +380,7 @@ mod tests {
             let v = data[HEAD_KEY].0.clone();
             data.insert(HEAD_KEY.into(), (v, *next_cas));
         }));
-        let c = Journal::new(1).publish(&mut s, 0, 1, &[1]);
+        let c = Journal::default().publish(&mut s, 0, 1, &[1]);
         assert_eq!(
             (c.published, c.dropped, c.cas_retries),
             (0, 1, MAX_CAS_RETRIES + 1)
@@ -407,25 +390,25 @@ mod tests {
     #[test]
     fn without_a_head_or_with_a_failing_host_nothing_is_written_and_it_is_counted() {
         let mut s = FakeStore::default();
-        let c = Journal::new(1).publish(&mut s, 0, 1, &[1]);
+        let c = Journal::default().publish(&mut s, 0, 1, &[1]);
         assert_eq!((c.published, c.dropped), (0, 1));
         assert!(s.data.is_empty(), "workers never create the head");
-        let (got, c) = follow(&mut Journal::new(2), &mut s, 0);
+        let (got, c) = follow(&mut Journal::default(), &mut s, 0);
         assert!(got.is_empty());
         assert_eq!(c, JournalCounts::default());
         let mut s = store();
         s.fail = true;
-        let c = Journal::new(1).publish(&mut s, 0, 1, &[1]);
+        let c = Journal::default().publish(&mut s, 0, 1, &[1]);
         assert_eq!((c.dropped, c.failed), (1, 1));
-        let (_, c) = follow(&mut Journal::new(2), &mut s, 0);
+        let (_, c) = follow(&mut Journal::default(), &mut s, 0);
         assert_eq!(c.failed, 1);
     }
 
     #[test]
     fn an_entry_claimed_but_not_written_is_waited_for_then_skipped_after_lag_entries() {
         let mut s = store();
-        let mut w = Journal::new(1);
-        let mut r = Journal::new(2);
+        let mut w = Journal::default();
+        let mut r = Journal::default();
         w.publish(&mut s, 0, 1, &[1]);
         // A writer claimed number 1 and has not written its entry yet.
         s.data
@@ -440,7 +423,6 @@ mod tests {
         // Written now: taken in order.
         let late = Entry {
             seq: 1,
-            writer: 1,
             slot: 0,
             tenant: 1,
             blocks: vec![2],
@@ -466,8 +448,8 @@ mod tests {
     #[test]
     fn the_journal_is_bounded_and_a_reader_behind_by_a_lap_skips_what_was_overwritten() {
         let mut s = store();
-        let mut w = Journal::new(1);
-        let mut r = Journal::new(2);
+        let mut w = Journal::default();
+        let mut r = Journal::default();
         let _ = follow(&mut r, &mut s, 0);
         for i in 0..(SLOTS + 10) {
             w.publish(&mut s, 0, 1, &[i]);
@@ -479,7 +461,7 @@ mod tests {
         assert_eq!(got.first().unwrap().2, vec![10]);
         assert_eq!(c.missed, 10);
         // A reader that starts now takes in what the journal still has.
-        let (got, _) = follow(&mut Journal::new(3), &mut s, 10);
+        let (got, _) = follow(&mut Journal::default(), &mut s, 10);
         assert_eq!(got.len() as u64, SLOTS);
     }
 }

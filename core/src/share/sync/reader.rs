@@ -79,15 +79,6 @@ pub struct Reader {
 }
 
 impl Reader {
-    /// The reader of the VM known as `writer` in the placements journal (any number unlikely
-    /// to be another VM's).
-    pub fn new(writer: u64) -> Reader {
-        Reader {
-            journal: Journal::new(writer),
-            ..Reader::default()
-        }
-    }
-
     /// Publishes the placements `balancer` made since the last call (`share::journal`), for
     /// the other workers' prefix indexes. A placement on a node without books key (not in
     /// the poller's fleet) is not published.

@@ -354,8 +354,8 @@ fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
     let mut store = Mem::default();
     let (_s, mut sb) = started(&mut store, &[A, B], 1000);
     report(&mut sb, 1, 1000);
-    let (mut r1, mut b1) = (Reader::new(1), balancer(&[A, B]));
-    let (mut r2, mut b2) = (Reader::new(2), balancer(&[B, A]));
+    let (mut r1, mut b1) = (Reader::default(), balancer(&[A, B]));
+    let (mut r2, mut b2) = (Reader::default(), balancer(&[B, A]));
     b1.keep_placements(true);
     for (r, b) in [(&mut r1, &mut b1), (&mut r2, &mut b2)] {
         assert!(r.sync(&mut store, b, 1000, STALE).usable);

@@ -73,14 +73,14 @@ SLO_TTFT_MS = 2000.0
 SLO_TPOT_MS = 100.0
 
 
-def envoy_for(policy: str, nodes: list[str]) -> dict:
+def envoy_for(policy: str, nodes: list[str], poller: str = "vm") -> dict:
     # Benchmarks run without the debug header: it costs a little on every response.
     plugin = {"debug_header": None}
     if policy == "naive_seed":
         plugin["policy"] = "least_reported_load"
     plugin.update(VARIANTS.get(policy, {}))
     wasm = PREVIOUS_WASM if policy == "tb_previous" else None
-    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm)
+    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm, poller=poller)
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())
     elif policy == "ring_hash":
@@ -125,7 +125,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
     cluster = MockCluster(CLUSTER, time_scale=args.time_scale)
     envoy = None
     try:
-        envoy = Envoy(envoy_for(policy, [n.address for n in cluster.nodes]), concurrency=args.concurrency)
+        envoy = Envoy(envoy_for(policy, [n.address for n in cluster.nodes], args.poller),
+                      concurrency=args.concurrency)
         if policy in ("naive_seed", "token_balancer", *VARIANTS):
             wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2 * len(CLUSTER), 10,
                        "first health reports")
@@ -297,7 +298,10 @@ def main():
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--tenants", default="40", help="tenants of the generated tenants workload")
     ap.add_argument("--concurrency", type=int, default=1,
-                    help="Envoy worker threads (each keeps its own prefix index)")
+                    help="Envoy worker threads")
+    ap.add_argument("--poller", choices=["vm", "singleton"], default="vm",
+                    help="the filter's poller: each VM polls and keeps its own books and prefix index "
+                         "(vm), or one poller service shares them with every worker (singleton)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--name", default="")
     ap.add_argument("--sweep", default="", help="comma-separated rates: report the SLO capacity per policy")

@@ -2,9 +2,12 @@
 //!
 //! The books count what was sent to a node and has not ended: requests and tokens in flight,
 //! the part sent since the node's last report ("unreflected": that report cannot show it
-//! yet), the prompt tokens of that part (KV the report does not show yet), and the output the
-//! requests in flight are still expected to generate (KV growth still to come). The choice
-//! adds them to the node's last report (see `choice`).
+//! yet), the prompt tokens of that part (KV the report does not show yet), the output the
+//! requests in flight are still expected to generate (KV growth still to come), and the
+//! prompt tokens of the requests whose first token has not come back yet (prefill still to do
+//! there, whatever the reports say: an engine may count a request it is prefilling as running,
+//! not queued, and a burst is in no report until the next tick). The choice adds them to the
+//! node's last report (see `choice`).
 //!
 //! The same books are kept in two places: by a balancer for itself (`NodeState`), and in the
 //! shared data every VM of one Envoy writes (`share::Ledger`). Both change them only by
@@ -41,6 +44,9 @@ pub struct Books {
     pub unreflected_prompt_tokens: u64,
     /// Output tokens the in-flight requests are still expected to generate.
     pub growth_tokens: u64,
+    /// Prompt tokens (less what the node is believed to have cached) of the in-flight
+    /// requests that have not received their first token: prefill not done yet.
+    pub prefill_tokens: u64,
 }
 
 /// `v` moved by `d`, saturating at both ends.
@@ -77,6 +83,7 @@ impl Books {
         self.inflight_requests = add(self.inflight_requests, c.requests);
         self.inflight_tokens = add(self.inflight_tokens, c.tokens);
         self.growth_tokens = add(self.growth_tokens, c.growth);
+        self.prefill_tokens = add(self.prefill_tokens, c.prefill);
         if let Some(u) = &c.unreflected {
             if u.epoch == self.epoch {
                 self.unreflected_requests = add(self.unreflected_requests, u.requests);
@@ -101,6 +108,7 @@ impl Books {
                 .unreflected_prompt_tokens
                 .saturating_add(o.unreflected_prompt_tokens),
             growth_tokens: self.growth_tokens.saturating_add(o.growth_tokens),
+            prefill_tokens: self.prefill_tokens.saturating_add(o.prefill_tokens),
             ..self
         }
     }
@@ -131,6 +139,7 @@ pub struct Change {
     pub requests: i64,
     pub tokens: i64,
     pub growth: i64,
+    pub prefill: i64,
     pub unreflected: Option<Unreflected>,
 }
 
@@ -140,14 +149,15 @@ fn signed(v: u64) -> i64 {
 }
 
 impl Change {
-    /// The request of `t` was dispatched: in flight, unreflected at the ticket's epoch, and its
-    /// reserved output still to come.
+    /// The request of `t` was dispatched: in flight, unreflected at the ticket's epoch, its
+    /// reserved output still to come and its prompt still to prefill.
     pub fn dispatch(t: &Ticket) -> Change {
         let tokens = signed(t.work());
         Change {
             requests: 1,
             tokens,
             growth: signed(t.reserved_output),
+            prefill: signed(t.prefill()),
             unreflected: Some(Unreflected {
                 epoch: t.epoch,
                 requests: 1,
@@ -158,14 +168,25 @@ impl Change {
     }
 
     /// Its stream went from `before` to `after` output tokens: that much of its reserved
-    /// growth has happened (and is in the node's KV use). Output past the reservation grows
-    /// nothing the books hold.
+    /// growth has happened (and is in the node's KV use), and its prefill is done once the
+    /// first token came. Output past the reservation grows nothing the books hold.
     pub fn progress(t: &Ticket, before: u64, after: u64) -> Change {
         let r = t.reserved_output;
         let done = after.min(r).saturating_sub(before.min(r));
         Change {
             growth: -signed(done),
+            prefill: Self::prefilled(t, before, after),
             ..Change::default()
+        }
+    }
+
+    /// The prefill taken off when output goes from `before` to `after` tokens: all of it at
+    /// the first token, nothing later.
+    fn prefilled(t: &Ticket, before: u64, after: u64) -> i64 {
+        if before == 0 && after > 0 {
+            -signed(t.prefill())
+        } else {
+            0
         }
     }
 
@@ -177,6 +198,13 @@ impl Change {
             requests: -1,
             tokens: -tokens,
             growth: -signed(t.reserved_output.saturating_sub(received)),
+            // A stream that ends before its first token (an error, a client gone) returns
+            // its prefill; one that had it returned it then.
+            prefill: if received == 0 {
+                -signed(t.prefill())
+            } else {
+                0
+            },
             unreflected: Some(Unreflected {
                 epoch: t.epoch,
                 requests: -1,
@@ -204,6 +232,7 @@ impl Change {
             requests: self.requests.saturating_add(o.requests),
             tokens: self.tokens.saturating_add(o.tokens),
             growth: self.growth.saturating_add(o.growth),
+            prefill: self.prefill.saturating_add(o.prefill),
             unreflected,
         }
     }
@@ -212,6 +241,7 @@ impl Change {
         self.requests == 0
             && self.tokens == 0
             && self.growth == 0
+            && self.prefill == 0
             && self.unreflected.map_or(true, |u| {
                 u.requests == 0 && u.tokens == 0 && u.prompt_tokens == 0
             })
@@ -264,6 +294,28 @@ mod tests {
         assert_eq!((b.epoch, b.tenant), (3, 7));
     }
 
+    /// A prompt is prefill to do from its dispatch to its first token, whatever the reports
+    /// say; a stream that ends before its first token returns it too; cached tokens never
+    /// count.
+    #[test]
+    fn prefill_counts_until_the_first_token() {
+        let t = Ticket {
+            cached: 30,
+            ..ticket(3, 100, 50, 80)
+        };
+        let b = Books::of(7).at_epoch(3).apply(&Change::dispatch(&t));
+        assert_eq!(b.prefill_tokens, 70);
+        let b = b.at_epoch(4);
+        assert_eq!((b.unreflected_tokens, b.prefill_tokens), (0, 70));
+        let first = b.apply(&Change::progress(&t, 0, 1));
+        assert_eq!(first.prefill_tokens, 0);
+        assert_eq!(first.apply(&Change::progress(&t, 1, 9)).prefill_tokens, 0);
+        assert!(first.apply(&Change::release(&t, 1)).is_zero());
+        // Ended before any token: the release returns the prefill.
+        assert!(b.apply(&Change::release(&t, 0)).is_zero());
+        assert!(Change::progress(&t, 0, 0).is_empty());
+    }
+
     #[test]
     fn the_unreflected_part_counts_only_at_its_epoch() {
         let t = ticket(3, 10, 10, 10);
@@ -289,6 +341,7 @@ mod tests {
             unreflected_requests: u64::MAX,
             unreflected_prompt_tokens: u64::MAX,
             growth_tokens: u64::MAX,
+            prefill_tokens: u64::MAX,
         };
         let huge = ticket(1, u64::MAX, u64::MAX, u64::MAX);
         let b = full.apply(&Change::dispatch(&huge));

@@ -74,6 +74,11 @@ impl Ticket {
     pub fn work(&self) -> u64 {
         self.weight.total().saturating_sub(self.cached)
     }
+
+    /// Prompt tokens its node has to prefill: the prompt less what is believed cached.
+    pub fn prefill(&self) -> u64 {
+        self.weight.prompt_tokens.saturating_sub(self.cached)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -696,6 +701,7 @@ mod tests {
             unreflected_requests: u64::MAX,
             unreflected_prompt_tokens: u64::MAX,
             growth_tokens: u64::MAX,
+            prefill_tokens: u64::MAX,
         };
         n.set_books(&full);
         assert_eq!(

@@ -748,6 +748,7 @@ mod tests {
             unreflected_requests: u64::MAX,
             unreflected_prompt_tokens: u64::MAX,
             growth_tokens: u64::MAX,
+            prefill_tokens: u64::MAX,
         };
         b.set_books(0, &full);
         let Outcome::Routed { ticket, .. } = b.route(

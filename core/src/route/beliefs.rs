@@ -173,6 +173,7 @@ fn node(
             "sent_since_report_tokens": books.unreflected_tokens,
             "sent_since_report_prompt_tokens": books.unreflected_prompt_tokens,
             "kv_growth_to_come_tokens": books.growth_tokens,
+            "prefill_to_come_tokens": books.prefill_tokens,
         }),
     );
     out.insert(

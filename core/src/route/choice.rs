@@ -4,8 +4,9 @@
 //!
 //! ```text
 //!   spare    S = max(C - L, 5% of C)                tokens/s the node has free
-//!   backlog  B = queue_depth * mean_request_tokens  work waiting at the node (reported)
-//!              + unreflected_tokens                 work this filter sent since that report
+//!   backlog  B = max(queue_depth * mean_request_tokens   work waiting at the node (reported)
+//!                    + unreflected_tokens,             + work this filter sent since that report,
+//!                    prefill_tokens)                   or its prompts not yet started there
 //!              + running * mean_output / 2          output still to come where it runs
 //!   time     T = (B + w) / S                        w = prompt + output tokens of the request
 //! ```
@@ -285,9 +286,14 @@ pub fn evaluate(
     // KV the cache must still hold, the larger of books and estimate stands.
     let reported_growth = r.running_requests.unwrap_or(0.0) * growth.per_running;
     let still_to_come = (books.growth_tokens as f64).max(reported_growth);
-    let backlog = r.queue_depth.unwrap_or(0.0) * fleet.mean_request_tokens
-        + books.unreflected_tokens as f64
-        + reported_growth;
+    // Work queued ahead: what the report shows waiting plus what was sent since, or the
+    // prompts this router sent there that have not had their first token, whichever is more.
+    // An engine may admit a burst to its running batch at once and prefill it in order
+    // (reporting an empty queue), and a report is a tick old: the prefill still to do is in
+    // this router's books either way.
+    let reported_queue =
+        r.queue_depth.unwrap_or(0.0) * fleet.mean_request_tokens + books.unreflected_tokens as f64;
+    let backlog = reported_queue.max(books.prefill_tokens as f64) + reported_growth;
     // Prompt tokens the node's prefix cache holds are not work there: prefill skips them. They
     // are still KV: cached blocks that no running sequence shares are free memory the engine
     // counts as such, and a hit takes them back, so the VRAM check below counts the whole
@@ -420,6 +426,37 @@ mod tests {
         let slow = configured(Some(rep(500.0, Some(100_000.0))), Some(600.0), None);
         let other = node(Some(rep(500.0, Some(2000.0))));
         assert_eq!(order(&run(&[slow, other], w(10, 10), 2000)), vec![1, 0]);
+    }
+
+    /// A burst sent to a node whose engine admits it to its running batch at once: the next
+    /// report shows no queue and clears the unreflected part, but the prompts whose first
+    /// token has not come back are still prefill to do there, and an idle peer ranks first.
+    #[test]
+    fn prompts_not_yet_started_stay_work_after_the_next_report() {
+        let busy = |running: f64| Report {
+            running_requests: Some(running),
+            queue_depth: Some(0.0),
+            ..rep(100.0, Some(1000.0))
+        };
+        let mut nodes = vec![node(Some(busy(0.0))), node(Some(busy(0.0)))];
+        let tickets: Vec<_> = (0..10)
+            .map(|_| nodes[0].dispatch(0, w(2000, 10), 10))
+            .collect();
+        nodes[0].accept_report(busy(10.0), 1000);
+        assert_eq!(nodes[0].books().unreflected_tokens, 0);
+        assert_eq!(nodes[0].books().prefill_tokens, 20_000);
+        assert_eq!(order(&run(&nodes, w(2000, 10), 2000))[0], 1);
+        // Their first tokens came: the prefill is done, and the nodes are equal again but for
+        // the report's running sequences.
+        for t in &tickets {
+            nodes[0].progress(t, 0, 1);
+        }
+        assert_eq!(nodes[0].books().prefill_tokens, 0);
+        nodes[1].accept_report(busy(10.0), 1000);
+        let Decision::Route(r) = run(&nodes, w(2000, 10), 2000) else {
+            panic!("routed")
+        };
+        assert_eq!(r[0].seconds, r[1].seconds, "{r:?}");
     }
 
     #[test]

@@ -32,6 +32,12 @@ fn system(tenant: u32, chars: usize) -> String {
     words.repeat(chars / words.len() + 1)
 }
 
+/// The stream of `t` delivered `n` tokens and ended, as the glue reports it.
+fn finish(b: &mut Balancer, t: &crate::fleet::node::Ticket, n: u64) {
+    b.progress(t, 0, n);
+    b.release(t, n);
+}
+
 fn go(
     b: &mut Balancer,
     (weight, chain): &(Weight, Chain),
@@ -51,7 +57,7 @@ fn a_shared_prefix_sticks_until_its_node_is_loaded() {
     let sys = system(1, 16_000);
     let first = routed(&go(&mut b, &prompt(&sys, "question 0", 50), 10, &mut rng)).unwrap();
     let home = first.node;
-    b.release(&first, 50);
+    finish(&mut b, &first, 50);
     for i in 1..20 {
         let t = routed(&go(
             &mut b,
@@ -62,7 +68,7 @@ fn a_shared_prefix_sticks_until_its_node_is_loaded() {
         .unwrap();
         assert_eq!(t.node, home, "turn {i}");
         assert!(t.cached > 3900, "priced as cached: {}", t.cached);
-        b.release(&t, 50);
+        finish(&mut b, &t, 50);
     }
     // The home node reports half its throughput in use: the 4k-token prefill saved still
     // outweighs it. Then it reports a queue of two requests of the mean size (about 4k
@@ -77,7 +83,7 @@ fn a_shared_prefix_sticks_until_its_node_is_loaded() {
         b.on_health(home, Some(report(load, q).as_bytes()), now)
             .unwrap();
         let t = routed(&go(&mut b, &prompt(&sys, "one more", 50), now, &mut rng)).unwrap();
-        b.release(&t, 50);
+        finish(&mut b, &t, 50);
         t.node
     };
     assert_eq!(place(0, 0, 20), home);
@@ -123,7 +129,7 @@ fn a_hot_prefix_in_every_prompt_spreads() {
         inflight.push_back(ticket);
         if inflight.len() > 16 {
             let done = inflight.pop_front().unwrap();
-            b.release(&done, 200);
+            finish(&mut b, &done, 200);
         }
     }
     let mean = tokens.iter().sum::<u64>() as f64 / 8.0;
@@ -140,14 +146,14 @@ fn the_node_holding_the_prefix_joins_the_drawn_candidates() {
     let sys = system(2, 16_000);
     let first = routed(&go(&mut b, &prompt(&sys, "q", 20), 10, &mut rng)).unwrap();
     let home = first.node;
-    b.release(&first, 20);
+    finish(&mut b, &first, 20);
     for i in 0..30 {
         let o = go(&mut b, &prompt(&sys, &format!("q{i}"), 20), 10, &mut rng);
         let Outcome::Routed { ticket, .. } = o else {
             panic!("routed")
         };
         assert_eq!(ticket.node, home, "request {i}");
-        b.release(&ticket, 20);
+        finish(&mut b, &ticket, 20);
     }
 }
 
@@ -216,7 +222,7 @@ fn a_prompt_cache_key_is_an_affinity_hint() {
             let o = b.route(W, None, &chain, 10 + round, &mut rng, false, &mut OwnBooks);
             let t = routed(&o).unwrap();
             set.insert(t.node);
-            b.release(&t, 100);
+            finish(&mut b, &t, 100);
         }
     }
     assert!(
@@ -243,7 +249,7 @@ fn a_node_replaced_in_its_slot_holds_nothing() {
     let sys = system(3, 8_000);
     let t = routed(&go(&mut b, &prompt(&sys, "q", 10), 10, &mut rng)).unwrap();
     assert!(b.prefixes().unwrap().held_by(t.node) > 0);
-    b.release(&t, 10);
+    finish(&mut b, &t, 10);
     let kept = if t.node == 0 {
         "10.0.0.2:8000"
     } else {
@@ -264,7 +270,7 @@ fn the_gateway_profile_scores_queue_kv_and_prefix() {
     let mut rng = SplitMix64::new(8);
     let sys = system(4, 8_000);
     let t = routed(&go(&mut b, &prompt(&sys, "q", 10), 10, &mut rng)).unwrap();
-    b.release(&t, 10);
+    finish(&mut b, &t, 10);
     let home = t.node;
     let report = |q: u32, kv: f64| {
         format!(
@@ -277,7 +283,7 @@ fn the_gateway_profile_scores_queue_kv_and_prefix() {
     }
     let t = routed(&go(&mut b, &prompt(&sys, "again", 10), 20, &mut rng)).unwrap();
     assert_eq!(t.node, home, "2 x 0 + 2 x 1 + 3 x 1 against 2 x 1 + 2 x 1");
-    b.release(&t, 10);
+    finish(&mut b, &t, 10);
     b.on_health(home, Some(report(5, 0.8).as_bytes()), 30)
         .unwrap();
     let t = routed(&go(&mut b, &prompt(&sys, "once more", 10), 30, &mut rng)).unwrap();

@@ -3,7 +3,8 @@
 //!
 //! Every read is checked: a truncated value, trailing bytes or a wrong magic is refused
 //! whole (`Malformed`, `None`), never half read, and a count the bytes cannot hold sizes no
-//! allocation. The books are 64 bytes, eight `u64`s in the order of `Books`' fields.
+//! allocation. The books are 72 bytes, nine `u64`s in the order of `Books`' fields; the 64 bytes
+//! builds before the ninth (`prefill_tokens`) wrote are read with it at zero.
 
 use crate::fleet::books::Books;
 use crate::ingest::telemetry::Report;
@@ -282,7 +283,9 @@ impl Snapshot {
 }
 
 /// Bytes of encoded books.
-pub const BOOKS_LEN: usize = 64;
+pub const BOOKS_LEN: usize = 72;
+/// Bytes of books as builds before `prefill_tokens` wrote them: read with no prefill.
+const BOOKS_LEN_BEFORE_PREFILL: usize = 64;
 
 impl Books {
     pub fn encode(&self) -> [u8; BOOKS_LEN] {
@@ -293,7 +296,7 @@ impl Books {
         out
     }
 
-    fn fields(&self) -> [u64; 8] {
+    fn fields(&self) -> [u64; 9] {
         [
             self.epoch,
             self.tenant,
@@ -303,6 +306,7 @@ impl Books {
             self.unreflected_requests,
             self.unreflected_prompt_tokens,
             self.growth_tokens,
+            self.prefill_tokens,
         ]
     }
 
@@ -317,6 +321,11 @@ impl Books {
             unreflected_requests: r.u64()?,
             unreflected_prompt_tokens: r.u64()?,
             growth_tokens: r.u64()?,
+            prefill_tokens: if bytes.len() == BOOKS_LEN_BEFORE_PREFILL {
+                0
+            } else {
+                r.u64()?
+            },
         };
         r.done().then_some(b)
     }
@@ -337,16 +346,25 @@ mod tests {
             unreflected_requests: 4,
             unreflected_prompt_tokens: 5,
             growth_tokens: u64::MAX,
+            prefill_tokens: 6,
         };
         assert_eq!(Books::decode(&b.encode()), Some(b));
         assert_eq!(Books::decode(&b.encode()[..BOOKS_LEN - 1]), None);
-        // The layout other VMs (and earlier builds) read: eight little-endian u64s, in order.
+        // Books an earlier build wrote, without the prefill: read with none.
+        assert_eq!(
+            Books::decode(&b.encode()[..BOOKS_LEN_BEFORE_PREFILL]),
+            Some(Books {
+                prefill_tokens: 0,
+                ..b
+            })
+        );
+        // The layout other VMs read: nine little-endian u64s, in order.
         let bytes = b.encode();
         let words: Vec<u64> = bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
             .collect();
-        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX]);
+        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX, 6]);
         let v = Version {
             version: 3,
             heartbeat_ms: 99,

@@ -12,7 +12,7 @@
 //! travels in the benchmark-only `x-mock-output-tokens` header, which the balancer never reads.
 
 mod prompt;
-mod trace;
+use loadgen::trace;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -24,11 +24,15 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 
 const USAGE: &str = "\
-usage: loadgen --url http://HOST:PORT --trace azure:PATH|mooncake:PATH|tenants:N|hot [options]
+usage: loadgen --url http://HOST:PORT
+               --trace azure:PATH|mooncake:PATH|tenants:N|hot|prefill|decode|mixed [options]
 
   --start-s S        skip the trace's first S seconds (default 0)
   --duration-s S     replay S seconds of trace (default 60)
   --requests N       at most N requests
+  --arrivals A       poisson (the trace's own times) or bursts: the same requests
+                     re-timed into bursts of 20-60 within a second at the same mean
+                     rate (default poisson)
   --rate X           offered-load multiplier: arrivals X times denser (default 1)
   --time-scale X     the nodes' model runs X times faster than real time (default 1)
   --max-tokens N     max_tokens cap in every body (default 1024)
@@ -55,6 +59,7 @@ struct Args {
     label: String,
     out: Option<String>,
     seed: u64,
+    bursts: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -75,6 +80,7 @@ fn parse_args() -> Result<Args, String> {
         label: "run".into(),
         out: None,
         seed: 1,
+        bursts: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -98,6 +104,13 @@ fn parse_args() -> Result<Args, String> {
                 a.max_prompt_tokens = Some(pos(v()?, "--max-prompt-tokens")?.max(1.0) as u64)
             }
             "--timeout-s" => a.timeout_s = pos(v()?, "--timeout-s")?,
+            "--arrivals" => {
+                a.bursts = match v()?.as_str() {
+                    "poisson" => false,
+                    "bursts" => true,
+                    other => return Err(format!("--arrivals {other:?}: poisson or bursts")),
+                }
+            }
             "--label" => a.label = v()?,
             "--seed" => a.seed = pos(v()?, "--seed")? as u64,
             "--out" => a.out = Some(v()?),
@@ -132,12 +145,19 @@ fn parse_args() -> Result<Args, String> {
             a.seed,
         ),
         "hot" => trace::hot(a.seed),
-        _ => {
-            return Err(format!(
-                "unknown trace kind {kind:?} (azure, mooncake, tenants, hot)"
-            ))
-        }
+        shape => match trace::Shape::parse(shape) {
+            Some(s) => trace::shaped(s, a.seed),
+            None => {
+                return Err(format!(
+                    "unknown trace kind {kind:?} (azure, mooncake, tenants, hot, prefill, \
+                     decode, mixed)"
+                ))
+            }
+        },
     };
+    if a.bursts {
+        a.trace = trace::bursty(std::mem::take(&mut a.trace), a.seed);
+    }
     Ok(a)
 }
 

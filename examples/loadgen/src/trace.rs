@@ -12,6 +12,18 @@
 //!   exponent 0.8 (a few busy, many quiet), outputs log-normal around 150 tokens;
 //! - `hot`: one 2,048-token system prompt in every request, then a part of its own
 //!   (log-normal around 500 tokens), outputs log-normal around 150 tokens.
+//!
+//! And a family for robustness, nothing shared, sizes unlike the traces the policies were
+//! tuned on (`Shape`):
+//! - `prefill`: code-assistant-like, long prompts and short answers (prompts log-normal around
+//!   2,000 tokens, answers around 25);
+//! - `decode`: short prompts, long answers (prompts around 200 tokens, answers around 600);
+//! - `mixed`: each request one or the other, at even odds.
+//!
+//! Any of them, and any trace, can arrive in bursts (`bursty`): on/off traffic, tens of requests
+//! within a second, then a quiet spell, at the same mean rate. Inter-arrival times then have a
+//! coefficient of variation above 10 (Poisson's is 1), the shape of production traces where
+//! one client's batch job or a retry storm lands at once.
 
 /// One request of a trace, times relative to the trace's first request.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,6 +140,119 @@ impl Gen {
     fn gap_ms(&mut self, rate: f64) -> f64 {
         -(1.0 - self.uniform()).ln() / rate * 1000.0
     }
+}
+
+/// Size shapes of the robustness family (see the module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    Prefill,
+    Decode,
+    Mixed,
+}
+
+impl Shape {
+    pub fn parse(name: &str) -> Option<Shape> {
+        match name {
+            "prefill" => Some(Shape::Prefill),
+            "decode" => Some(Shape::Decode),
+            "mixed" => Some(Shape::Mixed),
+            _ => None,
+        }
+    }
+
+    /// One request's (prompt, output) tokens.
+    fn draw(self, g: &mut Gen) -> (u64, u64) {
+        let prefill = match self {
+            Shape::Prefill => true,
+            Shape::Decode => false,
+            Shape::Mixed => g.uniform() < 0.5,
+        };
+        if prefill {
+            (
+                g.lognormal(2000.0, 0.5, 200.0, 8000.0),
+                g.lognormal(25.0, 0.6, 1.0, 200.0),
+            )
+        } else {
+            (
+                g.lognormal(200.0, 0.8, 10.0, 2000.0),
+                g.lognormal(600.0, 0.5, 50.0, 2000.0),
+            )
+        }
+    }
+}
+
+/// `GENERATED` requests of `shape`, Poisson arrivals at `GENERATED_RATE`.
+pub fn shaped(shape: Shape, seed: u64) -> Vec<TraceRequest> {
+    let mut g = Gen(seed ^ 0x5a4e_0000 ^ shape as u64);
+    let mut at = 0.0;
+    (0..GENERATED)
+        .map(|_| {
+            at += g.gap_ms(GENERATED_RATE);
+            let (prompt_tokens, output_tokens) = shape.draw(&mut g);
+            TraceRequest {
+                at_ms: at,
+                prompt_tokens,
+                output_tokens: output_tokens.max(1),
+                blocks: vec![],
+            }
+        })
+        .collect()
+}
+
+/// Requests in one burst: 20 to 60.
+pub const BURST_REQUESTS: (u64, u64) = (20, 60);
+/// A burst's requests arrive within this many ms.
+pub const BURST_MS: f64 = 1000.0;
+
+/// On/off arrivals at a mean `rate_per_s` (see the module): a burst of 20 to 60 requests spread
+/// evenly over `BURST_MS`, then a quiet spell until the next burst. The time from one burst's
+/// start to the next is log-normal (sigma 1.2) with mean `size / rate`, so the mean rate holds and
+/// quiet spells vary from seconds to minutes. `uniform` draws in [0, 1): the caller's seeded
+/// generator, so the simulator and the load generator draw the same process.
+#[derive(Debug, Clone, Default)]
+pub struct Bursts {
+    start_ms: f64,
+    size: u64,
+    sent: u64,
+}
+
+impl Bursts {
+    /// The next arrival time, ms from the start.
+    pub fn next_ms(&mut self, rate_per_s: f64, uniform: &mut dyn FnMut() -> f64) -> f64 {
+        if self.sent >= self.size {
+            let (lo, hi) = BURST_REQUESTS;
+            let size = lo + ((uniform() * (hi - lo + 1) as f64) as u64).min(hi - lo);
+            if self.size > 0 {
+                let mean_ms = self.size as f64 / rate_per_s.max(1e-9) * 1000.0;
+                // A log-normal of mean `mean_ms`: median mean * e^(-sigma^2 / 2).
+                let (u1, u2) = (uniform().max(1e-12), uniform());
+                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                let gap = mean_ms * (1.2 * z - 0.72).exp();
+                self.start_ms += gap.max(BURST_MS);
+            }
+            self.size = size;
+            self.sent = 0;
+        }
+        let at = self.start_ms + BURST_MS * self.sent as f64 / self.size as f64;
+        self.sent += 1;
+        at
+    }
+}
+
+/// The same requests, re-timed into bursts at the trace's own mean rate.
+pub fn bursty(mut requests: Vec<TraceRequest>, seed: u64) -> Vec<TraceRequest> {
+    let span_s = requests.last().map_or(0.0, |r| r.at_ms) / 1000.0;
+    let rate = if span_s > 0.0 {
+        requests.len() as f64 / span_s
+    } else {
+        GENERATED_RATE
+    };
+    let mut g = Gen(seed ^ 0xb0_0575);
+    let mut clock = Bursts::default();
+    for r in &mut requests {
+        r.at_ms = clock.next_ms(rate, &mut || g.uniform());
+    }
+    requests
 }
 
 /// Block ids of generated shared prompts start here, apart from any trace's.
@@ -260,6 +385,59 @@ mod tests {
             ..a.clone()
         };
         assert_eq!(seen_before(&[&a, &b, &c]), vec![0, 0, 1024]);
+    }
+
+    #[test]
+    fn the_robustness_family_has_its_shapes_and_bursts() {
+        let median = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        let p = shaped(Shape::Prefill, 1);
+        assert_eq!(p.len(), GENERATED);
+        let (pp, po) = (
+            median(p.iter().map(|r| r.prompt_tokens).collect()),
+            median(p.iter().map(|r| r.output_tokens).collect()),
+        );
+        assert!(
+            (1800..2200).contains(&pp) && (20..30).contains(&po),
+            "{pp} {po}"
+        );
+        let d = shaped(Shape::Decode, 1);
+        let (dp, dout) = (
+            median(d.iter().map(|r| r.prompt_tokens).collect()),
+            median(d.iter().map(|r| r.output_tokens).collect()),
+        );
+        assert!(
+            (150..250).contains(&dp) && (500..700).contains(&dout),
+            "{dp} {dout}"
+        );
+        let m = shaped(Shape::Mixed, 1);
+        let long = m
+            .iter()
+            .filter(|r| r.prompt_tokens > r.output_tokens)
+            .count();
+        assert!((3000..4200).contains(&long), "{long}");
+        assert_eq!(Shape::parse("decode"), Some(Shape::Decode));
+        assert_eq!(Shape::parse("burst"), None);
+
+        // Bursts keep the mean rate and the order, and their gaps vary above a CV of 10.
+        let b = bursty(shaped(Shape::Prefill, 3), 3);
+        assert!(b.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+        let span_s = b.last().unwrap().at_ms / 1000.0;
+        let rate = b.len() as f64 / span_s;
+        assert!((rate / GENERATED_RATE - 1.0).abs() < 0.25, "{rate}");
+        let gaps: Vec<f64> = b.windows(2).map(|w| w[1].at_ms - w[0].at_ms).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+        let cv = var.sqrt() / mean;
+        assert!(cv > 10.0, "{cv}");
+        // Tens of requests within a second.
+        let in_first = b.iter().filter(|r| r.at_ms < BURST_MS).count() as u64;
+        assert!(
+            (BURST_REQUESTS.0..=BURST_REQUESTS.1).contains(&in_first),
+            "{in_first}"
+        );
     }
 
     #[test]

@@ -18,7 +18,8 @@
 //!   random draws, so the policies of one run are compared on identical requests.
 //! - **Requests**: sizes (prompt, true output) drawn from the Azure LLM inference trace
 //!   (Splitwise, ISCA'24) when it is available, else from a log-normal fit; Poisson arrivals at
-//!   a rate set as a share of the fleet's token capacity; each replica gets a uniform share.
+//!   a rate set as a share of the fleet's token capacity, or the same mean rate in bursts
+//!   (`loadgen::trace::Bursts`); each replica gets a uniform share.
 //!   The client's `max_tokens` cap is what the balancer sees of the output, as in real traffic.
 //!
 //! Policies: the token-balancer core (`tb`, with any configuration override); the same core
@@ -115,6 +116,8 @@ pub struct Setup {
     pub policy: Policy,
     /// Requests are the workload's jobs in order (a trace replayed), not drawn at random.
     pub in_order: bool,
+    /// Arrivals in bursts (`loadgen::trace::Bursts`) at the same mean rate, not Poisson.
+    pub bursts: bool,
 }
 
 /// Request sizes to draw from: (prompt tokens, true output tokens).
@@ -146,6 +149,10 @@ pub struct Outcome {
     pub prompt_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub prefix_bound_tokens: u64,
+    /// Per GPU class (nodes of equal saturated throughput), fastest first: its throughput and
+    /// its requests' TTFTs, sorted. Where a policy queues: a fast class waiting long while a
+    /// slow one waits little is work that should have gone to the slow one.
+    pub ttft_by_class: Vec<(f64, Vec<f64>)>,
 }
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -172,6 +179,16 @@ impl Outcome {
             "ttft" => percentile(&self.ttft_ms, q),
             _ => percentile(&self.e2e_ms, q),
         }
+    }
+
+    /// p`q` TTFT of each GPU class, fastest first, `/`-separated (ms).
+    pub fn ttft_by_class(&self, q: f64) -> String {
+        let parts: Vec<String> = self
+            .ttft_by_class
+            .iter()
+            .map(|(_, v)| format!("{:.0}", percentile(v, q)))
+            .collect();
+        parts.join(" / ")
     }
 
     /// Max over mean of the nodes' utilization: 1 is a perfectly even spread.
@@ -409,7 +426,13 @@ pub fn run_jobs(setup: &Setup, jobs: &[Job]) -> Result<Outcome, String> {
     if rate_per_ms.is_nan() || rate_per_ms <= 0.0 {
         return Err("the load gives no arrivals".into());
     }
-    sim.schedule(0.0, Kind::Arrive);
+    let mut bursts = loadgen::trace::Bursts::default();
+    let first = if setup.bursts {
+        bursts.next_ms(rate_per_ms * 1000.0, &mut || uniform(&mut sim.traffic))
+    } else {
+        0.0
+    };
+    sim.schedule(first, Kind::Arrive);
     for r in 0..setup.replicas {
         let phase = uniform(&mut sim.traffic) * setup.tick_ms as f64;
         sim.schedule(phase, Kind::Poll(r));
@@ -426,8 +449,12 @@ pub fn run_jobs(setup: &Setup, jobs: &[Job]) -> Result<Outcome, String> {
             Kind::Arrive => {
                 if t < setup.duration_ms {
                     sim.arrive(books);
-                    let gap = -(1.0 - uniform(&mut sim.traffic)).ln() / rate_per_ms;
-                    sim.schedule(t + gap, Kind::Arrive);
+                    let next = if setup.bursts {
+                        bursts.next_ms(rate_per_ms * 1000.0, &mut || uniform(&mut sim.traffic))
+                    } else {
+                        t - (1.0 - uniform(&mut sim.traffic)).ln() / rate_per_ms
+                    };
+                    sim.schedule(next, Kind::Arrive);
                 }
             }
             Kind::Step(node) => sim.step(node, books),
@@ -846,7 +873,18 @@ impl Sim<'_> {
                 out.completed += 1;
                 out.ttft_ms.push(first - r.arrive_ms);
                 out.e2e_ms.push(done - r.arrive_ms);
+                if let Some(cap) = r.node.and_then(|n| self.caps.get(n)) {
+                    let class = out.ttft_by_class.iter().position(|(c, _)| c == cap);
+                    match class.and_then(|i| out.ttft_by_class.get_mut(i)) {
+                        Some((_, v)) => v.push(first - r.arrive_ms),
+                        None => out.ttft_by_class.push((*cap, vec![first - r.arrive_ms])),
+                    }
+                }
             }
+        }
+        out.ttft_by_class.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (_, v) in &mut out.ttft_by_class {
+            v.sort_by(f64::total_cmp);
         }
         out.ttft_ms.sort_by(f64::total_cmp);
         out.e2e_ms.sort_by(f64::total_cmp);
@@ -901,6 +939,16 @@ pub fn synthetic_sizes(count: usize, seed: u64) -> Sizes {
 }
 
 /// `count` nodes of the mixed fleet: half A100, a quarter H100, a quarter L4.
+/// `count` nodes whose GPU classes repeat `pattern` (preset names, `EngineConfig::preset`), e.g.
+/// `a100,l4` for half A100-like and half L4-like nodes.
+pub fn fleet_of(pattern: &str, count: usize) -> Result<Vec<EngineConfig>, String> {
+    let kinds: Vec<EngineConfig> = pattern
+        .split(',')
+        .map(|k| EngineConfig::preset(k.trim()).ok_or_else(|| format!("unknown GPU class {k:?}")))
+        .collect::<Result<_, _>>()?;
+    Ok(kinds.iter().cycle().take(count).cloned().collect())
+}
+
 pub fn mixed_fleet(count: usize) -> Vec<EngineConfig> {
     (0..count)
         .map(|i| match i % 4 {
@@ -927,6 +975,7 @@ mod tests {
             seed: 1,
             policy: Policy::parse(policy).unwrap().1,
             in_order: false,
+            bursts: false,
         }
     }
 

@@ -6,10 +6,14 @@
 //! For every replica count, runs every policy on the same arrivals and prints one table:
 //! p50/p99 TTFT and end-to-end latency (model time), p99 as a ratio to the oracle's, VRAM
 //! overflows (engine preemptions), the max/mean of the nodes' utilization, and what completed.
-//! Writes `table.md` and `results.json` under `--out`.
+//! Writes `table.md` and `results.json` under `--out`. `--arrivals bursts` sends the same mean
+//! rate in bursts (the load generator's `Bursts`); `--fleet a100,l4` repeats those GPU classes
+//! instead of the default mix.
 
 use sim::workload::{self, Job};
-use sim::{azure_sizes, capacity, mixed_fleet, run_jobs, synthetic_sizes, Outcome, Policy, Setup};
+use sim::{
+    azure_sizes, capacity, fleet_of, mixed_fleet, run_jobs, synthetic_sizes, Outcome, Policy, Setup,
+};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -27,6 +31,8 @@ struct Args {
     out: Option<PathBuf>,
     workload: String,
     tenants: usize,
+    bursts: bool,
+    fleet: String,
 }
 
 fn usage() -> ! {
@@ -35,7 +41,8 @@ fn usage() -> ! {
          [--policies tb,argmin-stale,least-request,round-robin,oracle] [--duration-s 120] \
          [--warmup-s 20] [--tick-ms 250] [--max-tokens 1024] [--seed 1] \
          [--data ../shared/data] [--out results/sim-NAME] \
-         [--workload azure|tenants|hot|mooncake] [--tenants 40]\n\
+         [--workload azure|tenants|hot|mooncake|prefill|decode|mixed] [--tenants 40] \
+         [--arrivals poisson|bursts] [--fleet mixed|h100:1,a100:2,l4:1]\n\
          a policy may carry configuration overrides: tb:{{\"choices\":0}}"
     );
     std::process::exit(2)
@@ -63,6 +70,8 @@ fn parse_args() -> Args {
         out: None,
         workload: "azure".to_string(),
         tenants: 40,
+        bursts: false,
+        fleet: "mixed".to_string(),
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut it = argv.iter();
@@ -83,6 +92,14 @@ fn parse_args() -> Args {
             "--out" => a.out = Some(PathBuf::from(v)),
             "--workload" => a.workload = v.clone(),
             "--tenants" => a.tenants = v.parse().unwrap_or_else(|_| usage()),
+            "--arrivals" => {
+                a.bursts = match v.as_str() {
+                    "poisson" => false,
+                    "bursts" => true,
+                    _ => usage(),
+                }
+            }
+            "--fleet" => a.fleet = v.clone(),
             _ => usage(),
         }
     }
@@ -155,7 +172,13 @@ fn main() {
                 }
             }
         }
-        _ => usage(),
+        shape => match loadgen::trace::Shape::parse(shape) {
+            Some(s) => (
+                workload::shaped(s, args.seed),
+                format!("the load generator's {shape} workload"),
+            ),
+            None => usage(),
+        },
     };
     let sizes: Vec<(u64, u64)> = jobs.iter().map(|j| (j.prompt, j.output)).collect();
     let mean = sizes.iter().map(|(p, o)| (p + o) as f64).sum::<f64>() / sizes.len().max(1) as f64;
@@ -173,10 +196,22 @@ fn main() {
     let mut md = String::new();
     let mut json = Vec::new();
     for &nodes in &args.nodes {
-        let fleet = mixed_fleet(nodes);
+        let fleet = if args.fleet == "mixed" {
+            mixed_fleet(nodes)
+        } else {
+            fleet_of(&args.fleet, nodes).unwrap_or_else(|e| {
+                eprintln!("sim: --fleet: {e}");
+                std::process::exit(2)
+            })
+        };
         for &replicas in &args.replicas {
             println!(
-                "\n{nodes} nodes (1/4 h100, 1/2 a100, 1/4 l4; {:.0} tokens/s saturated), {replicas} replicas",
+                "\n{nodes} nodes ({}; {:.0} tokens/s saturated), {replicas} replicas",
+                if args.fleet == "mixed" {
+                    "1/4 h100, 1/2 a100, 1/4 l4"
+                } else {
+                    &args.fleet
+                },
                 capacity(&fleet, &sizes, args.max_tokens)
             );
             let mut rows: Vec<(String, Outcome, f64)> = Vec::new();
@@ -192,6 +227,7 @@ fn main() {
                     seed: args.seed,
                     policy: policy.clone(),
                     in_order: args.workload == "mooncake",
+                    bursts: args.bursts,
                 };
                 let start = Instant::now();
                 match run_jobs(&setup, &jobs) {
@@ -206,7 +242,7 @@ fn main() {
                 .iter()
                 .find(|(n, _, _)| n == "oracle")
                 .map(|(_, o, _)| (o.p("ttft", 0.99), o.p("e2e", 0.99)));
-            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows | max/mean utilization | prefix hits (bound) | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
+            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
             let mut table = format!(
                 "\n**{nodes} nodes, {replicas} replicas, load {}**\n\n{header}",
                 args.load
@@ -215,7 +251,7 @@ fn main() {
                 let ratio =
                     |v: f64, r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.2}", v / r));
                 let line = format!(
-                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} | {:.2} | {:.1}% ({:.1}%) | {}/{} | {} | {:.1} |\n",
+                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} | {:.2} | {:.1}% ({:.1}%) | {} | {}/{} | {} | {:.1} |\n",
                     o.p("ttft", 0.5),
                     o.p("ttft", 0.99),
                     o.p("e2e", 0.5),
@@ -226,6 +262,7 @@ fn main() {
                     o.imbalance(),
                     100.0 * o.hit_rate(),
                     100.0 * o.hit_bound(),
+                    o.ttft_by_class(0.9),
                     o.completed,
                     o.arrived,
                     o.peak_held,
@@ -241,6 +278,7 @@ fn main() {
                     "peak_queue": o.peak_queue, "fallbacks": o.fallbacks,
                     "inflight_left": o.inflight_left, "wall_s": wall,
                     "prefix_hit_rate": o.hit_rate(), "prefix_hit_bound": o.hit_bound(),
+                    "ttft_p90_ms_by_class_fast_first": o.ttft_by_class(0.9),
                 }));
             }
             print!("{table}");

@@ -15,7 +15,10 @@
 //! - `tenants`: many tenants, each with a long system prompt of its own (2k to 6k tokens),
 //!   users asking short questions, tenants drawn by a Zipf law (a few busy, many quiet);
 //! - `hot`: one 2k-token system prompt in every request, the rest unique (Azure sizes);
-//! - `mooncake`: the Mooncake trace, whose `hash_ids` name its 512-token blocks.
+//! - `mooncake`: the Mooncake trace, whose `hash_ids` name its 512-token blocks;
+//! - `prefill`, `decode`, `mixed`: the load generator's robustness family (long prompts and
+//!   short answers, the reverse, or both), nothing shared, the same sizes the real-Envoy
+//!   benchmark sends (`loadgen::trace::shaped`).
 
 use mock_gpu_node::prefix::block_hashes;
 use token_balancer_core::ingest::prompt::{finish, Chain};
@@ -114,6 +117,18 @@ fn output(rng: &mut SplitMix64) -> u64 {
     let u2 = uniform(rng);
     let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
     (150.0 * (0.8 * z).exp()).clamp(10.0, 1000.0) as u64
+}
+
+/// The load generator's `shape` workload (see the module).
+pub fn shaped(shape: loadgen::trace::Shape, seed: u64) -> Vec<Job> {
+    loadgen::trace::shaped(shape, seed)
+        .into_iter()
+        .map(|r| Job {
+            prompt: r.prompt_tokens,
+            output: r.output_tokens,
+            shared: vec![],
+        })
+        .collect()
 }
 
 /// `count` requests from `tenants` tenants (Zipf 0.8 popularity), each tenant's system prompt

@@ -163,7 +163,9 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         if args.arrivals != "poisson":
             cmd += ["--arrivals", args.arrivals]
+        started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        model_ms = (time.monotonic() - started) * 1000.0 * args.time_scale
         sampler.stop.set()
         sampler.join()
         final = {n.name: n.health() for n in cluster.nodes}
@@ -176,6 +178,10 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         queries = sum(e.get("prefix_cache_queries", 0) for e in engines.values())
         hits = sum(e.get("prefix_cache_hits", 0) for e in engines.values())
         doc["summary"]["engine_prefix_hit_rate"] = hits / queries if queries else None
+        # Model time each mock lost because this host could not keep the time scale: that
+        # node served less than its model in the run (see the mock's lost_model_ms).
+        doc["summary"]["mock_lost_model_share"] = {
+            k: e.get("lost_model_ms", 0.0) / model_ms for k, e in engines.items()} if model_ms > 0 else {}
         return doc
     finally:
         if envoy:
@@ -224,7 +230,19 @@ def ratios(results: dict[str, dict]) -> str:
             if x is not None and y:
                 out.append(f"- token_balancer p99 {metric[:-3]} / {base}: {x / y:.2f}")
         out.append(f"- VRAM overflows: token_balancer {tb['vram_overflow_events']}, {base} {b['vram_overflow_events']}")
-    return "\n".join(out)
+    return "\n".join(out + [host_lag(results)])
+
+
+def host_lag(results: dict[str, dict]) -> str:
+    """The largest share of model time a mock node lost to host load, per policy: above a
+    few percent, the machine was too busy for the time scale and the run says less."""
+    parts = []
+    for policy, doc in results.items():
+        lost = doc["summary"].get("mock_lost_model_share") or {}
+        if lost:
+            node = max(lost, key=lost.get)
+            parts.append(f"{policy} {100 * lost[node]:.1f}% ({node})")
+    return "- model time the mock nodes lost to host load, worst node: " + ", ".join(parts) if parts else ""
 
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]

@@ -138,7 +138,13 @@ impl<H: Host> Request<H> {
         if new_reports {
             admit_held(&self.state, self.context_id);
         }
-        if !usable {
+        // Before the poller's first snapshot a request may wait for it (a cold start, see
+        // `Balancer::warming`); a fleet lost later is not waited for.
+        let warming = !usable
+            && self
+                .with(|s| s.held.may_hold() && s.balancer.warming(now))
+                .unwrap_or(false);
+        if !usable && !warming {
             return self.fallback("no_fleet", Stat::FallbackNoFleet);
         }
         self.decided = true;

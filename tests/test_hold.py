@@ -122,3 +122,40 @@ def test_a_client_that_leaves_while_held_leaves_the_queue(cluster):
         assert r.status == 200 and "held_ms" not in r.headers["x-token-balancer"]
     finally:
         envoy.stop()
+
+
+@pytest.mark.parametrize("poller", ["vm", "singleton"])
+def test_at_a_cold_start_a_request_waits_for_the_first_reports(cluster, poller):
+    """A request that comes before any node has reported (a fresh Envoy, nodes not yet polled)
+    waits for the first reports instead of going to Envoy's balancer blind, for at most
+    stale_after_ms; a fleet that never reports is then routed by Envoy's balancer at once."""
+    # Reports the filter cannot read until the nodes are reset: no node has reported.
+    for n in cluster.nodes:
+        n.set_health(tokens_per_sec_load="not a number")
+    cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(), poller=poller,
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": 3_000, "max_hold_ms": 10_000})
+    envoy = Envoy(cfg)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(envoy.post, "/v1/chat/completions", chat("hello", 4), None, 20)
+            wait_until(lambda: envoy.counter("token_balancer.held") >= 1, 5, "the request held")
+            assert not waiting.done()
+            cluster[1].reset_health()
+            r = waiting.result(timeout=20)
+        assert r.status == 200, r.body[:200]
+        debug = r.headers["x-token-balancer"]
+        assert debug.startswith(f"node={cluster[1].address}") and "held_ms=" in debug, debug
+        assert envoy.counter("token_balancer.fallback.no_fresh_nodes") == 0
+        assert envoy.counter("token_balancer.fallback.no_fleet") == 0
+    finally:
+        envoy.stop()
+    # A fleet that never reports: held for at most stale_after_ms from the first request.
+    envoy = Envoy(cfg)
+    try:
+        cluster[1].set_health(tokens_per_sec_load="not a number")
+        r = envoy.post("/v1/chat/completions", chat("hello", 4), timeout=20)
+        assert r.status == 200, r.body[:200]
+        r = envoy.post("/v1/chat/completions", chat("hello", 4), timeout=20)
+        assert r.status == 200 and "held_ms" not in r.headers.get("x-token-balancer", ""), r.headers
+    finally:
+        envoy.stop()

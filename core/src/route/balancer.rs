@@ -100,6 +100,8 @@ pub struct Balancer {
     /// The placements made since the last `take_placements`, kept only while another VM
     /// shares this index (`share::journal`): (node, the chain's blocks).
     placements: Option<Vec<(usize, Vec<u64>)>>,
+    /// When this balancer was first asked to route: its warm-up (see `warming`) starts then.
+    first_asked_ms: Option<u64>,
 }
 
 /// Placements kept for `take_placements` at most; the glue takes them after every decision.
@@ -121,6 +123,7 @@ impl Balancer {
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,
             mean_request_tokens: None,
+            first_asked_ms: None,
             outputs: OutputModel::default(),
             pool: Pool::default(),
             named: Named::default(),
@@ -371,6 +374,7 @@ impl Balancer {
         may_hold: bool,
         books: &mut dyn BookSource,
     ) -> Outcome {
+        self.first_asked_ms.get_or_insert(now_ms);
         let growth = self.growth(weight);
         let weight = self.expected(weight);
         let mean = self.mean_request_tokens.unwrap_or(weight.total() as f64);
@@ -444,6 +448,9 @@ impl Balancer {
                         return Outcome::Saturated
                     }
                     Decision::AllOverCeiling(r) => (r, true),
+                    Decision::NoFreshNodes if may_hold && self.warming(now_ms) => {
+                        return Outcome::Saturated
+                    }
                     Decision::NoFreshNodes => return Outcome::NoFreshNodes,
                 }
             }
@@ -482,6 +489,17 @@ impl Balancer {
             inflight_before,
             compared: ranked.into_boxed_slice(),
         }
+    }
+
+    /// Cold start: no node has reported yet, and the first request came less than
+    /// `stale_after_ms` ago. A request that finds no fresh node then may wait for the first
+    /// reports (which come within a tick or two of a start) rather than go to Envoy's balancer
+    /// blind, where a long prompt can land on the slowest node while fast ones idle. Past that
+    /// window a fleet that never reports is routed by Envoy's balancer at once, as before.
+    pub fn warming(&mut self, now_ms: u64) -> bool {
+        let first = *self.first_asked_ms.get_or_insert(now_ms);
+        now_ms < first.saturating_add(self.params.stale_after_ms)
+            && self.fleet.nodes().iter().all(|n| n.reported_at().is_none())
     }
 
     /// The request's stream has delivered `after` output tokens (it had `before`). A ticket
@@ -936,6 +954,34 @@ mod tests {
                 (0, 0, 0)
             );
         }
+    }
+
+    /// A cold start: before any node has reported, a request that may be held waits for the
+    /// first reports, for at most `stale_after_ms` (3 s here) from the first request; one that
+    /// may not be held, or comes later, goes to Envoy's balancer as before.
+    #[test]
+    fn before_the_first_reports_a_request_waits_for_them() {
+        let mut b = Balancer::new(&cfg(2, ""));
+        let mut rng = SplitMix64::new(1);
+        let mut ask = |b: &mut Balancer, now: u64, may_hold: bool| {
+            b.route(W, None, &Chain::NONE, now, &mut rng, may_hold, &mut OwnBooks)
+        };
+        assert!(matches!(ask(&mut b, 1_000, true), Outcome::Saturated));
+        assert!(matches!(ask(&mut b, 1_000, false), Outcome::NoFreshNodes));
+        assert!(matches!(ask(&mut b, 3_999, true), Outcome::Saturated));
+        // The window is counted from the first request, not from each.
+        assert!(matches!(ask(&mut b, 4_000, true), Outcome::NoFreshNodes));
+        // Once a node has reported the start is over, even when the report goes stale.
+        let mut b = Balancer::new(&cfg(2, ""));
+        assert!(matches!(ask(&mut b, 0, true), Outcome::Saturated));
+        b.on_health(1, Some(br#"{"tokens_per_sec_load":0}"#), 10)
+            .unwrap();
+        assert!(matches!(
+            ask(&mut b, 20, true),
+            Outcome::Routed { ref ticket, .. } if ticket.node == 1
+        ));
+        assert!(!b.warming(20));
+        assert!(matches!(ask(&mut b, 20_000, true), Outcome::NoFreshNodes));
     }
 
     #[test]

@@ -103,7 +103,8 @@ fn error_with_code(
 fn admin_stats(node: &Node) -> Value {
     let mut v = json!({"name": node.name,
         "requests_total": node.requests_total.load(Ordering::Relaxed),
-        "health_requests_total": node.health_requests_total.load(Ordering::Relaxed)});
+        "health_requests_total": node.health_requests_total.load(Ordering::Relaxed),
+        "lost_model_ms": node.lost_model_us.load(Ordering::Relaxed) as f64 / 1000.0});
     if let (Some(o), Value::Object(p)) = (v.as_object_mut(), node.prefix_stats()) {
         o.extend(p);
     }

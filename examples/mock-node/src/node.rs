@@ -120,6 +120,10 @@ pub struct Node {
     pub next_id: AtomicU64,
     pub requests_total: AtomicU64,
     pub health_requests_total: AtomicU64,
+    /// Model time, µs, the engine lost while busy because this process ran behind the wall
+    /// clock by more than `MAX_LAG` (a host too loaded to keep the time scale): the node
+    /// served less than its model says in that time. Benchmarks report it.
+    pub lost_model_us: AtomicU64,
     /// Model times at which requests finished, over the last window (for the ORCA report).
     finished: Mutex<VecDeque<f64>>,
 }
@@ -190,6 +194,7 @@ impl Node {
             next_id: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
             health_requests_total: AtomicU64::new(0),
+            lost_model_us: AtomicU64::new(0),
             finished: Mutex::new(VecDeque::new()),
         })
     }
@@ -319,9 +324,16 @@ impl Node {
     pub async fn drive(self: Arc<Self>) {
         const MAX_LAG: Duration = Duration::from_millis(20);
         let max_lag_ms = MAX_LAG.as_secs_f64() * 1000.0 * self.time_scale;
-        let mut clock_ms = 0.0_f64;
+        let mut clock_ms = self.wall_model_ms();
         loop {
-            let now = clock_ms.max(self.wall_model_ms() - max_lag_ms);
+            // Only ever behind here after a busy iteration: after idling the clock was set to
+            // the wall clock.
+            let behind = self.wall_model_ms() - max_lag_ms;
+            if behind > clock_ms {
+                let lost = ((behind - clock_ms) * 1000.0) as u64;
+                self.lost_model_us.fetch_add(lost, Ordering::Relaxed);
+            }
+            let now = clock_ms.max(behind);
             let step = lock(&self.engine).step(now);
             let start_ms = now;
             let Some(it) = step else {

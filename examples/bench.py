@@ -41,7 +41,9 @@ TRACES = {"azure": ("azure", DATA / "AzureLLMInferenceTrace_conv.csv"),
           "hot": ("hot", ""),
           # The robustness family (generated, nothing shared): long prompts and short answers,
           # short prompts and long answers, or both at even odds.
-          "prefill": ("prefill", ""), "decode": ("decode", ""), "mixed": ("mixed", "")}
+          "prefill": ("prefill", ""), "decode": ("decode", ""), "mixed": ("mixed", ""),
+          # Long-context conversations: prompts around 8k tokens, up to 48k.
+          "long": ("long", "")}
 # Two fast and two slow GPUs (presets in examples/mock-node/src/engine.rs).
 CLUSTER = [("fast-1", "gpu=a100"), ("fast-2", "gpu=a100"), ("slow-1", "gpu=l4"), ("slow-2", "gpu=l4")]
 POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]

@@ -964,7 +964,15 @@ mod tests {
         let mut b = Balancer::new(&cfg(2, ""));
         let mut rng = SplitMix64::new(1);
         let mut ask = |b: &mut Balancer, now: u64, may_hold: bool| {
-            b.route(W, None, &Chain::NONE, now, &mut rng, may_hold, &mut OwnBooks)
+            b.route(
+                W,
+                None,
+                &Chain::NONE,
+                now,
+                &mut rng,
+                may_hold,
+                &mut OwnBooks,
+            )
         };
         assert!(matches!(ask(&mut b, 1_000, true), Outcome::Saturated));
         assert!(matches!(ask(&mut b, 1_000, false), Outcome::NoFreshNodes));

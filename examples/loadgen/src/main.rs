@@ -25,7 +25,7 @@ use tokio::net::TcpStream;
 
 const USAGE: &str = "\
 usage: loadgen --url http://HOST:PORT
-               --trace azure:PATH|mooncake:PATH|tenants:N|hot|prefill|decode|mixed [options]
+               --trace azure:PATH|mooncake:PATH|tenants:N|hot|prefill|decode|mixed|long [options]
 
   --start-s S        skip the trace's first S seconds (default 0)
   --duration-s S     replay S seconds of trace (default 60)
@@ -150,7 +150,7 @@ fn parse_args() -> Result<Args, String> {
             None => {
                 return Err(format!(
                     "unknown trace kind {kind:?} (azure, mooncake, tenants, hot, prefill, \
-                     decode, mixed)"
+                     decode, mixed, long)"
                 ))
             }
         },

@@ -18,7 +18,9 @@
 //! - `prefill`: code-assistant-like, long prompts and short answers (prompts log-normal around
 //!   2,000 tokens, answers around 25);
 //! - `decode`: short prompts, long answers (prompts around 200 tokens, answers around 600);
-//! - `mixed`: each request one or the other, at even odds.
+//! - `mixed`: each request one or the other, at even odds;
+//! - `long`: long-context conversations, prompts log-normal around 8,000 tokens up to 48,000,
+//!   answers around 200 (the traffic that tests a VRAM guard).
 //!
 //! Any of them, and any trace, can arrive in bursts (`bursty`): on/off traffic, tens of requests
 //! within a second, then a quiet spell, at the same mean rate. Inter-arrival times then have a
@@ -148,6 +150,7 @@ pub enum Shape {
     Prefill,
     Decode,
     Mixed,
+    Long,
 }
 
 impl Shape {
@@ -156,6 +159,7 @@ impl Shape {
             "prefill" => Some(Shape::Prefill),
             "decode" => Some(Shape::Decode),
             "mixed" => Some(Shape::Mixed),
+            "long" => Some(Shape::Long),
             _ => None,
         }
     }
@@ -166,6 +170,12 @@ impl Shape {
             Shape::Prefill => true,
             Shape::Decode => false,
             Shape::Mixed => g.uniform() < 0.5,
+            Shape::Long => {
+                return (
+                    g.lognormal(8000.0, 0.8, 1000.0, 48_000.0),
+                    g.lognormal(200.0, 0.7, 10.0, 1000.0),
+                )
+            }
         };
         if prefill {
             (
@@ -419,6 +429,10 @@ mod tests {
             .count();
         assert!((3000..4200).contains(&long), "{long}");
         assert_eq!(Shape::parse("decode"), Some(Shape::Decode));
+        let l = shaped(Shape::Long, 1);
+        let lp = median(l.iter().map(|r| r.prompt_tokens).collect());
+        assert!((7000..9000).contains(&lp), "{lp}");
+        assert_eq!(l.iter().map(|r| r.prompt_tokens).max(), Some(48_000));
         assert_eq!(Shape::parse("burst"), None);
 
         // Bursts keep the mean rate and the order, and their gaps vary above a CV of 10.

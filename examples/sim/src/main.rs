@@ -41,7 +41,7 @@ fn usage() -> ! {
          [--policies tb,argmin-stale,least-request,round-robin,oracle] [--duration-s 120] \
          [--warmup-s 20] [--tick-ms 250] [--max-tokens 1024] [--seed 1] \
          [--data ../shared/data] [--out results/sim-NAME] \
-         [--workload azure|tenants|hot|mooncake|prefill|decode|mixed] [--tenants 40] \
+         [--workload azure|tenants|hot|mooncake|prefill|decode|mixed|long] [--tenants 40] \
          [--arrivals poisson|bursts] [--fleet mixed|h100:1,a100:2,l4:1]\n\
          a policy may carry configuration overrides: tb:{{\"choices\":0}}"
     );

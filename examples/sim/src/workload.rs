@@ -16,9 +16,9 @@
 //!   users asking short questions, tenants drawn by a Zipf law (a few busy, many quiet);
 //! - `hot`: one 2k-token system prompt in every request, the rest unique (Azure sizes);
 //! - `mooncake`: the Mooncake trace, whose `hash_ids` name its 512-token blocks;
-//! - `prefill`, `decode`, `mixed`: the load generator's robustness family (long prompts and
-//!   short answers, the reverse, or both), nothing shared, the same sizes the real-Envoy
-//!   benchmark sends (`loadgen::trace::shaped`).
+//! - `prefill`, `decode`, `mixed`, `long`: the load generator's robustness family (long prompts and
+//!   short answers, the reverse, both, or long-context conversations), nothing shared, the same
+//!   sizes the real-Envoy benchmark sends (`loadgen::trace::shaped`).
 
 use mock_gpu_node::prefix::block_hashes;
 use token_balancer_core::ingest::prompt::{finish, Chain};

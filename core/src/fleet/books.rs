@@ -198,13 +198,9 @@ impl Change {
             requests: -1,
             tokens: -tokens,
             growth: -signed(t.reserved_output.saturating_sub(received)),
-            // A stream that ends before its first token (an error, a client gone) returns
-            // its prefill; one that had it returned it then.
-            prefill: if received == 0 {
-                -signed(t.prefill())
-            } else {
-                0
-            },
+            // What progress has not returned: all of it for a stream that ended before its
+            // first token (an error, a client gone), nothing for one that had it.
+            prefill: -signed(t.prefill()) - Self::prefilled(t, 0, received),
             unreflected: Some(Unreflected {
                 epoch: t.epoch,
                 requests: -1,

@@ -21,7 +21,7 @@
 
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::state::{admit_held, Placement, Shared, State, Waiting};
+use crate::state::{admit_held, Answer, Placement, Shared, State, Waiting};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
@@ -29,10 +29,12 @@ use std::rc::Rc;
 use token_balancer_core::config::Config;
 use token_balancer_core::explain::{self, Asked, Decision};
 use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::claim::{self, Claim};
 use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::{self, Api, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
-use token_balancer_core::route::balancer::Outcome;
+use token_balancer_core::route::admission::Held;
+use token_balancer_core::route::balancer::{Outcome, Terms};
 use token_balancer_core::share::Change;
 
 /// Output tokens a stream delivers between two writes of its progress to the shared books: a
@@ -131,7 +133,17 @@ impl<H: Host> Request<H> {
         Action::Continue
     }
 
-    fn route(&mut self, weight: Weight, model: Option<String>, chain: Chain) -> Action {
+    /// Decides where the request goes, on its claims (`claim`, see `route::admission`):
+    /// routed, held while the fleet is saturated, or answered at once (too late for its
+    /// budget, shed, or an unknown model). `bytes` is the body's size, held while it waits.
+    fn route(
+        &mut self,
+        weight: Weight,
+        model: Option<String>,
+        chain: Chain,
+        claim: Claim,
+        bytes: u64,
+    ) -> Action {
         let now = self.host.now_ms();
         // A reader decides on the poller's fleet and every worker's books, or not at all.
         let (usable, new_reports) = self.with(|s| s.sync_fleet(now)).unwrap_or((true, false));
@@ -152,36 +164,58 @@ impl<H: Host> Request<H> {
         let explain = self.explain;
         let step = self.with(|s| {
             let m = model.as_deref();
-            let (outcome, reads) = s.decide(weight, m, &chain, now, s.held.may_hold());
-            match outcome {
+            // A sheddable request is asked whether the fleet is saturated even when the queue
+            // could not hold it: it is then answered, never routed over the ceiling.
+            let terms = Terms {
+                may_hold: s.held.may_hold() || claim.sheddable(),
+                ttft_left_ms: claim.ttft_ms,
+            };
+            let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
+            let placed = match outcome {
+                // Cold starts are waited out whatever the priority: nothing is known yet.
+                Outcome::Saturated if claim.sheddable() && !s.balancer.warming(now) => {
+                    let wait = s.held.wait_ms(claim.priority, weight, &s.balancer, now);
+                    s.refuse(Answer::Shed, wait, weight, m, None, explain)
+                }
                 Outcome::Saturated => {
                     let placement: Placement = Rc::new(RefCell::new(Waiting {
                         explain,
                         placed: None,
                     }));
                     // The queue keeps its own copy of the model: held requests are few.
-                    match s.held.push(
+                    let held = Held::new(
                         id,
                         weight,
                         model.clone(),
                         chain.clone(),
                         now,
                         placement.clone(),
-                    ) {
+                    )
+                    .claiming(claim, bytes);
+                    match s.held.push(held) {
                         Ok(()) => {
                             s.metrics.bump(Stat::Held);
                             s.metrics.shift(Stat::HeldNow, 1);
-                            Err(placement)
+                            return Err(placement);
                         }
-                        // `may_hold` said there was room; route over the ceiling if not.
+                        // Full (in count or bytes): route over the ceiling now.
                         Err(_) => {
-                            let (outcome, reads) = s.decide(weight, m, &chain, now, false);
-                            Ok(s.place(outcome, weight, m, None, reads, explain))
+                            s.metrics.bump(Stat::HeldQueueFull);
+                            let terms = Terms {
+                                may_hold: false,
+                                ..terms
+                            };
+                            let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
+                            s.place(outcome, weight, m, None, reads, explain)
                         }
                     }
                 }
-                outcome => Ok(s.place(outcome, weight, m, None, reads, explain)),
+                outcome => s.place(outcome, weight, m, None, reads, explain),
+            };
+            if let Some(ticket) = &placed.ticket {
+                s.held.served(claim.tenant, ticket.weight.total());
             }
+            Ok(placed)
         });
         // Kept for the explanation (moved, not copied).
         self.model = model;
@@ -204,6 +238,21 @@ impl<H: Host> Request<H> {
             }
             None => Action::Continue,
         }
+    }
+
+    /// The request's claims at admission (`ingest::claim`); an unreadable header is counted
+    /// and ignored.
+    fn claim(&mut self, user: Option<&str>) -> Claim {
+        let Some(config) = self.config() else {
+            return Claim::default();
+        };
+        let fair = self.with(|s| s.held.holds()).unwrap_or(false);
+        let host = &self.host;
+        let (claim, bad) = claim::read(&config.admission, fair, |h| host.request_header(h), user);
+        if bad {
+            self.with(|s| s.metrics.bump(Stat::AdmissionBadHeader));
+        }
+        claim
     }
 
     /// Takes over the placement of a request that was held, once it has been admitted.
@@ -230,6 +279,7 @@ impl<H: Host> Request<H> {
             self.with(|s| {
                 if s.held.remove(id).is_some() {
                     s.metrics.shift(Stat::HeldNow, -1);
+                    s.metrics.bump(Stat::HeldClientGone);
                 }
             });
         }
@@ -370,7 +420,8 @@ impl<H: Host> HttpContext for Request<H> {
                         .with_hint(e.model.as_deref(), self.host.request_header(h).as_deref()),
                     _ => e.chain,
                 };
-                self.route(e.weight, e.model, chain)
+                let claim = self.claim(e.user.as_deref());
+                self.route(e.weight, e.model, chain, claim, body_size as u64)
             }
             None => self.fallback("body_unusable", Stat::FallbackBodyUnusable),
         }

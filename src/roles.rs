@@ -22,7 +22,7 @@ use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::route::admission::Held;
-use token_balancer_core::route::balancer::{MemberChange, Outcome, OwnBooks};
+use token_balancer_core::route::balancer::{MemberChange, Outcome, OwnBooks, Terms};
 use token_balancer_core::route::beliefs;
 use token_balancer_core::share::sync::{self, FleetEvent, Reads};
 use token_balancer_core::share::{Change, Read};
@@ -74,38 +74,38 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Routes a request (`Balancer::route`): a reader weighs each drawn node by its
-    /// shared books, any other role by its balancer's own. Returns the reads of the shared
-    /// books made, for the dispatch.
+    /// Routes a request on its terms (`Balancer::route_on`): a reader weighs each drawn node
+    /// by its shared books, any other role by its balancer's own. Returns the reads of the
+    /// shared books made, for the dispatch.
     pub fn decide(
         &mut self,
         weight: Weight,
         model: Option<&str>,
         chain: &Chain,
         now_ms: u64,
-        may_hold: bool,
+        terms: Terms,
     ) -> (Outcome, Reads) {
         self.follow_placements(now_ms);
         let Role::Reader(reader) = &self.role else {
-            let outcome = self.balancer.route(
+            let outcome = self.balancer.route_on(
                 weight,
                 model,
                 chain,
                 now_ms,
                 &mut self.rng,
-                may_hold,
+                terms,
                 &mut OwnBooks,
             );
             return (outcome, Reads::default());
         };
         let mut books = reader.books(&mut self.host);
-        let outcome = self.balancer.route(
+        let outcome = self.balancer.route_on(
             weight,
             model,
             chain,
             now_ms,
             &mut self.rng,
-            may_hold,
+            terms,
             &mut books,
         );
         let (reads, counts) = books.finish();

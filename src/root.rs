@@ -183,6 +183,7 @@ impl<H: Host> RootContext for Root<H> {
             if let Some(mut old) = guard.take() {
                 for held in old.held.drain() {
                     old.metrics.shift(Stat::HeldNow, -1);
+                    old.metrics.bump(Stat::HeldReconfigured);
                     if self.host.set_effective_context(held.id).is_ok() {
                         self.host.resume_request();
                     }

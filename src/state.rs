@@ -79,7 +79,8 @@ impl<H: Host> State<H> {
             balancer,
             rng: SplitMix64::new(seed),
             metrics,
-            held: HoldQueue::new(config.max_held_requests, config.max_hold_ms),
+            held: HoldQueue::new(config.max_held_requests, config.max_hold_ms)
+                .with_max_bytes(config.admission.max_held_bytes),
             config: Rc::new(config),
             role,
         }
@@ -183,32 +184,28 @@ impl<H: Host> State<H> {
                 }
             }
             Outcome::UnknownModel if self.config.unknown_model == UnknownModel::Reject => {
-                let decision = Decision {
-                    verdict: Verdict::Rejected("unknown_model"),
-                    held_ms,
-                };
+                let body = model_not_found_body(model.unwrap_or_default());
                 let asked = Asked {
                     model,
                     weight: Some(cap),
                 };
-                let body = model_not_found_body(model.unwrap_or_default());
-                let mut headers = vec![("content-type".to_string(), "application/json".into())];
-                headers.extend(self.told(&decision, asked, explain));
-                let headers = headers
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_str()))
-                    .collect();
-                if self.host.send_response(404, headers, &body).is_err() {
-                    // Envoy would not take the answer: let its balancer route the request.
-                    self.metrics.bump(Stat::FallbackInternal);
-                    return Placed::default();
-                }
-                self.metrics.bump(Stat::RejectedUnknownModel);
-                Placed {
-                    ticket: None,
-                    decision: Some(decision),
-                    answered: true,
-                }
+                self.answer(
+                    Answer::UnknownModel,
+                    404,
+                    body,
+                    None,
+                    asked,
+                    held_ms,
+                    explain,
+                )
+            }
+            Outcome::TooLate { retry_after_ms } => {
+                let why = if held_ms.is_some() {
+                    Answer::LateWhileHeld
+                } else {
+                    Answer::Late
+                };
+                self.refuse(why, retry_after_ms, cap, model, held_ms, explain)
             }
             Outcome::UnknownModel => {
                 self.metrics.bump(Stat::FallbackUnknownModel);
@@ -226,6 +223,67 @@ impl<H: Host> State<H> {
                     answered: false,
                 }
             }
+        }
+    }
+
+    /// Answers the effective request with the configured status (429 or 503), a
+    /// `Retry-After` of `retry_after_ms` rounded up to whole seconds (at least 1), and an
+    /// OpenAI-shaped error body saying why (`why`: too late for its budget, or shed).
+    pub fn refuse(
+        &mut self,
+        why: Answer,
+        retry_after_ms: u64,
+        cap: Weight,
+        model: Option<&str>,
+        held_ms: Option<u64>,
+        explain: bool,
+    ) -> Placed {
+        let seconds = retry_after_ms.div_ceil(1000).max(1);
+        let status = self.config.admission.reject_status;
+        let body = refused_body(why, status, seconds);
+        let asked = Asked {
+            model,
+            weight: Some(cap),
+        };
+        self.answer(why, status, body, Some(seconds), asked, held_ms, explain)
+    }
+
+    /// Sends the filter's own answer to the effective request and counts it; if Envoy will
+    /// not take it, the request goes on to Envoy's balancer (`fallback.internal`).
+    #[allow(clippy::too_many_arguments)]
+    fn answer(
+        &mut self,
+        why: Answer,
+        status: u32,
+        body: Vec<u8>,
+        retry_after_s: Option<u64>,
+        asked: Asked,
+        held_ms: Option<u64>,
+        explain: bool,
+    ) -> Placed {
+        let decision = Decision {
+            verdict: Verdict::Rejected(why.name()),
+            held_ms,
+        };
+        let mut headers = vec![("content-type".to_string(), "application/json".into())];
+        if let Some(s) = retry_after_s {
+            headers.push(("retry-after".to_string(), s.to_string()));
+        }
+        headers.extend(self.told(&decision, asked, explain));
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        if self.host.send_response(status, headers, &body).is_err() {
+            // Envoy would not take the answer: let its balancer route the request.
+            self.metrics.bump(Stat::FallbackInternal);
+            return Placed::default();
+        }
+        self.metrics.bump(why.stat());
+        Placed {
+            ticket: None,
+            decision: Some(decision),
+            answered: true,
         }
     }
 
@@ -260,6 +318,65 @@ fn saturating_i64(n: u64) -> i64 {
 /// The filter-state key of a request's explanation with `explain.access_log`; Envoy's access
 /// log prints it as `%FILTER_STATE(wasm.token_balancer.decision:PLAIN)%`.
 pub const FILTER_STATE_KEY: &str = "token_balancer.decision";
+
+/// Why the filter answers a request itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// No node serves its model (`unknown_model: reject`).
+    UnknownModel,
+    /// No node would give it its first token within its budget, on arrival.
+    Late,
+    /// Its budget ran out while it was held.
+    LateWhileHeld,
+    /// Below priority 0, it arrived at a saturated fleet (or a full hold queue).
+    Shed,
+}
+
+impl Answer {
+    /// The reason, as the decision names it (debug header, explanation).
+    fn name(self) -> &'static str {
+        match self {
+            Answer::UnknownModel => "unknown_model",
+            Answer::Late | Answer::LateWhileHeld => "ttft_budget",
+            Answer::Shed => "shed",
+        }
+    }
+
+    fn stat(self) -> Stat {
+        match self {
+            Answer::UnknownModel => Stat::RejectedUnknownModel,
+            Answer::Late => Stat::RejectedTtftBudget,
+            Answer::LateWhileHeld => Stat::RejectedTtftBudgetHeld,
+            Answer::Shed => Stat::RejectedShed,
+        }
+    }
+}
+
+/// The error body of a request refused for its budget or shed, in OpenAI's error shape
+/// (OpenAI's own 429s carry `rate_limit_exceeded`; a 503 is a `server_error`).
+fn refused_body(why: Answer, status: u32, retry_after_s: u64) -> Vec<u8> {
+    let message = match why {
+        Answer::Shed => format!(
+            "The service is saturated and this request's priority may be shed; retry after {retry_after_s} s."
+        ),
+        _ => format!(
+            "No server can start this request within its time-to-first-token budget; retry after {retry_after_s} s."
+        ),
+    };
+    let (kind, code) = if status == 429 {
+        ("rate_limit_exceeded", "rate_limit_exceeded")
+    } else {
+        ("server_error", "service_unavailable")
+    };
+    serde_json::json!({"error": {
+        "message": message,
+        "type": kind,
+        "param": null,
+        "code": code,
+    }})
+    .to_string()
+    .into_bytes()
+}
 
 /// vLLM's answer to a model it does not serve (OpenAI's error shape), as JSON.
 fn model_not_found_body(model: &str) -> Vec<u8> {

@@ -144,6 +144,135 @@ pub struct Config {
     pub poller: Poller,
     /// Prefix-aware pricing: where each prompt's prefix is believed cached (see `prefix`).
     pub prefix: PrefixConfig,
+    /// Who waits, who goes first, who is told to come back (see `route::admission`).
+    pub admission: AdmissionConfig,
+}
+
+/// What a request claims at admission (see `ingest::claim` and `route::admission`): its
+/// priority, its tenant and its time-to-first-token budget, read from headers whose names
+/// follow the Kubernetes inference gateway's where it has them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionConfig {
+    /// Header naming the request's objective; its priority is looked up in `objectives`.
+    pub objective_header: String,
+    /// Objective name to priority (higher goes first; below 0 may be shed under saturation).
+    /// A name not listed, or no header, is priority 0.
+    pub objectives: Vec<(String, i32)>,
+    /// Header carrying an integer priority directly; read only when set. It wins over the
+    /// objective.
+    pub priority_header: Option<String>,
+    /// Header naming the tenant whose requests are queued fairly against other tenants'.
+    pub fairness_header: String,
+    /// Without the header, the body's `user` field names the tenant.
+    pub fairness_from_user: bool,
+    /// Header with the request's time-to-first-token budget, in milliseconds.
+    pub ttft_header: String,
+    /// Status of a request the filter answers itself because it cannot be served in time or
+    /// is shed: 429 (default) or 503.
+    pub reject_status: u32,
+    /// Most request-body bytes held at once per Envoy worker; a request that would pass it is
+    /// not held.
+    pub max_held_bytes: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            objective_header: "x-gateway-inference-objective".into(),
+            objectives: Vec::new(),
+            priority_header: None,
+            fairness_header: "x-gateway-inference-fairness-id".into(),
+            fairness_from_user: true,
+            ttft_header: "x-slo-ttft-ms".into(),
+            reject_status: 429,
+            max_held_bytes: 64 << 20,
+        }
+    }
+}
+
+const ADMISSION_FIELDS: &[&str] = &[
+    "objective_header",
+    "objectives",
+    "priority_header",
+    "fairness_header",
+    "fairness_from_user",
+    "ttft_header",
+    "reject_status",
+    "max_held_bytes",
+];
+
+/// The most objectives `admission.objectives` lists.
+pub const MAX_OBJECTIVES: usize = 256;
+
+fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
+    let f = Fields::new(value, "admission.", ADMISSION_FIELDS)?;
+    let d = AdmissionConfig::default();
+    let objectives = match f.get("objectives") {
+        None => Vec::new(),
+        Some(Value::Object(map)) if map.len() <= MAX_OBJECTIVES => map
+            .iter()
+            .map(|(name, v)| {
+                let field = format!("admission.objectives.{name}");
+                if name.is_empty() || name.len() > 253 {
+                    return Err(err(field, "must be a name of 1 to 253 bytes"));
+                }
+                let p = v
+                    .as_i64()
+                    .and_then(|p| i32::try_from(p).ok())
+                    .filter(|p| p.abs() <= 1_000_000)
+                    .ok_or_else(|| err(&field, "must be an integer priority in -1000000..=1000000"))?;
+                Ok((name.clone(), p))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(err(
+                f.name("objectives"),
+                format!("must be an object of at most {MAX_OBJECTIVES} objective names to integer priorities"),
+            ))
+        }
+    };
+    let priority_header = match f.get("priority_header") {
+        None => None,
+        Some(_) => Some(header_name(&f, "priority_header", "")?),
+    };
+    let fairness_from_user = match f.get("fairness_from_user") {
+        None => d.fairness_from_user,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| err(f.name("fairness_from_user"), "must be true or false"))?,
+    };
+    let reject_status = match f.uint("reject_status")? {
+        None => d.reject_status,
+        Some(s @ (429 | 503)) => s as u32,
+        Some(_) => return Err(err(f.name("reject_status"), "must be 429 or 503")),
+    };
+    let max_held_bytes = f.uint("max_held_bytes")?.unwrap_or(d.max_held_bytes);
+    let a = AdmissionConfig {
+        objective_header: header_name(&f, "objective_header", &d.objective_header)?,
+        objectives,
+        priority_header,
+        fairness_header: header_name(&f, "fairness_header", &d.fairness_header)?,
+        fairness_from_user,
+        ttft_header: header_name(&f, "ttft_header", &d.ttft_header)?,
+        reject_status,
+        max_held_bytes,
+    };
+    // Each header is read for one meaning only.
+    let mut seen: Vec<(&str, &str)> = vec![
+        ("objective_header", a.objective_header.as_str()),
+        ("fairness_header", a.fairness_header.as_str()),
+        ("ttft_header", a.ttft_header.as_str()),
+    ];
+    seen.extend(a.priority_header.as_deref().map(|h| ("priority_header", h)));
+    for (i, (name, h)) in seen.iter().enumerate() {
+        if let Some((other, _)) = seen.iter().take(i).find(|(_, o)| o == h) {
+            return Err(err(
+                format!("admission.{name}"),
+                format!("is the same header as `admission.{other}`"),
+            ));
+        }
+    }
+    Ok(a)
 }
 
 /// Prefix-aware pricing (`fleet::prefixes`, `ingest::prompt`): each request is priced on each
@@ -264,6 +393,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "membership",
     "poller",
     "prefix",
+    "admission",
 ];
 const NODE_FIELDS: &[&str] = &[
     "address",
@@ -794,6 +924,10 @@ impl Config {
             None => PrefixConfig::default(),
             Some(v) => parse_prefix(v)?,
         };
+        let admission = match f.get("admission") {
+            None => AdmissionConfig::default(),
+            Some(v) => parse_admission(v)?,
+        };
         // The filter removes these from every request before reading any hint.
         if let Some(h) = &prefix.session_header {
             let taken = [
@@ -814,6 +948,7 @@ impl Config {
         Ok(Config {
             poller,
             prefix,
+            admission,
             membership,
             models_poll_ms,
             unknown_model,
@@ -1142,6 +1277,118 @@ mod tests {
             (e.header.as_str(), e.sources.len(), e.access_log),
             ("x-why", 0, true)
         );
+    }
+
+    #[test]
+    fn admission_parses_with_its_defaults() {
+        let c = Config::parse(MIN.as_bytes()).unwrap();
+        assert_eq!(c.admission, AdmissionConfig::default());
+        let a = &c.admission;
+        assert_eq!(a.objective_header, "x-gateway-inference-objective");
+        assert_eq!(a.fairness_header, "x-gateway-inference-fairness-id");
+        assert_eq!(a.ttft_header, "x-slo-ttft-ms");
+        assert!(a.objectives.is_empty() && a.priority_header.is_none());
+        assert!(a.fairness_from_user);
+        assert_eq!((a.reject_status, a.max_held_bytes), (429, 64 << 20));
+        let c = Config::parse(
+            br#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":"h","admission":{
+                 "objectives":{"premium":100,"batch":-10},"priority_header":"x-priority",
+                 "fairness_header":"x-tenant","fairness_from_user":false,"ttft_header":"x-ttft",
+                 "reject_status":503,"max_held_bytes":1000}}"#,
+        )
+        .unwrap();
+        let a = c.admission;
+        let mut objectives = a.objectives.clone();
+        objectives.sort();
+        assert_eq!(
+            objectives,
+            vec![("batch".to_string(), -10), ("premium".to_string(), 100)]
+        );
+        assert_eq!(a.priority_header.as_deref(), Some("x-priority"));
+        assert_eq!(
+            (a.fairness_header.as_str(), a.fairness_from_user),
+            ("x-tenant", false)
+        );
+        assert_eq!(a.ttft_header, "x-ttft");
+        assert_eq!((a.reject_status, a.max_held_bytes), (503, 1000));
+    }
+
+    /// Every rejected `admission` names its field, down to the objective at fault.
+    #[test]
+    fn each_admission_error_names_its_field() {
+        let with = |a: &str| {
+            format!(
+                r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h","admission":{a}}}"#
+            )
+        };
+        let cases = [
+            (with("[]"), "admission", "JSON object"),
+            (
+                with(r#"{"fairness":"x"}"#),
+                "admission.fairness",
+                "not a known field",
+            ),
+            (
+                with(r#"{"objectives":{"gold":"high"}}"#),
+                "admission.objectives.gold",
+                "integer priority",
+            ),
+            (
+                with(r#"{"objectives":{"gold":2000000}}"#),
+                "admission.objectives.gold",
+                "integer priority",
+            ),
+            (
+                with(r#"{"objectives":{"gold":1.5}}"#),
+                "admission.objectives.gold",
+                "integer priority",
+            ),
+            (
+                with(r#"{"objectives":["gold"]}"#),
+                "admission.objectives",
+                "an object",
+            ),
+            (
+                with(r#"{"priority_header":"X-P"}"#),
+                "admission.priority_header",
+                "header name",
+            ),
+            (
+                with(r#"{"ttft_header":""}"#),
+                "admission.ttft_header",
+                "header name",
+            ),
+            (
+                with(r#"{"fairness_from_user":"yes"}"#),
+                "admission.fairness_from_user",
+                "true or false",
+            ),
+            (
+                with(r#"{"reject_status":500}"#),
+                "admission.reject_status",
+                "429 or 503",
+            ),
+            (
+                with(r#"{"max_held_bytes":-1}"#),
+                "admission.max_held_bytes",
+                "non-negative",
+            ),
+            (
+                with(r#"{"ttft_header":"x-gateway-inference-fairness-id"}"#),
+                "admission.ttft_header",
+                "admission.fairness_header",
+            ),
+            (
+                with(r#"{"priority_header":"x-slo-ttft-ms"}"#),
+                "admission.priority_header",
+                "admission.ttft_header",
+            ),
+        ];
+        for (json, field, why) in cases {
+            let e = Config::parse(json.as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+            assert!(e.reason.contains(why), "{json}: {e}");
+        }
     }
 
     /// Every rejected `explain` names its field, down to the network at fault.

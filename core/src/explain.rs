@@ -310,12 +310,14 @@ mod tests {
                         seconds: 0.0417,
                         kv_fraction: Some(0.4712),
                         cached: 0,
+                        first_token_seconds: Some(0.02),
                     },
                     Ranked {
                         node: 1,
                         seconds: 0.055,
                         kv_fraction: None,
                         cached: 512,
+                        first_token_seconds: None,
                     },
                 ]
                 .into(),

@@ -3,6 +3,7 @@
 //! is found when only its address is configured (`discovery`), the per-node stats under
 //! churn (`metrics`), and the per-request explanation (`explain`).
 
+mod admission;
 mod discovery;
 mod explain;
 mod metrics;

@@ -156,6 +156,8 @@ pub struct Estimate {
     pub model: Option<String>,
     /// The prompt's prefix chain (see `prompt`), when one was asked for.
     pub chain: Chain,
+    /// The body's `user` (OpenAI's end-user id), a tenant for fair queuing (see `claim`).
+    pub user: Option<String>,
 }
 
 /// Estimates a request's weight from its JSON body, or `None` when the body gives no basis.
@@ -190,10 +192,15 @@ pub fn read_with_chain(
         Some(b) => prompt::chain(&obj, model.as_deref(), b),
         None => Chain::NONE,
     };
+    let user = match obj.remove("user") {
+        Some(Value::String(u)) if !u.is_empty() => Some(u),
+        _ => None,
+    };
     Some(Estimate {
         weight,
         model,
         chain,
+        user,
     })
 }
 

@@ -1,29 +1,54 @@
-//! Admission under saturation: hold a request at the gateway while every node is predicted
-//! over its VRAM ceiling, and bind it to a node only when one has room (late binding).
+//! Admission: who waits at the gateway, who goes first, and who is told to come back.
 //!
-//! Without this, a request that no node can take still has to go somewhere: it lands in the
-//! least-full node's own queue, the engine admits it as soon as the prompt fits, and when the
-//! running sequences then grow past the cache the engine preempts one (a VRAM-overflow event,
-//! and the recompute costs the whole batch). Holding the request in the filter instead keeps
-//! the choice open until a stream ends or a fresh report shows room, and then gives it to the
-//! node that has room at that moment, not the one that looked least bad when it arrived. This
-//! is the late-binding argument of Llumnix (OSDI '24) and of the Kubernetes inference gateway's
-//! flow control, applied inside one Envoy worker.
+//! Holding. A request is held while every node is predicted over its VRAM ceiling, and bound
+//! to a node only when one has room (late binding). Without this, a request that no node can
+//! take still has to go somewhere: it lands in the least-full node's own queue, the engine
+//! admits it as soon as the prompt fits, and when the running sequences then grow past the
+//! cache the engine preempts one (a VRAM-overflow event, and the recompute costs the whole
+//! batch). Holding the request in the filter keeps the choice open until a stream ends or a
+//! fresh report shows room, and then gives it to the node that has room at that moment. This
+//! is the late-binding argument of Llumnix (OSDI '24) and of the Kubernetes inference
+//! gateway's flow control, applied inside one Envoy worker.
 //!
-//! The queue is first in, first out: a large request at the head is not overtaken by small
-//! ones forever. Nothing is ever dropped: a request held for `max_hold_ms` is routed anyway, to
-//! the node that overflows least, and a full queue routes new requests at once the same way.
-//! The queue is generic over what the glue keeps per request, so it is tested natively.
+//! Order. Held requests leave by priority first (`ingest::claim`: higher first), and within a
+//! priority by token-weighted fair queuing among tenants: the tenant that has been served the
+//! fewest tokens goes next, and its oldest request first. This is the virtual token counter of
+//! VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): every request
+//! routed (held or not) adds its expected prompt and output tokens to its tenant's counter, and
+//! a tenant that starts waiting is lifted to the smallest counter among the tenants waiting
+//! (or, when none is, to the counter of the tenant served last), so idle time banks no credit.
+//! A tenant sending long prompts in a burst then pays for each of them in its counter, and a
+//! tenant sending short chat between them goes ahead of the burst's remainder. The request
+//! chosen next is the only one tried: when it does not fit, nothing behind it overtakes it
+//! (a large prompt is not starved by smaller ones), and the next event tries again.
+//!
+//! Budgets. A request with a time-to-first-token budget that no node would start in time is
+//! answered at once (`Outcome::TooLate`, see `Balancer::route_on`) rather than held until it
+//! times out; a held request whose budget runs out while it waits leaves the same way, on the
+//! next event that tries the queue. A request below priority 0 is shed rather than held: the
+//! glue answers it at once when the fleet is saturated. Either way `wait_ms` says when to come
+//! back: the held work at its priority or above, drained at the fleet's capacity.
+//!
+//! Limits. The queue is bounded in requests and in body bytes (what Envoy buffers for a
+//! paused request); a request that finds it full is not held. A request held for `max_hold_ms`
+//! is routed anyway, to the node that overflows least. A stream that ends while held leaves
+//! (`remove`), and a reconfiguration lets every held request go (`drain`). The queue is
+//! generic over what the glue keeps per request, so it is tested natively.
 //!
 //! A held request keeps its model: it is admitted only to a node serving it, with the sets
 //! known when it leaves (a list learned meanwhile counts), so it may also leave as
 //! `UnknownModel` if the last node serving its model stopped listing it.
 
+use crate::ingest::claim::Claim;
 use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::rng::Rng;
-use crate::route::balancer::{Balancer, BookSource, Outcome};
-use std::collections::VecDeque;
+use crate::route::balancer::{Balancer, BookSource, Outcome, Terms};
+use std::collections::HashMap;
+
+/// Tenants whose served tokens are remembered at most; past it, a tenant with nothing held
+/// and the smallest counter is forgotten (it would be lifted to the waiting minimum anyway).
+pub const MAX_TENANTS: usize = 4096;
 
 /// One request waiting for a node.
 #[derive(Debug)]
@@ -35,32 +60,95 @@ pub struct Held<T> {
     pub model: Option<String>,
     /// The prompt's prefix chain, which prices it on each node.
     pub chain: Chain,
+    /// Its priority, tenant and budget.
+    pub claim: Claim,
+    /// Body bytes Envoy buffers while it waits.
+    pub bytes: u64,
     pub since_ms: u64,
     pub payload: T,
 }
 
-/// The requests held by one filter instance, oldest first.
+impl<T> Held<T> {
+    /// A request with no claims and no body bytes counted (see `claiming`).
+    pub fn new(
+        id: u32,
+        weight: Weight,
+        model: Option<String>,
+        chain: Chain,
+        since_ms: u64,
+        payload: T,
+    ) -> Held<T> {
+        Held {
+            id,
+            weight,
+            model,
+            chain,
+            claim: Claim::default(),
+            bytes: 0,
+            since_ms,
+            payload,
+        }
+    }
+
+    /// The same request with its claims and body size.
+    pub fn claiming(self, claim: Claim, bytes: u64) -> Held<T> {
+        Held {
+            claim,
+            bytes,
+            ..self
+        }
+    }
+
+    /// Milliseconds of its first-token budget left at `now_ms` (none without a budget).
+    fn ttft_left_ms(&self, now_ms: u64) -> Option<u64> {
+        let ttft = self.claim.ttft_ms?;
+        Some(ttft.saturating_sub(now_ms.saturating_sub(self.since_ms)))
+    }
+}
+
+/// The requests held by one filter instance, in order of arrival, and the tokens each tenant
+/// has been served.
 #[derive(Debug)]
 pub struct HoldQueue<T> {
-    entries: VecDeque<Held<T>>,
+    entries: Vec<Held<T>>,
     max_len: usize,
+    max_bytes: u64,
     max_hold_ms: u64,
+    bytes: u64,
+    /// Virtual token counters: tokens served per tenant (see the module).
+    served: HashMap<u64, f64>,
+    /// The tenant served last, whose counter lifts a tenant that starts waiting alone.
+    last_served: Option<u64>,
 }
 
 impl<T> HoldQueue<T> {
     /// A queue of at most `max_len` requests, each held at most `max_hold_ms`. Either at zero
-    /// disables holding.
+    /// disables holding. Body bytes are not bounded (see `with_max_bytes`).
     pub fn new(max_len: usize, max_hold_ms: u64) -> Self {
         HoldQueue {
-            entries: VecDeque::new(),
+            entries: Vec::new(),
             max_len,
+            max_bytes: u64::MAX,
             max_hold_ms,
+            bytes: 0,
+            served: HashMap::new(),
+            last_served: None,
         }
+    }
+
+    /// The same queue, holding at most `max_bytes` of request bodies at once.
+    pub fn with_max_bytes(self, max_bytes: u64) -> Self {
+        HoldQueue { max_bytes, ..self }
     }
 
     /// Whether a request that finds every node over the ceiling may wait here now.
     pub fn may_hold(&self) -> bool {
-        self.max_hold_ms > 0 && self.entries.len() < self.max_len
+        self.max_hold_ms > 0 && self.entries.len() < self.max_len && self.bytes < self.max_bytes
+    }
+
+    /// Whether holding is on at all (tenants' service is counted only then).
+    pub fn holds(&self) -> bool {
+        self.max_hold_ms > 0 && self.max_len > 0
     }
 
     pub fn len(&self) -> usize {
@@ -71,46 +159,142 @@ impl<T> HoldQueue<T> {
         self.entries.is_empty()
     }
 
-    /// Holds a request. A full or disabled queue gives the payload back: route it now.
-    pub fn push(
-        &mut self,
-        id: u32,
-        weight: Weight,
-        model: Option<String>,
-        chain: Chain,
-        now_ms: u64,
-        payload: T,
-    ) -> Result<(), T> {
-        if !self.may_hold() {
-            return Err(payload);
+    /// Body bytes held now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Holds a request. A full or disabled queue gives it back: route it now.
+    pub fn push(&mut self, held: Held<T>) -> Result<(), Box<Held<T>>> {
+        if !self.may_hold() || self.bytes.saturating_add(held.bytes) > self.max_bytes {
+            return Err(Box::new(held));
         }
-        self.entries.push_back(Held {
-            id,
-            weight,
-            model,
-            chain,
-            since_ms: now_ms,
-            payload,
-        });
+        let tenant = held.claim.tenant;
+        if !self.entries.iter().any(|h| h.claim.tenant == tenant) {
+            // Starting to wait: no credit for the time it was not waiting.
+            let floor = self
+                .entries
+                .iter()
+                .map(|h| self.counter(h.claim.tenant))
+                .reduce(f64::min)
+                .or_else(|| self.last_served.map(|t| self.counter(t)));
+            if let Some(floor) = floor {
+                let own = self.counter(tenant);
+                if floor > own {
+                    self.set_counter(tenant, floor);
+                }
+            }
+        }
+        self.bytes = self.bytes.saturating_add(held.bytes);
+        self.entries.push(held);
         Ok(())
+    }
+
+    /// Counts `tokens` served to `tenant` (a request routed, held or not). Nothing is counted
+    /// while holding is off.
+    pub fn served(&mut self, tenant: u64, tokens: u64) {
+        if !self.holds() {
+            return;
+        }
+        let c = self.counter(tenant) + tokens as f64;
+        self.set_counter(tenant, c);
+        self.last_served = Some(tenant);
+    }
+
+    /// The tokens `tenant` has been served (as counted, lifts included).
+    pub fn counter(&self, tenant: u64) -> f64 {
+        self.served.get(&tenant).copied().unwrap_or(0.0)
+    }
+
+    fn set_counter(&mut self, tenant: u64, value: f64) {
+        if self.served.len() >= MAX_TENANTS && !self.served.contains_key(&tenant) {
+            let idle = self
+                .served
+                .iter()
+                .filter(|(t, _)| !self.entries.iter().any(|h| h.claim.tenant == **t))
+                .min_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(t, _)| *t);
+            match idle {
+                Some(t) => {
+                    self.served.remove(&t);
+                }
+                // Every remembered tenant is waiting (more tenants than requests held
+                // cannot be): keep the table as it is.
+                None => return,
+            }
+        }
+        self.served.insert(tenant, value);
+    }
+
+    /// Tenants whose served tokens are remembered.
+    pub fn tenants(&self) -> usize {
+        self.served.len()
     }
 
     /// Takes a request out of the queue without routing it (its stream ended while held).
     pub fn remove(&mut self, id: u32) -> Option<Held<T>> {
         let at = self.entries.iter().position(|h| h.id == id)?;
-        self.entries.remove(at)
+        Some(self.take(at))
+    }
+
+    fn take(&mut self, at: usize) -> Held<T> {
+        let held = self.entries.remove(at);
+        self.bytes = self.bytes.saturating_sub(held.bytes);
+        held
     }
 
     /// Empties the queue, oldest first (the plugin is being reconfigured: its requests must
     /// not wait for a balancer that is gone).
     pub fn drain(&mut self) -> impl Iterator<Item = Held<T>> + '_ {
+        self.bytes = 0;
         self.entries.drain(..)
     }
 
-    /// Routes held requests from the head for as long as the balancer finds them a node with
-    /// room, deciding with the books `books` gives (see `Balancer::route`); a request held past
-    /// `max_hold_ms` is routed even over the ceiling. Stops at the first request that must keep
-    /// waiting, so the order of arrival is kept.
+    /// When a request of `priority` and `weight` should come back, in milliseconds: the work
+    /// held at its priority or above and its own, at the fleet's capacity (at least a second).
+    pub fn wait_ms(&self, priority: i32, weight: Weight, balancer: &Balancer, now_ms: u64) -> u64 {
+        let ahead: u64 = self
+            .entries
+            .iter()
+            .filter(|h| h.claim.priority >= priority)
+            .map(|h| h.weight.total())
+            .sum();
+        balancer
+            .drain_ms(ahead.saturating_add(weight.total()), now_ms)
+            .unwrap_or(1000)
+            .max(1000)
+    }
+
+    /// The request that leaves next if it can: the highest priority, then the tenant served
+    /// least, then the oldest.
+    fn next(&self) -> Option<usize> {
+        let top = self.entries.iter().map(|h| h.claim.priority).max()?;
+        let mut best: Option<(usize, f64)> = None;
+        for (i, h) in self.entries.iter().enumerate() {
+            if h.claim.priority != top {
+                continue;
+            }
+            let c = self.counter(h.claim.tenant);
+            if best.map_or(true, |(_, b)| c < b) {
+                best = Some((i, c));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    fn leave(&mut self, at: usize, outcome: Outcome, out: &mut Vec<(Held<T>, Outcome)>) {
+        let held = self.take(at);
+        if let Outcome::Routed { ticket, .. } = &outcome {
+            self.served(held.claim.tenant, ticket.weight.total());
+        }
+        out.push((held, outcome));
+    }
+
+    /// Lets out what can go now, deciding with the books `books` gives (see
+    /// `Balancer::route`): first the requests whose first-token budget has run out (`TooLate`,
+    /// to be answered), then those held `max_hold_ms` (routed even over the ceiling), then, in
+    /// the queue's order, every request the balancer finds a node with room for, until one
+    /// must keep waiting.
     pub fn admit(
         &mut self,
         now_ms: u64,
@@ -119,24 +303,56 @@ impl<T> HoldQueue<T> {
         books: &mut dyn BookSource,
     ) -> Vec<(Held<T>, Outcome)> {
         let mut out = Vec::new();
-        while let Some(head) = self.entries.front() {
-            let expired = now_ms.saturating_sub(head.since_ms) >= self.max_hold_ms;
-            let outcome = balancer.route(
-                head.weight,
-                head.model.as_deref(),
-                &head.chain,
+        while let Some(at) = self
+            .entries
+            .iter()
+            .position(|h| h.ttft_left_ms(now_ms) == Some(0))
+        {
+            let retry_after_ms = self.entries.get(at).map_or(1000, |h| {
+                self.wait_ms(h.claim.priority, h.weight, balancer, now_ms)
+            });
+            self.leave(at, Outcome::TooLate { retry_after_ms }, &mut out);
+        }
+        while let Some(at) = self
+            .entries
+            .iter()
+            .position(|h| now_ms.saturating_sub(h.since_ms) >= self.max_hold_ms)
+        {
+            let Some(h) = self.entries.get(at) else { break };
+            let terms = Terms {
+                may_hold: false,
+                ttft_left_ms: h.ttft_left_ms(now_ms),
+            };
+            let outcome = balancer.route_on(
+                h.weight,
+                h.model.as_deref(),
+                &h.chain,
                 now_ms,
                 rng,
-                !expired,
+                terms,
+                books,
+            );
+            self.leave(at, outcome, &mut out);
+        }
+        while let Some(at) = self.next() {
+            let Some(h) = self.entries.get(at) else { break };
+            let terms = Terms {
+                may_hold: true,
+                ttft_left_ms: h.ttft_left_ms(now_ms),
+            };
+            let outcome = balancer.route_on(
+                h.weight,
+                h.model.as_deref(),
+                &h.chain,
+                now_ms,
+                rng,
+                terms,
                 books,
             );
             if matches!(outcome, Outcome::Saturated) {
                 break;
             }
-            match self.entries.pop_front() {
-                Some(held) => out.push((held, outcome)),
-                None => break,
-            }
+            self.leave(at, outcome, &mut out);
         }
         out
     }
@@ -170,6 +386,22 @@ mod tests {
         assert_eq!(r.kv_cache_usage, Some(kv_used));
     }
 
+    impl<T> HoldQueue<T> {
+        /// `push` of a request with no claims, giving back the payload when not held.
+        fn put(
+            &mut self,
+            id: u32,
+            weight: Weight,
+            model: Option<String>,
+            chain: Chain,
+            now_ms: u64,
+            payload: T,
+        ) -> Result<(), T> {
+            self.push(Held::new(id, weight, model, chain, now_ms, payload))
+                .map_err(|h| h.payload)
+        }
+    }
+
     fn w(prompt: u64) -> Weight {
         Weight {
             prompt_tokens: prompt,
@@ -188,8 +420,8 @@ mod tests {
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(100), None, Chain::NONE, 0, "first").unwrap();
-        q.push(2, w(20), None, Chain::NONE, 10, "second").unwrap();
+        q.put(1, w(100), None, Chain::NONE, 0, "first").unwrap();
+        q.put(2, w(20), None, Chain::NONE, 10, "second").unwrap();
         assert!(q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty());
         assert_eq!(q.len(), 2);
         // The node drains: both fit, and they leave in the order they came.
@@ -209,8 +441,8 @@ mod tests {
         let mut rng = SplitMix64::new(2);
         report(&mut b, 0.5, 0);
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(600), None, Chain::NONE, 0, ()).unwrap(); // 500 + 600 + 10 > 900
-        q.push(2, w(10), None, Chain::NONE, 0, ()).unwrap(); // would fit on its own
+        q.put(1, w(600), None, Chain::NONE, 0, ()).unwrap(); // 500 + 600 + 10 > 900
+        q.put(2, w(10), None, Chain::NONE, 0, ()).unwrap(); // would fit on its own
         assert!(q.admit(10, &mut b, &mut rng, &mut OwnBooks).is_empty());
         assert_eq!(q.len(), 2);
     }
@@ -221,8 +453,8 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         report(&mut b, 0.95, 0);
         let mut q = HoldQueue::new(8, 1_000);
-        q.push(1, w(10), None, Chain::NONE, 0, ()).unwrap();
-        q.push(2, w(10), None, Chain::NONE, 600, ()).unwrap();
+        q.put(1, w(10), None, Chain::NONE, 0, ()).unwrap();
+        q.put(2, w(10), None, Chain::NONE, 600, ()).unwrap();
         let out = q.admit(1_000, &mut b, &mut rng, &mut OwnBooks);
         assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
         assert_eq!(out[0].0.id, 1);
@@ -242,7 +474,7 @@ mod tests {
         let mut rng = SplitMix64::new(4);
         report(&mut b, 0.95, 0);
         let mut q = HoldQueue::new(8, 1_000_000);
-        q.push(1, w(10), None, Chain::NONE, 0, ()).unwrap();
+        q.put(1, w(10), None, Chain::NONE, 0, ()).unwrap();
         // Long after the report went stale, no node is fresh: the request leaves for Envoy's
         // own balancer instead of waiting for a report that may never come.
         let out = q.admit(100_000, &mut b, &mut rng, &mut OwnBooks);
@@ -252,20 +484,20 @@ mod tests {
     #[test]
     fn bounds_and_disabling() {
         let mut q = HoldQueue::new(2, 1_000);
-        assert!(q.push(1, w(1), None, Chain::NONE, 0, 'a').is_ok());
-        assert!(q.push(2, w(1), None, Chain::NONE, 0, 'b').is_ok());
-        assert_eq!(q.push(3, w(1), None, Chain::NONE, 0, 'c'), Err('c'));
+        assert!(q.put(1, w(1), None, Chain::NONE, 0, 'a').is_ok());
+        assert!(q.put(2, w(1), None, Chain::NONE, 0, 'b').is_ok());
+        assert_eq!(q.put(3, w(1), None, Chain::NONE, 0, 'c'), Err('c'));
         assert_eq!(q.remove(1).map(|h| h.payload), Some('a'));
         assert!(q.remove(1).is_none());
         assert!(q.may_hold());
-        assert!(q.push(4, w(1), None, Chain::NONE, 0, 'd').is_ok());
+        assert!(q.put(4, w(1), None, Chain::NONE, 0, 'd').is_ok());
         assert_eq!(q.drain().map(|h| h.payload).collect::<String>(), "bd");
         assert!(q.is_empty());
         let mut off: HoldQueue<char> = HoldQueue::new(8, 0);
         assert!(!off.may_hold());
-        assert_eq!(off.push(1, w(1), None, Chain::NONE, 0, 'x'), Err('x'));
+        assert_eq!(off.put(1, w(1), None, Chain::NONE, 0, 'x'), Err('x'));
         let mut none: HoldQueue<char> = HoldQueue::new(0, 1_000);
-        assert_eq!(none.push(1, w(1), None, Chain::NONE, 0, 'y'), Err('y'));
+        assert_eq!(none.put(1, w(1), None, Chain::NONE, 0, 'y'), Err('y'));
     }
 
     #[test]
@@ -340,7 +572,7 @@ mod tests {
             Outcome::Saturated
         ));
         let mut q = HoldQueue::new(8, 5_000);
-        q.push(1, w(10), Some("m1".to_string()), Chain::NONE, 0, "m1")
+        q.put(1, w(10), Some("m1".to_string()), Chain::NONE, 0, "m1")
             .unwrap();
         assert!(
             q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty(),
@@ -366,7 +598,7 @@ mod tests {
         kv(&mut b, 0, 0.99, 0);
         b.on_models(0, br#"{"data":[{"id":"m2"},{"id":"lora-x"}]}"#)
             .unwrap();
-        q.push(
+        q.put(
             2,
             w(10),
             Some("lora-x".to_string()),
@@ -395,7 +627,7 @@ mod tests {
         let mut rng = SplitMix64::new(8);
         let mut q = HoldQueue::new(100, 60_000);
         for id in 0..50 {
-            q.push(id, w(100), None, Chain::NONE, 0, id).unwrap();
+            q.put(id, w(100), None, Chain::NONE, 0, id).unwrap();
         }
         for event in 1..20 {
             let mut books = Counting::new(|_| false);
@@ -415,5 +647,258 @@ mod tests {
             books.reads,
             out.len()
         );
+    }
+
+    /// One node with a 100,000-token cache (room for everything below), 1,000 tokens/s.
+    fn roomy() -> Balancer {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":100000}],
+                 "hold_kv_ceiling":0.9}"#,
+        )
+        .unwrap();
+        Balancer::new(&cfg)
+    }
+
+    fn claim(priority: i32, tenant: u64, ttft_ms: Option<u64>) -> Claim {
+        Claim {
+            priority,
+            tenant,
+            ttft_ms,
+        }
+    }
+
+    fn hold(
+        q: &mut HoldQueue<&'static str>,
+        id: u32,
+        prompt: u64,
+        c: Claim,
+        now: u64,
+        name: &'static str,
+    ) {
+        let held = Held::new(id, w(prompt), None, Chain::NONE, now, name).claiming(c, 100);
+        assert!(q.push(held).is_ok(), "{name} held");
+    }
+
+    fn order(out: &[(Held<&'static str>, Outcome)]) -> Vec<&'static str> {
+        out.iter().map(|(h, _)| h.payload).collect()
+    }
+
+    #[test]
+    fn higher_priority_leaves_first_whatever_came_first() {
+        let mut b = roomy();
+        let mut rng = SplitMix64::new(11);
+        report(&mut b, 0.0, 0);
+        let mut q = HoldQueue::new(8, 60_000);
+        hold(&mut q, 1, 10, claim(0, 0, None), 0, "standard");
+        hold(&mut q, 2, 10, claim(-5, 0, None), 1, "batch");
+        hold(&mut q, 3, 10, claim(100, 0, None), 2, "premium");
+        hold(&mut q, 4, 10, claim(0, 0, None), 3, "standard, later");
+        let out = q.admit(10, &mut b, &mut rng, &mut OwnBooks);
+        assert_eq!(
+            order(&out),
+            vec!["premium", "standard", "standard, later", "batch"]
+        );
+    }
+
+    /// Tenant B's burst of long prompts came first; tenant A's short requests go between
+    /// them, each time B's counter passes A's, instead of behind the whole burst.
+    #[test]
+    fn a_tenant_with_a_burst_of_long_prompts_does_not_starve_another() {
+        let mut b = roomy();
+        let mut rng = SplitMix64::new(12);
+        report(&mut b, 0.0, 0);
+        let (ta, tb) = (7, 9);
+        let mut q = HoldQueue::new(16, 60_000);
+        for (i, name) in ["B1", "B2", "B3", "B4"].into_iter().enumerate() {
+            hold(&mut q, i as u32, 2_000, claim(0, tb, None), 0, name);
+        }
+        for (i, name) in ["A1", "A2", "A3"].into_iter().enumerate() {
+            hold(&mut q, 10 + i as u32, 100, claim(0, ta, None), 1, name);
+        }
+        let out = q.admit(10, &mut b, &mut rng, &mut OwnBooks);
+        assert_eq!(order(&out), vec!["B1", "A1", "A2", "A3", "B2", "B3", "B4"]);
+        // Every routed request was counted to its tenant, at its expected tokens.
+        assert_eq!(q.counter(ta), 3.0 * 110.0);
+        assert_eq!(q.counter(tb), 4.0 * 2_010.0);
+    }
+
+    /// A tenant that was served much while nobody waited banks no credit against a newcomer,
+    /// and a newcomer is lifted to the counter of the tenant served last.
+    #[test]
+    fn waiting_starts_from_the_others_counters() {
+        let mut b = roomy();
+        let mut rng = SplitMix64::new(13);
+        report(&mut b, 0.0, 0);
+        let mut q = HoldQueue::new(16, 60_000);
+        q.served(1, 50_000);
+        hold(&mut q, 1, 100, claim(0, 2, None), 0, "new tenant");
+        assert_eq!(q.counter(2), 50_000.0, "lifted to the tenant served last");
+        hold(&mut q, 2, 100, claim(0, 1, None), 0, "busy tenant");
+        assert_eq!(q.counter(1), 50_000.0, "already above the waiting minimum");
+        let out = q.admit(10, &mut b, &mut rng, &mut OwnBooks);
+        assert_eq!(order(&out), vec!["new tenant", "busy tenant"]);
+        // With holding off nothing is counted.
+        let mut off: HoldQueue<()> = HoldQueue::new(0, 0);
+        off.served(1, 10);
+        assert_eq!(off.counter(1), 0.0);
+    }
+
+    #[test]
+    fn the_tenant_table_is_bounded_and_forgets_the_idle_least_served() {
+        let mut q: HoldQueue<&'static str> = HoldQueue::new(4, 60_000);
+        for t in 0..MAX_TENANTS as u64 {
+            q.served(t + 1, 1_000 + t);
+        }
+        assert_eq!(q.tenants(), MAX_TENANTS);
+        q.served(999_999, 5);
+        assert_eq!(q.tenants(), MAX_TENANTS);
+        assert_eq!(
+            q.counter(1),
+            0.0,
+            "the least served idle tenant was forgotten"
+        );
+        assert_eq!(q.counter(2), 1_001.0);
+        assert_eq!(q.counter(999_999), 5.0);
+    }
+
+    #[test]
+    fn the_queue_is_bounded_in_body_bytes() {
+        let mut q: HoldQueue<char> = HoldQueue::new(8, 60_000).with_max_bytes(1_000);
+        let big = |id, bytes| {
+            Held::new(id, w(1), None, Chain::NONE, 0, 'x').claiming(Claim::default(), bytes)
+        };
+        assert!(q.push(big(1, 600)).is_ok());
+        assert!(q.push(big(2, 500)).is_err(), "600 + 500 > 1000");
+        assert!(q.push(big(3, 400)).is_ok());
+        assert_eq!(q.bytes(), 1_000);
+        assert!(!q.may_hold());
+        q.remove(1);
+        assert_eq!(q.bytes(), 400);
+        assert!(q.may_hold());
+        let _ = q.drain().count();
+        assert_eq!(q.bytes(), 0);
+    }
+
+    /// The node is over the ceiling; one request's budget runs out while it waits, behind
+    /// another without a budget: it leaves at once, told when to come back; the other stays.
+    #[test]
+    fn a_held_request_whose_budget_runs_out_is_answered_not_held() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(14);
+        report(&mut b, 0.95, 0);
+        let mut q = HoldQueue::new(8, 60_000);
+        hold(&mut q, 1, 10, claim(0, 0, None), 0, "no budget");
+        hold(&mut q, 2, 10, claim(0, 0, Some(500)), 0, "budget");
+        assert!(q.admit(499, &mut b, &mut rng, &mut OwnBooks).is_empty());
+        let out = q.admit(500, &mut b, &mut rng, &mut OwnBooks);
+        assert!(
+            matches!(&out[..], [(h, Outcome::TooLate { retry_after_ms })] if h.payload == "budget" && *retry_after_ms >= 1000),
+            "{out:?}"
+        );
+        assert_eq!(q.len(), 1);
+    }
+
+    /// The request's own prompt takes 0.1 s at 1,000 tokens/s: a 50-ms budget cannot be met
+    /// (come back in the 50 ms it misses by), a 200-ms one can.
+    #[test]
+    fn a_budget_no_node_meets_is_too_late_at_once() {
+        let mut b = roomy();
+        let mut rng = SplitMix64::new(15);
+        report(&mut b, 0.0, 0);
+        let mut ask = |b: &mut Balancer, ttft: u64| {
+            let terms = Terms {
+                may_hold: true,
+                ttft_left_ms: Some(ttft),
+            };
+            b.route_on(
+                w(100),
+                None,
+                &Chain::NONE,
+                0,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            )
+        };
+        assert_eq!(ask(&mut b, 50), Outcome::TooLate { retry_after_ms: 50 });
+        assert!(matches!(ask(&mut b, 200), Outcome::Routed { .. }));
+        // Over the ceiling as well: still answered, not held. The prompt routed above has
+        // not had its first token: it is ahead of this one (0.2 s in all).
+        report(&mut b, 0.95, 10);
+        assert!(
+            matches!(ask(&mut b, 50), Outcome::TooLate { retry_after_ms } if (150..=151).contains(&retry_after_ms))
+        );
+        assert_eq!(ask(&mut b, 5_000), Outcome::Saturated);
+    }
+
+    /// A request with a long answer: node 0 (10,000 tokens/s, one request queued) ranks first,
+    /// since the answer is most of the work; node 1 (2,000 tokens/s, empty) starts it sooner. A
+    /// budget that only node 1 meets sends it there; without one it goes to node 0.
+    #[test]
+    fn a_budget_picks_the_first_ranked_node_that_meets_it() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"nodes":[
+                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000},
+                 {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(16);
+        b.on_health(0, Some(br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":10000,"queue_depth":1,"kv_cache_usage":0}"#), 0).unwrap();
+        b.on_health(
+            1,
+            Some(br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":2000,"kv_cache_usage":0}"#),
+            0,
+        )
+        .unwrap();
+        let long = Weight {
+            prompt_tokens: 100,
+            output_tokens: 10_000,
+        };
+        let mut go = |b: &mut Balancer, ttft: Option<u64>| {
+            let terms = Terms {
+                may_hold: true,
+                ttft_left_ms: ttft,
+            };
+            match b.route_on(long, None, &Chain::NONE, 0, &mut rng, terms, &mut OwnBooks) {
+                Outcome::Routed {
+                    ticket, compared, ..
+                } => {
+                    b.release(&ticket, 0);
+                    (ticket.node, compared)
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        let (node, compared) = go(&mut b, None);
+        assert_eq!(node, 0, "{compared:?}");
+        let forecast = |n: usize| {
+            compared
+                .iter()
+                .find(|r| r.node == n)
+                .and_then(|r| r.first_token_seconds)
+                .unwrap()
+        };
+        assert!(forecast(1) < 0.5 && forecast(0) > 0.5, "{compared:?}");
+        let (node, compared) = go(&mut b, Some(500));
+        assert_eq!(node, 1, "{compared:?}");
+        assert_eq!(
+            compared.first().map(|r| r.node),
+            Some(1),
+            "it heads the header"
+        );
+    }
+
+    #[test]
+    fn the_wait_told_is_the_work_ahead_at_the_fleets_capacity() {
+        let mut b = roomy();
+        report(&mut b, 0.0, 0);
+        let mut q = HoldQueue::new(8, 60_000);
+        hold(&mut q, 1, 2_990, claim(5, 0, None), 0, "higher");
+        hold(&mut q, 2, 990, claim(-1, 0, None), 0, "lower");
+        // 3,000 tokens ahead at priority 0 or above, plus its own 1,000, at 1,000 tokens/s.
+        assert_eq!(q.wait_ms(0, w(990), &b, 10), 4_000);
+        // Never under a second.
+        assert_eq!(q.wait_ms(10, w(90), &b, 10), 1_000);
     }
 }

@@ -32,7 +32,7 @@ use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
-use crate::route::choice::{Ask, Growth, Params, Prefix, Ranked};
+use crate::route::choice::{Ask, AssumedCapacity, Growth, Params, Prefix, Ranked};
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 pub use crate::share::fleet::Imported;
@@ -72,6 +72,42 @@ pub enum Outcome {
     Saturated,
     /// Every node is known not to serve the request's model: nothing was booked.
     UnknownModel,
+    /// No node would give the request its first token within its budget: nothing was booked;
+    /// the caller answers it at once, telling it to come back in `retry_after_ms`.
+    TooLate { retry_after_ms: u64 },
+}
+
+/// What a request may be given besides a node now (see `Balancer::route_on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Terms {
+    /// It may wait in the hold queue while every node is over the ceiling (`Saturated`).
+    pub may_hold: bool,
+    /// Its first token must come within this many more milliseconds.
+    pub ttft_left_ms: Option<u64>,
+}
+
+/// The first of `ranked` whose first-token forecast is within `budget` seconds (a node with no
+/// forecast is taken at its word).
+fn meets(ranked: &[Ranked], budget: f64) -> Option<usize> {
+    ranked
+        .iter()
+        .position(|r| r.first_token_seconds.map_or(true, |t| t <= budget))
+}
+
+/// `TooLate` for a request none of `ranked` can start within `budget` seconds, with the
+/// shortest forecast's excess as the time to come back; none when some node meets the budget
+/// or has no forecast.
+fn too_late(ranked: &[Ranked], budget: f64) -> Option<Outcome> {
+    if meets(ranked, budget).is_some() {
+        return None;
+    }
+    let soonest = ranked
+        .iter()
+        .map(|r| r.first_token_seconds)
+        .try_fold(f64::INFINITY, |m, t| t.map(|t| m.min(t)))?;
+    soonest.is_finite().then(|| Outcome::TooLate {
+        retry_after_ms: ((soonest - budget).max(0.0) * 1000.0).ceil() as u64,
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -374,6 +410,30 @@ impl Balancer {
         may_hold: bool,
         books: &mut dyn BookSource,
     ) -> Outcome {
+        let terms = Terms {
+            may_hold,
+            ttft_left_ms: None,
+        };
+        self.route_on(weight, model, chain, now_ms, rng, terms, books)
+    }
+
+    /// `route`, on the request's terms: with a time-to-first-token budget (`ttft_left_ms`),
+    /// a node whose forecast (`choice::first_token`) passes it is not chosen, and when no
+    /// ranked node meets it the answer is `TooLate` (nothing booked), whether or not the fleet
+    /// is also over the VRAM ceiling: the fleet is saturated for this request.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_on(
+        &mut self,
+        weight: Weight,
+        model: Option<&str>,
+        chain: &Chain,
+        now_ms: u64,
+        rng: &mut dyn Rng,
+        terms: Terms,
+        books: &mut dyn BookSource,
+    ) -> Outcome {
+        let may_hold = terms.may_hold;
+        let budget = terms.ttft_left_ms.map(|ms| ms as f64 / 1000.0);
         self.first_asked_ms.get_or_insert(now_ms);
         let growth = self.growth(weight);
         let weight = self.expected(weight);
@@ -419,9 +479,12 @@ impl Balancer {
         } else {
             None
         };
+        // Drawn candidates that all miss the budget leave the choice to a full comparison,
+        // where a node that meets it may be found.
+        let sampled = sampled.filter(|r| budget.map_or(true, |b| meets(r, b).is_some()));
         // A sampled node serves the model, or might: only without one is the model's fate
         // worth a walk over the fleet.
-        let (ranked, over_ceiling) = match sampled {
+        let (mut ranked, over_ceiling) = match sampled {
             Some(r) => (r, false),
             None if model.is_some_and(|m| self.model_unknown(m)) => return Outcome::UnknownModel,
             None => {
@@ -445,7 +508,12 @@ impl Balancer {
                                 .and_then(|x| x.kv_fraction)
                                 .is_some_and(|f| f > self.hold_kv_ceiling) =>
                     {
-                        return Outcome::Saturated
+                        // Held, unless even the node with the most room would start it
+                        // too late: waiting for room only adds to that.
+                        if let Some(late) = budget.and_then(|b| too_late(&r, b)) {
+                            return late;
+                        }
+                        return Outcome::Saturated;
                     }
                     Decision::AllOverCeiling(r) => (r, true),
                     Decision::NoFreshNodes if may_hold && self.warming(now_ms) => {
@@ -455,6 +523,21 @@ impl Balancer {
                 }
             }
         };
+        if let Some(b) = budget {
+            // The best-ranked node that meets the budget goes first.
+            match meets(&ranked, b) {
+                Some(i) if i > 0 => {
+                    let chosen = ranked.remove(i);
+                    ranked.insert(0, chosen);
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(late) = too_late(&ranked, b) {
+                        return late;
+                    }
+                }
+            }
+        }
         let Some(first) = ranked.first().copied() else {
             return Outcome::NoFreshNodes;
         };
@@ -489,6 +572,23 @@ impl Balancer {
             inflight_before,
             compared: ranked.into_boxed_slice(),
         }
+    }
+
+    /// How long the fresh nodes together take to serve `tokens` of work at their capacities,
+    /// in milliseconds: the wait a request shed behind that much held work is told to come
+    /// back after (`Retry-After`). None without a fresh node.
+    pub fn drain_ms(&self, tokens: u64, now_ms: u64) -> Option<u64> {
+        let stale = self.params.stale_after_ms;
+        let fresh = || {
+            self.nodes()
+                .iter()
+                .filter_map(move |n| n.fresh_report(now_ms, stale).map(|r| (n, r)))
+        };
+        let mut assumed = AssumedCapacity::default();
+        fresh().for_each(|(n, r)| assumed.add(n, r));
+        let total: f64 = fresh().map(|(n, r)| n.capacity(r, assumed.value())).sum();
+        let ms = tokens as f64 / total * 1000.0;
+        (total > 0.0 && ms.is_finite()).then(|| ms.ceil() as u64)
     }
 
     /// Cold start: no node has reported yet, and the first request came less than

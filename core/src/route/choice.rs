@@ -127,6 +127,9 @@ pub struct Ranked {
     pub kv_fraction: Option<f64>,
     /// Prompt tokens the node is believed to hold in its prefix cache.
     pub cached: u64,
+    /// Forecast of the request's time to first token there, seconds (see `first_token`);
+    /// none under the baseline rules, which forecast nothing.
+    pub first_token_seconds: Option<f64>,
 }
 
 /// Predicted KV-cache fraction on the node after admitting `extra_tokens` more context.
@@ -310,6 +313,11 @@ pub fn evaluate(
         .map_or(0, |x| x.cached(node, weight.prompt_tokens));
     let work = weight.total().saturating_sub(cached) as f64;
     let mut seconds = (backlog + work) / spare;
+    let first_token_seconds = first_token(
+        reported_queue.max(books.prefill_tokens as f64),
+        weight.prompt_tokens.saturating_sub(cached),
+        c,
+    );
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;
     }
@@ -329,8 +337,20 @@ pub fn evaluate(
         seconds,
         kv_fraction: kv,
         cached,
+        first_token_seconds,
     };
     (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
+}
+
+/// Forecast of a request's time to first token on a node: the prompts queued ahead of it and
+/// its own uncached prompt, prefilled at the node's capacity `c` (tokens/s). Unlike the ranking
+/// key above (which drains at the spare rate, so that load orders nodes), this is meant as a
+/// time: a request's budget is compared with it (`route::admission`). It leaves out the decode
+/// work the engine interleaves, so it errs short on a node busy decoding; docs/BENCHMARKS.md
+/// measures how often an admitted request then misses its budget.
+pub fn first_token(queued_ahead_tokens: f64, own_prompt_tokens: u64, c: f64) -> Option<f64> {
+    let t = (queued_ahead_tokens.max(0.0) + own_prompt_tokens as f64) / c;
+    (c > 0.0 && t.is_finite()).then_some(t)
 }
 
 #[cfg(test)]

@@ -218,6 +218,7 @@ fn gateway_profile<'a>(
                 seconds: -score,
                 kv_fraction: Some(kv),
                 cached,
+                first_token_seconds: None,
             };
             (ranked, rng.next_u64())
         })
@@ -265,6 +266,7 @@ fn rank(
                     seconds: r.load_tokens_per_sec,
                     kv_fraction: None,
                     cached: 0,
+                    first_token_seconds: None,
                 };
                 (ranked, rng.next_u64())
             })

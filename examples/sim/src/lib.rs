@@ -572,7 +572,8 @@ impl Sim<'_> {
                         }
                         return false;
                     }
-                    Routed::NoFreshNodes | Routed::UnknownModel => {
+                    // The simulator's requests carry no budget, so none is too late.
+                    Routed::NoFreshNodes | Routed::UnknownModel | Routed::TooLate { .. } => {
                         self.out.fallbacks += 1;
                         self.least_request(req.replica)
                     }

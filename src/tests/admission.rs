@@ -1,0 +1,166 @@
+//! Admission on a request's claims: a budget no node meets is answered at once with 429 and
+//! `Retry-After`, a sheddable request is shed under saturation while others are held, a held
+//! request whose budget runs out is answered, the queue's byte bound, and every way out of the
+//! queue counted.
+
+use super::*;
+
+/// A completions request `id` with `body` and the extra request `headers`.
+fn post_with(
+    host: &FakeHost,
+    root: &Root<FakeHost>,
+    id: u32,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (Request<FakeHost>, Action) {
+    let len = body.len().to_string();
+    let mut all = vec![
+        (":path", "/v1/completions"),
+        ("content-length", len.as_str()),
+    ];
+    all.extend_from_slice(headers);
+    let mut req = request(host, root, id, &all);
+    host.stream(id).body = body.as_bytes().to_vec();
+    host.enter(id);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+    let action = req.on_http_request_body(body.len(), true);
+    (req, action)
+}
+
+/// A prompt of about 2,600 tokens: 2.6 s of prefill at the fake nodes' 1,000 tokens/s.
+fn long_body() -> String {
+    format!(
+        r#"{{"model":"m","prompt":"{}","max_tokens":20}}"#,
+        "word ".repeat(2000)
+    )
+}
+
+fn header(host: &FakeHost, id: u32, name: &str) -> Option<String> {
+    host.stream(id)
+        .response
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+}
+
+#[test]
+fn a_budget_no_node_meets_is_answered_429_with_retry_after_at_once() {
+    let (host, root) = reported(&config(r#","debug_header":"x-debug""#), IDLE);
+    let body = long_body();
+    let (_req, action) = post_with(&host, &root, 2, &body, &[("x-slo-ttft-ms", "1000")]);
+    assert_eq!(action, Action::Pause, "answered by the filter: not resumed");
+    assert_eq!(host.stream(2).reply, Some(429));
+    assert_eq!(host.request_header_of(2, ROUTING), None, "not routed");
+    // 2.6 s forecast against a 1-s budget: come back in 2 s.
+    assert_eq!(header(&host, 2, "retry-after").as_deref(), Some("2"));
+    assert_eq!(
+        header(&host, 2, "x-debug").as_deref(),
+        Some("rejected=ttft_budget")
+    );
+    let sent: serde_json::Value =
+        serde_json::from_slice(&host.stream(2).response_body).expect("JSON error body");
+    assert_eq!(sent["error"]["code"], "rate_limit_exceeded");
+    assert!(sent["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("time-to-first-token budget"));
+    assert_eq!(host.metric("token_balancer.rejected.ttft_budget"), 1);
+    assert_eq!(host.metric("token_balancer.routed"), 0);
+    assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0, "nothing booked");
+    // A budget it meets is routed as usual; so is a request without one.
+    let (_r, action) = post_with(&host, &root, 3, &body, &[("x-slo-ttft-ms", "10000")]);
+    assert_eq!(action, Action::Continue);
+    let (_r, action) = post_with(&host, &root, 4, &body, &[]);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.metric("token_balancer.routed"), 2);
+}
+
+#[test]
+fn the_refusal_status_is_configurable() {
+    let (host, root) = reported(&config(r#","admission":{"reject_status":503}"#), IDLE);
+    let (_req, _) = post_with(&host, &root, 2, &long_body(), &[("x-slo-ttft-ms", "5")]);
+    assert_eq!(host.stream(2).reply, Some(503));
+    assert!(header(&host, 2, "retry-after").is_some());
+}
+
+#[test]
+fn under_saturation_a_sheddable_request_is_shed_and_others_are_held() {
+    let json = config(
+        r#","max_hold_ms":10000,"choices":0,"admission":{"objectives":{"batch":-10,"premium":100}}"#,
+    );
+    let (host, mut root) = reported(&json, FULL);
+    let objective = "x-gateway-inference-objective";
+    let (_shed, action) = post_with(&host, &root, 2, BODY, &[(objective, "batch")]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(2).reply, Some(429));
+    assert!(header(&host, 2, "retry-after").is_some());
+    assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
+    let (mut held, action) = post_with(&host, &root, 3, BODY, &[]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(3).reply, None, "held, not answered");
+    let (_premium, _) = post_with(&host, &root, 4, BODY, &[(objective, "premium")]);
+    assert_eq!(host.metric("token_balancer.held_now"), 2);
+    // Room: both go, and nothing more is shed.
+    host.advance(1000);
+    tick(&host, &mut root);
+    answer_health(&host, &mut root, IDLE);
+    assert_eq!(host.stream(3).resumed, 1);
+    assert_eq!(host.stream(4).resumed, 1);
+    assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
+    // With room, a sheddable request is routed like any other.
+    let (_r, action) = post_with(&host, &root, 5, BODY, &[(objective, "batch")]);
+    assert_eq!(action, Action::Continue);
+    end(&host, &mut held, 3);
+}
+
+#[test]
+fn a_held_request_whose_budget_runs_out_is_answered_on_the_next_event() {
+    let (host, mut root) = reported(&config(r#","max_hold_ms":60000,"choices":0"#), FULL);
+    let (_req, action) = post_with(&host, &root, 2, BODY, &[("x-slo-ttft-ms", "1500")]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(2).reply, None, "held: its own prompt is short");
+    host.advance(1000);
+    tick(&host, &mut root);
+    answer_health(&host, &mut root, FULL);
+    assert_eq!(host.stream(2).reply, None, "1 s of 1.5 s");
+    host.advance(1000);
+    tick(&host, &mut root);
+    assert_eq!(host.stream(2).reply, Some(429));
+    assert_eq!(host.stream(2).resumed, 0, "answered, never resumed");
+    assert!(header(&host, 2, "retry-after").is_some());
+    assert_eq!(host.metric("token_balancer.rejected.ttft_budget_held"), 1);
+    assert_eq!(host.metric("token_balancer.held_now"), 0);
+}
+
+#[test]
+fn a_queue_full_in_bytes_routes_at_once_and_says_so() {
+    let json = config(r#","max_hold_ms":60000,"choices":0,"admission":{"max_held_bytes":100}"#);
+    let (host, root) = reported(&json, FULL);
+    let (_a, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Pause, "{} bytes held", BODY.len());
+    let (_b, action) = post_with(&host, &root, 3, BODY, &[]);
+    assert_eq!(
+        action,
+        Action::Continue,
+        "past 100 bytes: routed over the ceiling"
+    );
+    assert_eq!(host.metric("token_balancer.held_queue_full"), 1);
+    assert_eq!(host.metric("token_balancer.routed_over_vram_ceiling"), 1);
+}
+
+#[test]
+fn a_client_that_leaves_while_held_is_counted() {
+    let (host, root) = reported(&config(r#","max_hold_ms":60000,"choices":0"#), FULL);
+    let (mut req, _) = post_with(&host, &root, 2, BODY, &[]);
+    end(&host, &mut req, 2);
+    assert_eq!(host.metric("token_balancer.held_client_gone"), 1);
+    assert_eq!(host.metric("token_balancer.held_now"), 0);
+}
+
+#[test]
+fn an_unreadable_claim_is_counted_and_ignored() {
+    let (host, root) = reported(&config(""), IDLE);
+    let (_req, action) = post_with(&host, &root, 2, BODY, &[("x-slo-ttft-ms", "soon")]);
+    assert_eq!(action, Action::Continue, "routed as without a budget");
+    assert_eq!(host.metric("token_balancer.admission.bad_header"), 1);
+}

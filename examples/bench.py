@@ -43,7 +43,10 @@ TRACES = {"azure": ("azure", DATA / "AzureLLMInferenceTrace_conv.csv"),
           # short prompts and long answers, or both at even odds.
           "prefill": ("prefill", ""), "decode": ("decode", ""), "mixed": ("mixed", ""),
           # Long-context conversations: prompts around 8k tokens, up to 48k.
-          "long": ("long", "")}
+          "long": ("long", ""),
+          # A tenant with steady short chat and one with bursts of long prompts, each request
+          # naming its tenant (examples/admission_bench.py).
+          "two-tenants": ("two-tenants", "")}
 # Two fast and two slow GPUs (presets in examples/mock-node/src/engine.rs).
 CLUSTER = [("fast-1", "gpu=a100"), ("fast-2", "gpu=a100"), ("slow-1", "gpu=l4"), ("slow-2", "gpu=l4")]
 POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]
@@ -60,7 +63,12 @@ VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             "tb_no_prefix": {"prefix": {"enabled": False}},
             # Our re-implementation of the inference gateway's default scoring (queue 2, KV 2,
             # prefix 3 over the same approximate prefix index), inside the same filter.
-            "gateway_profile": {"policy": "gateway_profile"}}
+            "gateway_profile": {"policy": "gateway_profile"},
+            # Holding first in, first out: tenants are not told apart (no fair queuing).
+            "tb_fifo": {"admission": {"fairness_header": "x-token-balancer-no-tenant",
+                                      "fairness_from_user": False}},
+            # Two objectives with priorities, for requests that name them.
+            "tb_priority": {"admission": {"objectives": {"interactive": 100, "bulk": 0}}}}
 # Envoy's own ring_hash, hashing the header a stock-Envoy user would set for affinity (the
 # load generator's x-prefix-key: the prompt's first shared block).
 BASELINES = ["ring_hash"]
@@ -165,6 +173,7 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         if args.arrivals != "poisson":
             cmd += ["--arrivals", args.arrivals]
+        cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         model_ms = (time.monotonic() - started) * 1000.0 * args.time_scale

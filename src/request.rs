@@ -492,6 +492,10 @@ impl<H: Host> Request<H> {
             if wrote {
                 self.shared_received = received;
             }
+            // The first token: the prompt is prefilled, and the node's queue is shorter by it.
+            if before == 0 {
+                admit_held(&self.state, self.context_id);
+            }
         }
     }
 }

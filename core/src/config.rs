@@ -173,6 +173,11 @@ pub struct AdmissionConfig {
     /// Most request-body bytes held at once per Envoy worker; a request that would pass it is
     /// not held.
     pub max_held_bytes: u64,
+    /// With holding on: a node whose queued prompts would take longer than this to prefill
+    /// (milliseconds, forecast at its capacity) takes no request that may wait; when every
+    /// node is past it the request waits in the hold queue, where priority and fairness order
+    /// it, instead of in an engine's first-come queue. 0 (default) holds only for VRAM.
+    pub max_queued_ms: u64,
 }
 
 impl Default for AdmissionConfig {
@@ -186,6 +191,7 @@ impl Default for AdmissionConfig {
             ttft_header: "x-slo-ttft-ms".into(),
             reject_status: 429,
             max_held_bytes: 64 << 20,
+            max_queued_ms: 0,
         }
     }
 }
@@ -199,6 +205,7 @@ const ADMISSION_FIELDS: &[&str] = &[
     "ttft_header",
     "reject_status",
     "max_held_bytes",
+    "max_queued_ms",
 ];
 
 /// The most objectives `admission.objectives` lists.
@@ -247,6 +254,13 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         Some(_) => return Err(err(f.name("reject_status"), "must be 429 or 503")),
     };
     let max_held_bytes = f.uint("max_held_bytes")?.unwrap_or(d.max_held_bytes);
+    let max_queued_ms = f.uint("max_queued_ms")?.unwrap_or(d.max_queued_ms);
+    if max_queued_ms > 600_000 {
+        return Err(err(
+            f.name("max_queued_ms"),
+            "must be at most 600000 (10 minutes)",
+        ));
+    }
     let a = AdmissionConfig {
         objective_header: header_name(&f, "objective_header", &d.objective_header)?,
         objectives,
@@ -256,6 +270,7 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         ttft_header: header_name(&f, "ttft_header", &d.ttft_header)?,
         reject_status,
         max_held_bytes,
+        max_queued_ms,
     };
     // Each header is read for one meaning only.
     let mut seen: Vec<(&str, &str)> = vec![

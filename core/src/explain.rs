@@ -311,6 +311,7 @@ mod tests {
                         kv_fraction: Some(0.4712),
                         cached: 0,
                         first_token_seconds: Some(0.02),
+                        queued_seconds: Some(0.01),
                     },
                     Ranked {
                         node: 1,
@@ -318,6 +319,7 @@ mod tests {
                         kv_fraction: None,
                         cached: 512,
                         first_token_seconds: None,
+                        queued_seconds: None,
                     },
                 ]
                 .into(),

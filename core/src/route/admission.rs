@@ -901,4 +901,47 @@ mod tests {
         // Never under a second.
         assert_eq!(q.wait_ms(10, w(90), &b, 10), 1_000);
     }
+
+    /// With `max_queued_ms`, a node whose queued prompts take longer than that is full for a
+    /// request that may wait: node 0 has 3 s queued, node 1 half a second; past the limit on
+    /// both, the request is held, and one that may not wait goes anyway.
+    #[test]
+    fn queued_prompts_past_the_limit_hold_a_request_that_may_wait() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"max_hold_ms":10000,"admission":{"max_queued_ms":1000},
+                 "nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":100000},
+                          {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(17);
+        let queued = |b: &mut Balancer, node: usize, q: u32, now: u64| {
+            let body = format!(
+                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"queue_depth":{q},"kv_cache_usage":0}}"#
+            );
+            b.on_health(node, Some(body.as_bytes()), now).unwrap();
+        };
+        // Requests of 110 tokens, before any is learned: the mean request is this one.
+        queued(&mut b, 0, 30, 0); // 3.3 s queued
+        queued(&mut b, 1, 5, 0); // 0.55 s queued
+        let ask = |b: &mut Balancer, rng: &mut SplitMix64, may_hold: bool| {
+            b.route(w(100), None, &Chain::NONE, 0, rng, may_hold, &mut OwnBooks)
+        };
+        match ask(&mut b, &mut rng, true) {
+            Outcome::Routed { ticket, .. } => {
+                assert_eq!(ticket.node, 1);
+                b.release(&ticket, 0);
+            }
+            other => panic!("{other:?}"),
+        }
+        queued(&mut b, 1, 12, 10); // 1.3 s queued
+        assert_eq!(ask(&mut b, &mut rng, true), Outcome::Saturated);
+        assert!(matches!(
+            ask(&mut b, &mut rng, false),
+            Outcome::Routed {
+                over_ceiling: false,
+                ..
+            }
+        ));
+    }
 }

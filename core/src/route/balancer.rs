@@ -86,12 +86,41 @@ pub struct Terms {
     pub ttft_left_ms: Option<u64>,
 }
 
-/// The first of `ranked` whose first-token forecast is within `budget` seconds (a node with no
-/// forecast is taken at its word).
+/// What a node must offer to be given the request now: a first token within the budget
+/// (seconds), and no more prompts queued than the limit (seconds), when either is set. A node
+/// with no forecast is taken at its word.
+#[derive(Debug, Clone, Copy, Default)]
+struct Bar {
+    budget: Option<f64>,
+    queued: Option<f64>,
+}
+
+impl Bar {
+    fn is_set(&self) -> bool {
+        self.budget.is_some() || self.queued.is_some()
+    }
+
+    fn passes(&self, r: &Ranked) -> bool {
+        let within = |limit: Option<f64>, t: Option<f64>| match (limit, t) {
+            (Some(l), Some(t)) => t <= l,
+            _ => true,
+        };
+        within(self.budget, r.first_token_seconds) && within(self.queued, r.queued_seconds)
+    }
+
+    /// The first of `ranked` that passes.
+    fn first(&self, ranked: &[Ranked]) -> Option<usize> {
+        ranked.iter().position(|r| self.passes(r))
+    }
+}
+
+/// The first of `ranked` whose first-token forecast is within `budget` seconds.
 fn meets(ranked: &[Ranked], budget: f64) -> Option<usize> {
-    ranked
-        .iter()
-        .position(|r| r.first_token_seconds.map_or(true, |t| t <= budget))
+    Bar {
+        budget: Some(budget),
+        queued: None,
+    }
+    .first(ranked)
 }
 
 /// `TooLate` for a request none of `ranked` can start within `budget` seconds, with the
@@ -138,6 +167,9 @@ pub struct Balancer {
     placements: Option<Vec<(usize, Vec<u64>)>>,
     /// When this balancer was first asked to route: its warm-up (see `warming`) starts then.
     first_asked_ms: Option<u64>,
+    /// Seconds of queued prompts past which a node takes no request that may wait
+    /// (`admission.max_queued_ms`); none when off.
+    max_queued_s: Option<f64>,
 }
 
 /// Placements kept for `take_placements` at most; the glue takes them after every decision.
@@ -169,6 +201,8 @@ impl Balancer {
                 .then(|| PrefixIndex::new(cfg.prefix.max_blocks, cfg.prefix.blocks_per_node)),
             block_chars: cfg.prefix.block_chars,
             placements: None,
+            max_queued_s: (cfg.admission.max_queued_ms > 0)
+                .then(|| cfg.admission.max_queued_ms as f64 / 1000.0),
         }
     }
 
@@ -434,6 +468,13 @@ impl Balancer {
     ) -> Outcome {
         let may_hold = terms.may_hold;
         let budget = terms.ttft_left_ms.map(|ms| ms as f64 / 1000.0);
+        // Prompts queued at a node past the limit make it full for a request that may wait:
+        // it waits here, in the hold queue's order, instead of in the engine's. A request with
+        // a budget is instead sent as soon as a node meets it (it could miss it waiting).
+        let bar = Bar {
+            budget,
+            queued: self.max_queued_s.filter(|_| may_hold && budget.is_none()),
+        };
         self.first_asked_ms.get_or_insert(now_ms);
         let growth = self.growth(weight);
         let weight = self.expected(weight);
@@ -481,7 +522,7 @@ impl Balancer {
         };
         // Drawn candidates that all miss the budget leave the choice to a full comparison,
         // where a node that meets it may be found.
-        let sampled = sampled.filter(|r| budget.map_or(true, |b| meets(r, b).is_some()));
+        let sampled = sampled.filter(|r| bar.first(r).is_some());
         // A sampled node serves the model, or might: only without one is the model's fate
         // worth a walk over the fleet.
         let (mut ranked, over_ceiling) = match sampled {
@@ -523,17 +564,25 @@ impl Balancer {
                 }
             }
         };
-        if let Some(b) = budget {
-            // The best-ranked node that meets the budget goes first.
-            match meets(&ranked, b) {
+        if bar.is_set() {
+            // The best-ranked node that meets the budget and the queue limit goes first.
+            match bar.first(&ranked) {
                 Some(i) if i > 0 => {
                     let chosen = ranked.remove(i);
                     ranked.insert(0, chosen);
                 }
                 Some(_) => {}
                 None => {
-                    if let Some(late) = too_late(&ranked, b) {
+                    if let Some(late) = budget.and_then(|b| too_late(&ranked, b)) {
                         return late;
+                    }
+                    if bar.queued.is_some() {
+                        return Outcome::Saturated;
+                    }
+                    // A budget some node meets, but not first: it goes first.
+                    if let Some(i) = budget.and_then(|b| meets(&ranked, b)) {
+                        let chosen = ranked.remove(i);
+                        ranked.insert(0, chosen);
                     }
                 }
             }

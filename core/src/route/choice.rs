@@ -130,6 +130,8 @@ pub struct Ranked {
     /// Forecast of the request's time to first token there, seconds (see `first_token`);
     /// none under the baseline rules, which forecast nothing.
     pub first_token_seconds: Option<f64>,
+    /// The part of it that is prompts already queued there (see `route::admission`).
+    pub queued_seconds: Option<f64>,
 }
 
 /// Predicted KV-cache fraction on the node after admitting `extra_tokens` more context.
@@ -313,11 +315,9 @@ pub fn evaluate(
         .map_or(0, |x| x.cached(node, weight.prompt_tokens));
     let work = weight.total().saturating_sub(cached) as f64;
     let mut seconds = (backlog + work) / spare;
-    let first_token_seconds = first_token(
-        reported_queue.max(books.prefill_tokens as f64),
-        weight.prompt_tokens.saturating_sub(cached),
-        c,
-    );
+    let queued = reported_queue.max(books.prefill_tokens as f64);
+    let first_token_seconds = first_token(queued, weight.prompt_tokens.saturating_sub(cached), c);
+    let queued_seconds = first_token(queued, 0, c);
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;
     }
@@ -338,6 +338,7 @@ pub fn evaluate(
         kv_fraction: kv,
         cached,
         first_token_seconds,
+        queued_seconds,
     };
     (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
 }

@@ -219,6 +219,7 @@ fn gateway_profile<'a>(
                 kv_fraction: Some(kv),
                 cached,
                 first_token_seconds: None,
+                queued_seconds: None,
             };
             (ranked, rng.next_u64())
         })
@@ -267,6 +268,7 @@ fn rank(
                     kv_fraction: None,
                     cached: 0,
                     first_token_seconds: None,
+                    queued_seconds: None,
                 };
                 (ranked, rng.next_u64())
             })

@@ -25,7 +25,8 @@ use tokio::net::TcpStream;
 
 const USAGE: &str = "\
 usage: loadgen --url http://HOST:PORT
-               --trace azure:PATH|mooncake:PATH|tenants:N|hot|prefill|decode|mixed|long [options]
+               --trace azure:PATH|mooncake:PATH|tenants:N|hot|prefill|decode|mixed|long|two-tenants
+               [options]
 
   --start-s S        skip the trace's first S seconds (default 0)
   --duration-s S     replay S seconds of trace (default 60)
@@ -41,6 +42,11 @@ usage: loadgen --url http://HOST:PORT
                      exceed every node's KV cache
   --timeout-s S      per-request timeout, wall seconds (default 300)
   --seed N           seed of the generated workloads (default 1)
+  --only-tenant T    send only tenant T's requests (two-tenants: chat or docs)
+  --objective T=NAME send tenant T's requests with x-gateway-inference-objective: NAME
+                     (repeatable)
+  --slo-ttft-ms MS   send every request with x-slo-ttft-ms, its time-to-first-token
+                     budget: MS of model time (MS / time scale on the wall clock)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -60,6 +66,10 @@ struct Args {
     out: Option<String>,
     seed: u64,
     bursts: bool,
+    only_tenant: Option<String>,
+    /// (tenant, objective name) pairs.
+    objectives: Vec<(String, String)>,
+    slo_ttft_ms: Option<f64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -81,6 +91,9 @@ fn parse_args() -> Result<Args, String> {
         out: None,
         seed: 1,
         bursts: false,
+        only_tenant: None,
+        objectives: vec![],
+        slo_ttft_ms: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -111,6 +124,15 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--arrivals {other:?}: poisson or bursts")),
                 }
             }
+            "--only-tenant" => a.only_tenant = Some(v()?),
+            "--objective" => {
+                let spec = v()?;
+                let (t, name) = spec
+                    .split_once('=')
+                    .ok_or_else(|| format!("--objective {spec:?}: TENANT=NAME"))?;
+                a.objectives.push((t.to_string(), name.to_string()));
+            }
+            "--slo-ttft-ms" => a.slo_ttft_ms = Some(pos(v()?, "--slo-ttft-ms")?.max(1.0)),
             "--label" => a.label = v()?,
             "--seed" => a.seed = pos(v()?, "--seed")? as u64,
             "--out" => a.out = Some(v()?),
@@ -145,18 +167,22 @@ fn parse_args() -> Result<Args, String> {
             a.seed,
         ),
         "hot" => trace::hot(a.seed),
+        "two-tenants" => trace::two_tenants(a.seed),
         shape => match trace::Shape::parse(shape) {
             Some(s) => trace::shaped(s, a.seed),
             None => {
                 return Err(format!(
                     "unknown trace kind {kind:?} (azure, mooncake, tenants, hot, prefill, \
-                     decode, mixed, long)"
+                     decode, mixed, long, two-tenants)"
                 ))
             }
         },
     };
     if a.bursts {
         a.trace = trace::bursty(std::mem::take(&mut a.trace), a.seed);
+    }
+    if let Some(only) = &a.only_tenant {
+        a.trace.retain(|r| r.tenant == Some(only.as_str()));
     }
     Ok(a)
 }
@@ -181,6 +207,10 @@ struct Record {
     /// The prompt's first shared block (what `x-prefix-key` carries), to tell which
     /// requests share a prefix.
     prefix_key: String,
+    /// The tenant it was sent for, when the workload has tenants.
+    tenant: String,
+    /// The `Retry-After` the answer carried (seconds), when it carried one.
+    retry_after_s: Option<u64>,
     error: Option<String>,
 }
 
@@ -201,7 +231,8 @@ impl Record {
                "output_tokens": self.output_tokens, "status": self.status, "node": self.node,
                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms, "tpot_ms": self.tpot_ms(),
                "tokens_received": self.tokens_received, "seen_before": self.seen_before,
-               "cached": self.cached, "prefix_key": self.prefix_key, "error": self.error})
+               "cached": self.cached, "prefix_key": self.prefix_key, "tenant": self.tenant,
+               "retry_after_s": self.retry_after_s, "error": self.error})
     }
 }
 
@@ -214,6 +245,11 @@ async fn one(
     sent: Instant,
     rec: &mut Record,
 ) -> Result<(), String> {
+    let objective = args
+        .objectives
+        .iter()
+        .find(|(t, _)| *t == rec.tenant)
+        .map(|(_, name)| name.clone());
     let stream = TcpStream::connect((args.host.as_str(), args.port))
         .await
         .map_err(|e| format!("connect: {e}"))?;
@@ -229,14 +265,35 @@ async fn one(
         .header("x-request-index", index.to_string())
         // What a stock-Envoy user hashes on for affinity (ring_hash): the prompt's first
         // shared block, or the request's own index when it shares none.
-        .header("x-prefix-key", prefix_key)
-        .body(Full::new(body))
-        .map_err(|e| e.to_string())?;
+        .header("x-prefix-key", prefix_key);
+    let req = if rec.tenant.is_empty() {
+        req
+    } else {
+        req.header("x-gateway-inference-fairness-id", rec.tenant.as_str())
+    };
+    let req = match objective {
+        Some(name) => req.header("x-gateway-inference-objective", name),
+        None => req,
+    };
+    let req = match args.slo_ttft_ms {
+        // The filter's clock is the wall clock: the budget in model time, scaled to it.
+        Some(ms) => req.header(
+            "x-slo-ttft-ms",
+            ((ms / args.time_scale).round() as u64).max(1).to_string(),
+        ),
+        None => req,
+    };
+    let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
     let resp = sender
         .send_request(req)
         .await
         .map_err(|e| format!("request: {e}"))?;
     rec.status = resp.status().as_u16();
+    rec.retry_after_s = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
     rec.node = resp
         .headers()
         .get("x-mock-node")
@@ -370,7 +427,7 @@ async fn main() {
     }
     let seen = trace::seen_before(&selected);
     // Bodies are built before the clock starts, so building never delays an arrival.
-    let plan: Vec<(f64, Bytes, u64, u64, String)> = selected
+    let plan: Vec<(f64, Bytes, u64, u64, String, &'static str)> = selected
         .iter()
         .enumerate()
         .map(|(i, r)| {
@@ -396,6 +453,7 @@ async fn main() {
                 r.output_tokens.min(args.max_tokens),
                 prompt_tokens,
                 prefix_key,
+                r.tenant.unwrap_or(""),
             )
         })
         .collect();
@@ -409,7 +467,7 @@ async fn main() {
     );
     let t0 = Instant::now() + Duration::from_millis(50);
     let mut handles = Vec::with_capacity(n);
-    for (i, (at, body, output, prompt_tokens, prefix_key)) in plan.into_iter().enumerate() {
+    for (i, (at, body, output, prompt_tokens, prefix_key, tenant)) in plan.into_iter().enumerate() {
         let args = args.clone();
         let seen_before = seen.get(i).copied().unwrap_or(0);
         handles.push(tokio::spawn(async move {
@@ -423,6 +481,7 @@ async fn main() {
                 output_tokens: output,
                 seen_before,
                 prefix_key: prefix_key.clone(),
+                tenant: tenant.to_string(),
                 ..Record::default()
             };
             let timeout = Duration::from_secs_f64(args.timeout_s);

@@ -22,6 +22,9 @@
 //! - `long`: long-context conversations, prompts log-normal around 8,000 tokens up to 48,000,
 //!   answers around 200 (the traffic that tests a VRAM guard).
 //!
+//! And `two-tenants` (`two_tenants`): a tenant with steady short chat and a tenant with bursts
+//! of long prompts that saturate the fleet, each request naming its tenant, for admission.
+//!
 //! Any of them, and any trace, can arrive in bursts (`bursty`): on/off traffic, tens of requests
 //! within a second, then a quiet spell, at the same mean rate. Inter-arrival times then have a
 //! coefficient of variation above 10 (Poisson's is 1), the shape of production traces where
@@ -35,6 +38,9 @@ pub struct TraceRequest {
     pub output_tokens: u64,
     /// Prefix blocks (Mooncake), so equal blocks become equal text.
     pub blocks: Vec<u64>,
+    /// The tenant sending it, in workloads that have tenants who ask to be told apart
+    /// (`two_tenants`); sent as the inference gateway's fairness-id header.
+    pub tenant: Option<&'static str>,
 }
 
 /// Tokens per Mooncake hash block.
@@ -74,6 +80,7 @@ pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, String> {
             prompt_tokens: p,
             output_tokens: o.max(1),
             blocks: vec![],
+            tenant: None,
         });
     }
     Ok(out)
@@ -106,6 +113,7 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, String> {
             prompt_tokens: p as u64,
             output_tokens: (o as u64).max(1),
             blocks,
+            tenant: None,
         });
     }
     Ok(out)
@@ -204,9 +212,59 @@ pub fn shaped(shape: Shape, seed: u64) -> Vec<TraceRequest> {
                 prompt_tokens,
                 output_tokens: output_tokens.max(1),
                 blocks: vec![],
+                tenant: None,
             }
         })
         .collect()
+}
+
+/// The `two-tenants` workload's tenants: `chat` sends a steady stream of short requests,
+/// `docs` sends bursts of long prompts that saturate the fleet.
+pub const TWO_TENANTS: [&str; 2] = ["chat", "docs"];
+/// Long prompts in one of `docs`' bursts, and the mean time from one burst to the next.
+const DOCS_BURST: u64 = 30;
+const DOCS_EVERY_MS: f64 = 30_000.0;
+
+/// The `two-tenants` workload, an hour of it: tenant `chat` sends requests at 2 per second
+/// (Poisson; prompts log-normal around 300 tokens, answers around 120), tenant `docs` sends
+/// bursts of 30 long prompts within a second (prompts around 6,000 tokens up to 16,000,
+/// answers around 60), one burst every 15 to 45 s. A burst is more prompt than the benchmark's
+/// four nodes hold in KV cache: the fleet saturates and the gateway has to decide whose
+/// request waits.
+pub fn two_tenants(seed: u64) -> Vec<TraceRequest> {
+    let mut g = Gen(seed ^ 0x2_7e4a_4e75);
+    let span_ms = GENERATED as f64 / GENERATED_RATE * 1000.0;
+    let [chat, docs] = TWO_TENANTS;
+    let mut out = Vec::new();
+    let mut at = 0.0;
+    loop {
+        at += g.gap_ms(GENERATED_RATE);
+        if at >= span_ms {
+            break;
+        }
+        out.push(TraceRequest {
+            at_ms: at,
+            prompt_tokens: g.lognormal(300.0, 0.6, 30.0, 2_000.0),
+            output_tokens: g.lognormal(120.0, 0.6, 10.0, 600.0),
+            blocks: vec![],
+            tenant: Some(chat),
+        });
+    }
+    let mut start = 5_000.0;
+    while start < span_ms {
+        for _ in 0..DOCS_BURST {
+            out.push(TraceRequest {
+                at_ms: start + g.uniform() * BURST_MS,
+                prompt_tokens: g.lognormal(6_000.0, 0.5, 2_000.0, 16_000.0),
+                output_tokens: g.lognormal(60.0, 0.6, 5.0, 400.0),
+                blocks: vec![],
+                tenant: Some(docs),
+            });
+        }
+        start += DOCS_EVERY_MS * (0.5 + g.uniform());
+    }
+    out.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
+    out
 }
 
 /// Requests in one burst: 20 to 60.
@@ -295,6 +353,7 @@ pub fn tenants(n: usize, seed: u64) -> Vec<TraceRequest> {
                 prompt_tokens: blocks * MOONCAKE_BLOCK_TOKENS + g.between(20, 200),
                 output_tokens: g.lognormal(150.0, 0.8, 10.0, 1000.0),
                 blocks: (base..base + blocks).collect(),
+                tenant: None,
             }
         })
         .collect()
@@ -312,6 +371,7 @@ pub fn hot(seed: u64) -> Vec<TraceRequest> {
                 prompt_tokens: 4 * MOONCAKE_BLOCK_TOKENS + g.lognormal(500.0, 0.8, 20.0, 4000.0),
                 output_tokens: g.lognormal(150.0, 0.8, 10.0, 1000.0),
                 blocks: (0..4).map(|b| GENERATED_BLOCKS - 1 - b).collect(),
+                tenant: None,
             }
         })
         .collect()
@@ -383,15 +443,18 @@ mod tests {
             prompt_tokens: 1100,
             output_tokens: 1,
             blocks: vec![1, 2, 3],
+            tenant: None,
         };
         let b = TraceRequest {
             prompt_tokens: 1600,
             blocks: vec![9, 2, 3],
+            tenant: None,
             ..a.clone()
         };
         let c = TraceRequest {
             prompt_tokens: 1600,
             blocks: vec![1, 2, 3],
+            tenant: None,
             ..a.clone()
         };
         assert_eq!(seen_before(&[&a, &b, &c]), vec![0, 0, 1024]);
@@ -464,5 +527,40 @@ mod tests {
         assert_eq!(t[1].at_ms, 250.0);
         assert_eq!(t[1].blocks, vec![0, 2]);
         assert!(parse_mooncake("{\"timestamp\": 0}").is_err());
+    }
+
+    #[test]
+    fn two_tenants_steady_chat_and_bursts_of_long_prompts() {
+        let t = two_tenants(3);
+        assert!(t.windows(2).all(|w| w[0].at_ms <= w[1].at_ms), "in order");
+        let of = |name: &str| {
+            t.iter()
+                .filter(|r| r.tenant == Some(name))
+                .collect::<Vec<_>>()
+        };
+        let (chat, docs) = (of("chat"), of("docs"));
+        assert_eq!(
+            chat.len() + docs.len(),
+            t.len(),
+            "every request has a tenant"
+        );
+        // About 2 per second for an hour.
+        assert!((6_500..8_000).contains(&chat.len()), "{}", chat.len());
+        assert!(docs.len() % DOCS_BURST as usize == 0 && docs.len() >= 80 * 30);
+        let mean = |rs: &[&TraceRequest]| {
+            rs.iter().map(|r| r.prompt_tokens as f64).sum::<f64>() / rs.len() as f64
+        };
+        assert!(
+            mean(&docs) > 10.0 * mean(&chat),
+            "{} vs {}",
+            mean(&docs),
+            mean(&chat)
+        );
+        // Each burst's 30 prompts within a second.
+        let first: Vec<f64> = docs.iter().take(30).map(|r| r.at_ms).collect();
+        let span = first.iter().cloned().fold(f64::MIN, f64::max)
+            - first.iter().cloned().fold(f64::MAX, f64::min);
+        assert!(span <= BURST_MS, "{span}");
+        assert_eq!(two_tenants(3), t, "seeded");
     }
 }

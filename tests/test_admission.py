@@ -202,3 +202,23 @@ def test_a_client_that_leaves_while_held_is_counted(cluster):
         assert envoy.counter("token_balancer.held_now") == 0
     finally:
         envoy.stop()
+
+
+def test_prompts_queued_past_the_limit_hold_a_request_until_a_node_drains(cluster):
+    envoy = start_envoy(cluster, admission={"max_queued_ms": 200})
+    try:
+        # About a second of prompts queued at each node (100 requests of this size, at 1,000
+        # tokens/s); their caches are empty.
+        for n in cluster.nodes:
+            n.set_health(tokens_per_sec_load=0, tokens_per_sec_capacity=1000, queue_depth=100)
+        polls_seen(cluster)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(envoy.post, "/v1/chat/completions", chat("hello", 4), None, 60)
+            wait_until(lambda: envoy.counter("token_balancer.held_now") == 1, 10, "the request to be held")
+            cluster[1].set_health(tokens_per_sec_load=0, tokens_per_sec_capacity=1000, queue_depth=0)
+            r = pending.result(timeout=20)
+        assert r.status == 200, r.body[:200]
+        assert r.headers["x-mock-node"] == "node-b"
+        assert envoy.counter("token_balancer.routed_over_vram_ceiling") == 0
+    finally:
+        envoy.stop()

@@ -167,8 +167,11 @@ def test_the_workers_of_one_envoy_know_where_each_other_sent_a_prompt(cluster):
     """With the poller service and four workers, each new connection may land on another
     worker: every worker prices a tenant's turns as cached on the node the first turn went to,
     though only one worker routed that turn (the placements journal in shared data)."""
+    # Four workers and the poller on two cores: a report may be late under load, and a home
+    # node whose report went stale for a moment is no candidate, which is not what this test
+    # is about. Reports are trusted for 3 s here.
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
-                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}, poller="singleton")
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": 3000}, poller="singleton")
     envoy = Envoy(cfg, concurrency=4)
     try:
         wait_until(lambda: envoy.counter("token_balancer.shared.imported") >= 4, 15,
@@ -177,7 +180,8 @@ def test_the_workers_of_one_envoy_know_where_each_other_sent_a_prompt(cluster):
         home, _, first = ask(envoy, system, "First question")
         assert int(first["cached_tokens"]) == 0, first
         turns = [ask(envoy, system, f"Question {i}") for i in range(16)]
-        assert all(node == home for node, _, _ in turns), turns
+        assert all(node == home for node, _, _ in turns), [(home, node, debug) for node, _, debug in turns
+                                                            if node != home]
         assert all(int(debug["cached_tokens"]) > 2000 for _, _, debug in turns), turns
         c = envoy.counters()
         # Each request is a new connection: some went to workers that did not route the first.

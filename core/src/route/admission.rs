@@ -251,16 +251,20 @@ impl<T> HoldQueue<T> {
     }
 
     /// When a request of `priority` and `weight` should come back, in milliseconds: the work
-    /// held at its priority or above and its own, at the fleet's capacity (at least a second).
+    /// held at its priority or above and its own (at their expected output, not their caps),
+    /// at the fleet's capacity (at least a second).
     pub fn wait_ms(&self, priority: i32, weight: Weight, balancer: &Balancer, now_ms: u64) -> u64 {
         let ahead: u64 = self
             .entries
             .iter()
             .filter(|h| h.claim.priority >= priority)
-            .map(|h| h.weight.total())
+            .map(|h| balancer.expected(h.weight).total())
             .sum();
         balancer
-            .drain_ms(ahead.saturating_add(weight.total()), now_ms)
+            .drain_ms(
+                ahead.saturating_add(balancer.expected(weight).total()),
+                now_ms,
+            )
             .unwrap_or(1000)
             .max(1000)
     }

@@ -64,6 +64,8 @@ pub struct Request<H: Host> {
     meter: OutputMeter,
     /// Output count last written to the shared books (reader role).
     shared_received: u64,
+    /// When the first output token was seen (for the node's time per output token).
+    first_token_ms: Option<u64>,
     /// The response was a 200 and its body reached its end: a complete sample of output
     /// length.
     status_ok: bool,
@@ -87,6 +89,7 @@ impl<H: Host> Request<H> {
             received: 0,
             meter: OutputMeter::new(),
             shared_received: 0,
+            first_token_ms: None,
             status_ok: false,
             completed: false,
         }
@@ -169,6 +172,7 @@ impl<H: Host> Request<H> {
             let terms = Terms {
                 may_hold: s.held.may_hold() || claim.sheddable(),
                 ttft_left_ms: claim.ttft_ms,
+                tpot_ms: claim.tpot_ms,
             };
             let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
             let placed = match outcome {
@@ -292,10 +296,19 @@ impl<H: Host> Request<H> {
             // exactly; the sample is the meter's (the server's own count when it gave one).
             let progressed = self.received;
             let written = self.shared_received;
+            // A stream seen whole gives its node's time per output token, after the first.
+            let now = self.host.now_ms();
+            let tpot = self
+                .first_token_ms
+                .filter(|_| self.status_ok && self.completed && progressed > 1)
+                .map(|first| now.saturating_sub(first) as f64 / 1000.0 / (progressed - 1) as f64);
             self.with(|s| {
                 if let Some(output) = sample {
                     s.balancer
                         .observe_output(ticket.weight.prompt_tokens, output);
+                }
+                if let Some(seconds) = tpot {
+                    s.balancer.observe_tpot(&ticket, seconds, now);
                 }
                 s.balancer.release(&ticket, progressed);
                 s.share(&ticket, Change::release(&ticket, written), None);
@@ -494,6 +507,7 @@ impl<H: Host> Request<H> {
             }
             // The first token: the prompt is prefilled, and the node's queue is shorter by it.
             if before == 0 {
+                self.first_token_ms = Some(self.host.now_ms());
                 admit_held(&self.state, self.context_id);
             }
         }

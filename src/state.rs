@@ -360,7 +360,7 @@ fn refused_body(why: Answer, status: u32, retry_after_s: u64) -> Vec<u8> {
             "The service is saturated and this request's priority may be shed; retry after {retry_after_s} s."
         ),
         _ => format!(
-            "No server can start this request within its time-to-first-token budget; retry after {retry_after_s} s."
+            "No server can serve this request within its latency budget (time to first token, time per output token); retry after {retry_after_s} s."
         ),
     };
     let (kind, code) = if status == 429 {

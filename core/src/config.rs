@@ -167,6 +167,8 @@ pub struct AdmissionConfig {
     pub fairness_from_user: bool,
     /// Header with the request's time-to-first-token budget, in milliseconds.
     pub ttft_header: String,
+    /// Header with the longest time per output token the request accepts, in milliseconds.
+    pub tpot_header: String,
     /// Status of a request the filter answers itself because it cannot be served in time or
     /// is shed: 429 (default) or 503.
     pub reject_status: u32,
@@ -189,6 +191,7 @@ impl Default for AdmissionConfig {
             fairness_header: "x-gateway-inference-fairness-id".into(),
             fairness_from_user: true,
             ttft_header: "x-slo-ttft-ms".into(),
+            tpot_header: "x-slo-tpot-ms".into(),
             reject_status: 429,
             max_held_bytes: 64 << 20,
             max_queued_ms: 0,
@@ -203,6 +206,7 @@ const ADMISSION_FIELDS: &[&str] = &[
     "fairness_header",
     "fairness_from_user",
     "ttft_header",
+    "tpot_header",
     "reject_status",
     "max_held_bytes",
     "max_queued_ms",
@@ -268,6 +272,7 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         fairness_header: header_name(&f, "fairness_header", &d.fairness_header)?,
         fairness_from_user,
         ttft_header: header_name(&f, "ttft_header", &d.ttft_header)?,
+        tpot_header: header_name(&f, "tpot_header", &d.tpot_header)?,
         reject_status,
         max_held_bytes,
         max_queued_ms,
@@ -277,6 +282,7 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         ("objective_header", a.objective_header.as_str()),
         ("fairness_header", a.fairness_header.as_str()),
         ("ttft_header", a.ttft_header.as_str()),
+        ("tpot_header", a.tpot_header.as_str()),
     ];
     seen.extend(a.priority_header.as_deref().map(|h| ("priority_header", h)));
     for (i, (name, h)) in seen.iter().enumerate() {
@@ -1302,6 +1308,7 @@ mod tests {
         assert_eq!(a.objective_header, "x-gateway-inference-objective");
         assert_eq!(a.fairness_header, "x-gateway-inference-fairness-id");
         assert_eq!(a.ttft_header, "x-slo-ttft-ms");
+        assert_eq!(a.tpot_header, "x-slo-tpot-ms");
         assert!(a.objectives.is_empty() && a.priority_header.is_none());
         assert!(a.fairness_from_user);
         assert_eq!((a.reject_status, a.max_held_bytes), (429, 64 << 20));
@@ -1396,6 +1403,11 @@ mod tests {
             (
                 with(r#"{"priority_header":"x-slo-ttft-ms"}"#),
                 "admission.priority_header",
+                "admission.ttft_header",
+            ),
+            (
+                with(r#"{"tpot_header":"x-slo-ttft-ms"}"#),
+                "admission.tpot_header",
                 "admission.ttft_header",
             ),
         ];

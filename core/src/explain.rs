@@ -312,6 +312,7 @@ mod tests {
                         cached: 0,
                         first_token_seconds: Some(0.02),
                         queued_seconds: Some(0.01),
+                        tpot_seconds: None,
                     },
                     Ranked {
                         node: 1,
@@ -320,6 +321,7 @@ mod tests {
                         cached: 512,
                         first_token_seconds: None,
                         queued_seconds: None,
+                        tpot_seconds: None,
                     },
                 ]
                 .into(),

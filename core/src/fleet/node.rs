@@ -118,7 +118,13 @@ pub struct NodeState {
     /// A member of the Envoy cluster (see `membership`): a node that is not is never chosen,
     /// since override_host would ignore it.
     member: bool,
+    /// Time per output token of the streams this filter saw complete there: a moving mean
+    /// (seconds) and when it last moved (ms).
+    tpot: Option<(f64, u64)>,
 }
+
+/// Weight of the newest stream in a node's time per output token.
+const TPOT_ALPHA: f64 = 0.2;
 
 /// A change of a node's health, for the stats and the log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +186,26 @@ impl NodeState {
             healthy_after: 2,
             transition: None,
             member: true,
+            tpot: None,
         }
+    }
+
+    /// A stream completed on the node at `seconds` per output token (after its first).
+    pub fn observe_tpot(&mut self, seconds: f64, now_ms: u64) {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return;
+        }
+        let mean = match self.tpot {
+            Some((m, _)) => m + TPOT_ALPHA * (seconds - m),
+            None => seconds,
+        };
+        self.tpot = Some((mean, now_ms));
+    }
+
+    /// The node's time per output token (seconds), if a stream completed there since
+    /// `since_ms`: an older figure says nothing of the batch it runs now.
+    pub fn tpot_since(&self, since_ms: u64) -> Option<f64> {
+        self.tpot.filter(|(_, at)| *at >= since_ms).map(|(m, _)| m)
     }
 
     /// Sets the hysteresis: ejected after `unhealthy_after` failed polls in a row, readmitted

@@ -2,8 +2,8 @@
 //! token must come. Read from request headers (and the body's `user`), with the names the
 //! Kubernetes inference gateway uses where it has them: `x-gateway-inference-objective` names
 //! an objective whose priority the configuration gives (as an `InferenceObjective` does),
-//! `x-gateway-inference-fairness-id` names the tenant, and `x-slo-ttft-ms` the
-//! time-to-first-token budget. `route::admission` decides with them.
+//! `x-gateway-inference-fairness-id` names the tenant, and `x-slo-ttft-ms` and `x-slo-tpot-ms`
+//! the time-to-first-token and time-per-output-token budgets. `route::admission` decides with them.
 //!
 //! Reading is total: a value that does not parse is ignored (the claim falls back to its
 //! default) and reported as such, so the glue can count it; a client cannot make the filter
@@ -16,7 +16,7 @@ use crate::ingest::prompt::hash_str;
 /// Seed of tenant hashes: the same name from the header or the body is the same tenant.
 const TENANT_SEED: u64 = 0x7e4a_4e75_5eed_0001;
 
-/// Longest TTFT budget taken (an hour); longer ones are as good as none.
+/// Longest budget taken (an hour); longer ones are as good as none.
 pub const MAX_TTFT_MS: u64 = 3_600_000;
 
 /// A request's claims at admission.
@@ -28,6 +28,8 @@ pub struct Claim {
     pub tenant: u64,
     /// The first token must come within this many milliseconds of arrival.
     pub ttft_ms: Option<u64>,
+    /// Output tokens must come at most this many milliseconds apart.
+    pub tpot_ms: Option<u64>,
 }
 
 impl Claim {
@@ -81,7 +83,7 @@ pub fn read(
             }
         }
     }
-    let ttft_ms = match header(&cfg.ttft_header) {
+    let mut budget = |name: &str| match header(name) {
         None => None,
         Some(v) => match v.trim().parse::<u64>() {
             Ok(ms) if ms > 0 => Some(ms.min(MAX_TTFT_MS)),
@@ -91,6 +93,8 @@ pub fn read(
             }
         },
     };
+    let ttft_ms = budget(&cfg.ttft_header);
+    let tpot_ms = budget(&cfg.tpot_header);
     let tenant = if fair {
         match header(&cfg.fairness_header) {
             Some(name) => tenant_of(name.trim()),
@@ -105,6 +109,7 @@ pub fn read(
             priority,
             tenant,
             ttft_ms,
+            tpot_ms,
         },
         bad,
     )
@@ -220,6 +225,16 @@ mod tests {
                 false,
             ),
             (
+                "a time-per-output-token budget",
+                vec![("x-slo-tpot-ms", "50")],
+                None,
+                Claim {
+                    tpot_ms: Some(50),
+                    ..none
+                },
+                false,
+            ),
+            (
                 "the fairness header names the tenant",
                 vec![("x-gateway-inference-fairness-id", "alice")],
                 Some("bob"),
@@ -258,8 +273,11 @@ mod tests {
             Some("alice"),
         );
         assert_eq!(c.tenant, Claim::NO_TENANT);
-        // No objectives listed and no priority header: only the budget is looked up.
-        assert_eq!(asked, vec!["x-slo-ttft-ms".to_string()]);
+        // No objectives listed and no priority header: only the budgets are looked up.
+        assert_eq!(
+            asked,
+            vec!["x-slo-ttft-ms".to_string(), "x-slo-tpot-ms".to_string()]
+        );
     }
 
     #[test]

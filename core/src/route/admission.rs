@@ -326,6 +326,7 @@ impl<T> HoldQueue<T> {
             let terms = Terms {
                 may_hold: false,
                 ttft_left_ms: h.ttft_left_ms(now_ms),
+                tpot_ms: h.claim.tpot_ms,
             };
             let outcome = balancer.route_on(
                 h.weight,
@@ -343,6 +344,7 @@ impl<T> HoldQueue<T> {
             let terms = Terms {
                 may_hold: true,
                 ttft_left_ms: h.ttft_left_ms(now_ms),
+                tpot_ms: h.claim.tpot_ms,
             };
             let outcome = balancer.route_on(
                 h.weight,
@@ -668,6 +670,7 @@ mod tests {
             priority,
             tenant,
             ttft_ms,
+            tpot_ms: None,
         }
     }
 
@@ -813,6 +816,7 @@ mod tests {
             let terms = Terms {
                 may_hold: true,
                 ttft_left_ms: Some(ttft),
+                ..Terms::default()
             };
             b.route_on(
                 w(100),
@@ -863,6 +867,7 @@ mod tests {
             let terms = Terms {
                 may_hold: true,
                 ttft_left_ms: ttft,
+                ..Terms::default()
             };
             match b.route_on(long, None, &Chain::NONE, 0, &mut rng, terms, &mut OwnBooks) {
                 Outcome::Routed {
@@ -947,5 +952,84 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// Node 0 decoded its last streams at 80 ms a token, node 1 at 20: a 50-ms budget per token
+    /// goes to node 1 whatever the ranking says; a 10-ms one is told to come back; once the
+    /// slow figure is older than `TPOT_MEMORY` reports' worth it no longer counts.
+    #[test]
+    fn a_time_per_token_budget_avoids_the_nodes_that_decode_slower() {
+        use crate::fleet::node::Ticket;
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[
+                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000},
+                 {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(18);
+        let idle = |b: &mut Balancer, node: usize, cap: u32, now: u64| {
+            let body = format!(
+                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0}}"#
+            );
+            b.on_health(node, Some(body.as_bytes()), now).unwrap();
+        };
+        // Node 0 is the faster by capacity: it ranks first.
+        idle(&mut b, 0, 10_000, 0);
+        idle(&mut b, 1, 1_000, 0);
+        let ticket = |node| Ticket {
+            node,
+            tenant: 0,
+            generation: b.generation(),
+            epoch: 0,
+            weight: w(0),
+            reserved_output: 0,
+            cached: 0,
+        };
+        let (t0, t1) = (ticket(0), ticket(1));
+        b.observe_tpot(&t0, 0.080, 0);
+        b.observe_tpot(&t1, 0.020, 0);
+        let mut go = |b: &mut Balancer, tpot: Option<u64>, now: u64| {
+            let terms = Terms {
+                tpot_ms: tpot,
+                ..Terms::default()
+            };
+            match b.route_on(
+                w(100),
+                None,
+                &Chain::NONE,
+                now,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => {
+                    b.release(&ticket, 0);
+                    Ok(ticket.node)
+                }
+                other => Err(other),
+            }
+        };
+        assert_eq!(go(&mut b, None, 10), Ok(0));
+        assert_eq!(go(&mut b, Some(50), 10), Ok(1));
+        assert_eq!(
+            go(&mut b, Some(10), 10),
+            Err(Outcome::TooLate {
+                retry_after_ms: 1000
+            })
+        );
+        // Five stale-after periods later, with fresh reports, the figures are forgotten.
+        idle(&mut b, 0, 10_000, 10_001);
+        idle(&mut b, 1, 1_000, 10_001);
+        assert_eq!(go(&mut b, Some(10), 10_002), Ok(0));
+        // A new stream's figure moves the mean by a fifth, not replaces it: 20, 24, 23.2 ms.
+        b.observe_tpot(&t1, 0.040, 10_002);
+        b.observe_tpot(&t1, 0.020, 10_003);
+        assert_eq!(
+            b.nodes()[1]
+                .tpot_since(10_000)
+                .map(|t| (t * 10_000.0).round()),
+            Some(232.0)
+        );
     }
 }

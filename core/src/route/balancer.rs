@@ -77,6 +77,10 @@ pub enum Outcome {
     TooLate { retry_after_ms: u64 },
 }
 
+/// When a request that no node would decode fast enough is told to come back: a batch's
+/// time per token changes as its streams end, in seconds, not milliseconds.
+const SLOW_DECODE_RETRY_MS: u64 = 1000;
+
 /// What a request may be given besides a node now (see `Balancer::route_on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Terms {
@@ -84,6 +88,8 @@ pub struct Terms {
     pub may_hold: bool,
     /// Its first token must come within this many more milliseconds.
     pub ttft_left_ms: Option<u64>,
+    /// Its output tokens must come at most this many milliseconds apart.
+    pub tpot_ms: Option<u64>,
 }
 
 /// What a node must offer to be given the request now: a first token within the budget
@@ -93,11 +99,13 @@ pub struct Terms {
 struct Bar {
     budget: Option<f64>,
     queued: Option<f64>,
+    /// The longest time per output token (seconds) the request accepts.
+    tpot: Option<f64>,
 }
 
 impl Bar {
     fn is_set(&self) -> bool {
-        self.budget.is_some() || self.queued.is_some()
+        self.budget.is_some() || self.queued.is_some() || self.tpot.is_some()
     }
 
     fn passes(&self, r: &Ranked) -> bool {
@@ -105,7 +113,9 @@ impl Bar {
             (Some(l), Some(t)) => t <= l,
             _ => true,
         };
-        within(self.budget, r.first_token_seconds) && within(self.queued, r.queued_seconds)
+        within(self.budget, r.first_token_seconds)
+            && within(self.queued, r.queued_seconds)
+            && within(self.tpot, r.tpot_seconds)
     }
 
     /// The first of `ranked` that passes.
@@ -118,7 +128,7 @@ impl Bar {
 fn meets(ranked: &[Ranked], budget: f64) -> Option<usize> {
     Bar {
         budget: Some(budget),
-        queued: None,
+        ..Bar::default()
     }
     .first(ranked)
 }
@@ -417,6 +427,14 @@ impl Balancer {
         self.outputs.growth(weight)
     }
 
+    /// A stream of `ticket` completed at `seconds` per output token (after its first). A
+    /// ticket this balancer did not issue changes nothing.
+    pub fn observe_tpot(&mut self, ticket: &Ticket, seconds: f64, now_ms: u64) {
+        if let Some(state) = self.issued(ticket) {
+            state.observe_tpot(seconds, now_ms);
+        }
+    }
+
     /// A stream whose prompt was estimated at `prompt_tokens` completed normally with
     /// `tokens` output tokens.
     pub fn observe_output(&mut self, prompt_tokens: u64, tokens: u64) {
@@ -446,7 +464,7 @@ impl Balancer {
     ) -> Outcome {
         let terms = Terms {
             may_hold,
-            ttft_left_ms: None,
+            ..Terms::default()
         };
         self.route_on(weight, model, chain, now_ms, rng, terms, books)
     }
@@ -474,6 +492,7 @@ impl Balancer {
         let bar = Bar {
             budget,
             queued: self.max_queued_s.filter(|_| may_hold && budget.is_none()),
+            tpot: terms.tpot_ms.map(|ms| ms as f64 / 1000.0),
         };
         self.first_asked_ms.get_or_insert(now_ms);
         let growth = self.growth(weight);
@@ -575,6 +594,17 @@ impl Balancer {
                 None => {
                     if let Some(late) = budget.and_then(|b| too_late(&ranked, b)) {
                         return late;
+                    }
+                    // Every node compared decodes slower than the request accepts: it is
+                    // told to come back rather than sent where it would miss.
+                    let fast = Bar {
+                        tpot: bar.tpot,
+                        ..Bar::default()
+                    };
+                    if fast.tpot.is_some() && fast.first(&ranked).is_none() {
+                        return Outcome::TooLate {
+                            retry_after_ms: SLOW_DECODE_RETRY_MS,
+                        };
                     }
                     if bar.queued.is_some() {
                         return Outcome::Saturated;

@@ -132,7 +132,13 @@ pub struct Ranked {
     pub first_token_seconds: Option<f64>,
     /// The part of it that is prompts already queued there (see `route::admission`).
     pub queued_seconds: Option<f64>,
+    /// The time per output token of the streams this filter saw complete there recently
+    /// (`TPOT_MEMORY` reports' worth), seconds.
+    pub tpot_seconds: Option<f64>,
 }
+
+/// How many stale-after periods a node's observed time per output token is believed.
+pub const TPOT_MEMORY: u64 = 5;
 
 /// Predicted KV-cache fraction on the node after admitting `extra_tokens` more context.
 fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> Option<f64> {
@@ -318,6 +324,12 @@ pub fn evaluate(
     let queued = reported_queue.max(books.prefill_tokens as f64);
     let first_token_seconds = first_token(queued, weight.prompt_tokens.saturating_sub(cached), c);
     let queued_seconds = first_token(queued, 0, c);
+    // Measured against the node's report time: the report is fresh, so this is recent too.
+    let since = n
+        .reported_at()
+        .unwrap_or(0)
+        .saturating_sub(TPOT_MEMORY.saturating_mul(p.stale_after_ms));
+    let tpot_seconds = n.tpot_since(since);
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;
     }
@@ -339,6 +351,7 @@ pub fn evaluate(
         cached,
         first_token_seconds,
         queued_seconds,
+        tpot_seconds,
     };
     (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
 }

@@ -220,6 +220,7 @@ fn gateway_profile<'a>(
                 cached,
                 first_token_seconds: None,
                 queued_seconds: None,
+                tpot_seconds: None,
             };
             (ranked, rng.next_u64())
         })
@@ -269,6 +270,7 @@ fn rank(
                     cached: 0,
                     first_token_seconds: None,
                     queued_seconds: None,
+                    tpot_seconds: None,
                 };
                 (ranked, rng.next_u64())
             })

@@ -47,6 +47,8 @@ usage: loadgen --url http://HOST:PORT
                      (repeatable)
   --slo-ttft-ms MS   send every request with x-slo-ttft-ms, its time-to-first-token
                      budget: MS of model time (MS / time scale on the wall clock)
+  --slo-tpot-ms MS   send every request with x-slo-tpot-ms, the longest time per output
+                     token it accepts: MS of model time (scaled the same way)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -70,6 +72,7 @@ struct Args {
     /// (tenant, objective name) pairs.
     objectives: Vec<(String, String)>,
     slo_ttft_ms: Option<f64>,
+    slo_tpot_ms: Option<f64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -94,6 +97,7 @@ fn parse_args() -> Result<Args, String> {
         only_tenant: None,
         objectives: vec![],
         slo_ttft_ms: None,
+        slo_tpot_ms: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -133,6 +137,7 @@ fn parse_args() -> Result<Args, String> {
                 a.objectives.push((t.to_string(), name.to_string()));
             }
             "--slo-ttft-ms" => a.slo_ttft_ms = Some(pos(v()?, "--slo-ttft-ms")?.max(1.0)),
+            "--slo-tpot-ms" => a.slo_tpot_ms = Some(pos(v()?, "--slo-tpot-ms")?.max(1.0)),
             "--label" => a.label = v()?,
             "--seed" => a.seed = pos(v()?, "--seed")? as u64,
             "--out" => a.out = Some(v()?),
@@ -275,12 +280,14 @@ async fn one(
         Some(name) => req.header("x-gateway-inference-objective", name),
         None => req,
     };
+    // The filter's clock is the wall clock: budgets in model time, scaled to it.
+    let wall = |ms: f64| ((ms / args.time_scale).round() as u64).max(1).to_string();
     let req = match args.slo_ttft_ms {
-        // The filter's clock is the wall clock: the budget in model time, scaled to it.
-        Some(ms) => req.header(
-            "x-slo-ttft-ms",
-            ((ms / args.time_scale).round() as u64).max(1).to_string(),
-        ),
+        Some(ms) => req.header("x-slo-ttft-ms", wall(ms)),
+        None => req,
+    };
+    let req = match args.slo_tpot_ms {
+        Some(ms) => req.header("x-slo-tpot-ms", wall(ms)),
         None => req,
     };
     let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;

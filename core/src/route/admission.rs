@@ -22,10 +22,11 @@
 //! chosen next is the only one tried: when it does not fit, nothing behind it overtakes it
 //! (a large prompt is not starved by smaller ones), and the next event tries again.
 //!
-//! Budgets. A request with a time-to-first-token budget that no node would start in time is
+//! Budgets. A request with a time-to-first-token budget that no node would start in time, or
+//! a time-per-output-token budget that every node compared is seen decoding slower than, is
 //! answered at once (`Outcome::TooLate`, see `Balancer::route_on`) rather than held until it
-//! times out; a held request whose budget runs out while it waits leaves the same way, on the
-//! next event that tries the queue. A request below priority 0 is shed rather than held: the
+//! times out; a held request whose first-token budget runs out while it waits leaves the same
+//! way, on the next event that tries the queue. A request below priority 0 is shed rather than held: the
 //! glue answers it at once when the fleet is saturated. Either way `wait_ms` says when to come
 //! back: the held work at its priority or above, drained at the fleet's capacity.
 //!

@@ -86,6 +86,12 @@
 //! time is let off by `PREFERENCE` (10%): independent routers put the same new prefix on the
 //! same node when the costs are close, and the cost model still overrules when they are not.
 //!
+//! Forecasts for admission (`route::admission`), beside the ordering key: the time to the
+//! request's first token (`first_token`: the prompts queued at the node and its own uncached
+//! prompt, at the node's capacity), the part of it that is already queued, and the node's time
+//! per output token as measured from the streams this filter saw complete there. A request's
+//! budgets are compared with them; the ranking never is.
+//!
 //! A request that names a model is ranked among the nodes that serve it, or might (a node whose
 //! set is not known, see `models`); the others are not candidates at all, as a stale node is
 //! not. The capacity assumed for nodes that report none is still the fleet's: which nodes serve

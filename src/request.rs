@@ -167,10 +167,12 @@ impl<H: Host> Request<H> {
         let explain = self.explain;
         let step = self.with(|s| {
             let m = model.as_deref();
-            // A sheddable request is asked whether the fleet is saturated even when the queue
-            // could not hold it: it is then answered, never routed over the ceiling.
+            // Whether the fleet is saturated for the request is asked whenever holding is on:
+            // the queue then says whether it takes it (it may shed a lower priority for it,
+            // or be full). A sheddable request is asked even with holding off: it is then
+            // answered, never routed over the ceiling.
             let terms = Terms {
-                may_hold: s.held.may_hold() || claim.sheddable(),
+                may_hold: s.held.holds() || claim.sheddable(),
                 ttft_left_ms: claim.ttft_ms,
                 tpot_ms: claim.tpot_ms,
             };
@@ -197,9 +199,11 @@ impl<H: Host> Request<H> {
                     )
                     .claiming(claim, bytes);
                     match s.held.push(held) {
-                        Ok(()) => {
+                        Ok(shed) => {
                             s.metrics.bump(Stat::Held);
                             s.metrics.shift(Stat::HeldNow, 1);
+                            // Lower priorities shed to make room for this one are answered.
+                            s.shed_held(shed, now, id);
                             return Err(placement);
                         }
                         // Full (in count or bytes): route over the ceiling now.

@@ -18,7 +18,7 @@ use token_balancer_core::explain::{Asked, Decision, Detail, Route, Verdict};
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::SplitMix64;
-use token_balancer_core::route::admission::HoldQueue;
+use token_balancer_core::route::admission::{Held, HoldQueue};
 use token_balancer_core::route::balancer::{Balancer, Outcome};
 use token_balancer_core::share::sync::Reads;
 use token_balancer_core::share::Change;
@@ -388,6 +388,39 @@ fn model_not_found_body(model: &str) -> Vec<u8> {
     }})
     .to_string()
     .into_bytes()
+}
+
+impl<H: Host> State<H> {
+    /// Answers the held requests the queue shed to make room for a higher priority
+    /// (`HoldQueue::push`): each is refused (shed, with `Retry-After`) in its own stream.
+    /// `current` is the context this runs in, restored as the effective context afterwards.
+    pub fn shed_held(&mut self, shed: Vec<Held<Placement>>, now: u64, current: u32) {
+        if shed.is_empty() {
+            return;
+        }
+        for held in shed {
+            self.metrics.shift(Stat::HeldNow, -1);
+            if self.host.set_effective_context(held.id).is_err() {
+                continue;
+            }
+            let explain = held.payload.try_borrow().is_ok_and(|w| w.explain);
+            let wait = self
+                .held
+                .wait_ms(held.claim.priority, held.weight, &self.balancer, now);
+            let placed = self.refuse(
+                Answer::Shed,
+                wait,
+                held.weight,
+                held.model.as_deref(),
+                Some(now.saturating_sub(held.since_ms)),
+                explain,
+            );
+            if let Ok(mut waiting) = held.payload.try_borrow_mut() {
+                waiting.placed = Some(placed);
+            }
+        }
+        let _ = self.host.set_effective_context(current);
+    }
 }
 
 /// Routes the held requests that now have a node (or have waited long enough) and lets them

@@ -200,3 +200,35 @@ fn a_time_per_token_budget_avoids_a_node_seen_decoding_slowly() {
     let other = if slow == A { B } else { A };
     assert_eq!((picks(&slow), picks(other)), (1, 8));
 }
+
+#[test]
+fn a_full_queue_sheds_a_lower_priority_for_a_higher_one() {
+    let json = config(
+        r#","max_hold_ms":60000,"max_held_requests":1,"choices":0,"admission":{"objectives":{"premium":100}}"#,
+    );
+    let (host, root) = reported(&json, FULL);
+    let (_standard, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Pause);
+    let objective = "x-gateway-inference-objective";
+    let (_premium, action) = post_with(&host, &root, 3, BODY, &[(objective, "premium")]);
+    assert_eq!(action, Action::Pause, "held in its place");
+    assert_eq!(host.stream(3).reply, None);
+    assert_eq!(
+        host.stream(2).reply,
+        Some(429),
+        "the lower priority was shed"
+    );
+    assert!(header(&host, 2, "retry-after").is_some());
+    assert_eq!(host.stream(2).resumed, 0);
+    assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
+    assert_eq!(host.metric("token_balancer.held_now"), 1);
+    assert_eq!(
+        host.world().current,
+        3,
+        "the effective context is the request's again"
+    );
+    // Another standard request finds the queue full of a higher priority: routed at once.
+    let (_late, action) = post_with(&host, &root, 4, BODY, &[]);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.metric("token_balancer.held_queue_full"), 1);
+}

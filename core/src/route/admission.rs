@@ -31,7 +31,8 @@
 //! back: the held work at its priority or above, drained at the fleet's capacity.
 //!
 //! Limits. The queue is bounded in requests and in body bytes (what Envoy buffers for a
-//! paused request); a request that finds it full is not held. A request held for `max_hold_ms`
+//! paused request); a request that finds it full sheds held requests of a lower priority to
+//! make room (the glue answers them as shed), or, when there are none, is not held. A request held for `max_hold_ms`
 //! is routed anyway, to the node that overflows least. A stream that ends while held leaves
 //! (`remove`), and a reconfiguration lets every held request go (`drain`). The queue is
 //! generic over what the glue keeps per request, so it is tested natively.
@@ -165,11 +166,42 @@ impl<T> HoldQueue<T> {
         self.bytes
     }
 
-    /// Holds a request. A full or disabled queue gives it back: route it now.
-    pub fn push(&mut self, held: Held<T>) -> Result<(), Box<Held<T>>> {
-        if !self.may_hold() || self.bytes.saturating_add(held.bytes) > self.max_bytes {
+    /// Holds a request. A full queue makes room by shedding its lowest-priority requests
+    /// (the latest first) when they are below this one's priority: they are given back in
+    /// the `Ok`, to be answered. A queue that stays full, or is disabled, gives the request
+    /// back: route it now.
+    pub fn push(&mut self, held: Held<T>) -> Result<Vec<Held<T>>, Box<Held<T>>> {
+        if !self.holds() {
             return Err(Box::new(held));
         }
+        // The lowest priorities first, the latest of each first, until it fits.
+        let mut lower: Vec<(usize, i32, u64)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| h.claim.priority < held.claim.priority)
+            .map(|(i, h)| (i, h.claim.priority, h.bytes))
+            .collect();
+        lower.sort_by_key(|(i, p, _)| (*p, std::cmp::Reverse(*i)));
+        let (mut len, mut bytes) = (self.entries.len(), self.bytes);
+        let fits = |len: usize, bytes: u64| {
+            len < self.max_len && bytes.saturating_add(held.bytes) <= self.max_bytes
+        };
+        let mut chosen = Vec::new();
+        for (i, _, b) in lower {
+            if fits(len, bytes) {
+                break;
+            }
+            chosen.push(i);
+            len -= 1;
+            bytes = bytes.saturating_sub(b);
+        }
+        if !fits(len, bytes) {
+            return Err(Box::new(held));
+        }
+        // Taken out from the back, so the indices still hold.
+        chosen.sort_unstable_by(|a, b| b.cmp(a));
+        let shed: Vec<Held<T>> = chosen.into_iter().map(|i| self.take(i)).collect();
         let tenant = held.claim.tenant;
         if !self.entries.iter().any(|h| h.claim.tenant == tenant) {
             // Starting to wait: no credit for the time it was not waiting.
@@ -188,7 +220,7 @@ impl<T> HoldQueue<T> {
         }
         self.bytes = self.bytes.saturating_add(held.bytes);
         self.entries.push(held);
-        Ok(())
+        Ok(shed)
     }
 
     /// Counts `tokens` served to `tenant` (a request routed, held or not). Nothing is counted
@@ -405,6 +437,7 @@ mod tests {
             payload: T,
         ) -> Result<(), T> {
             self.push(Held::new(id, weight, model, chain, now_ms, payload))
+                .map(|_| ())
                 .map_err(|h| h.payload)
         }
     }
@@ -1032,5 +1065,51 @@ mod tests {
                 .map(|t| (t * 10_000.0).round()),
             Some(232.0)
         );
+    }
+
+    /// A full queue makes room for a higher priority by shedding the lowest, the latest of
+    /// them first; an equal or lower priority finds it full.
+    #[test]
+    fn a_full_queue_sheds_lower_priorities_for_a_higher_one() {
+        let mut q: HoldQueue<&'static str> = HoldQueue::new(3, 60_000).with_max_bytes(1_000);
+        let held = |id, p: i32, bytes, name| {
+            Held::new(id, w(10), None, Chain::NONE, u64::from(id), name)
+                .claiming(claim(p, 0, None), bytes)
+        };
+        let names =
+            |v: Vec<Held<&'static str>>| v.into_iter().map(|h| h.payload).collect::<Vec<_>>();
+        assert!(q.push(held(1, 0, 100, "standard")).is_ok());
+        assert!(q.push(held(2, -5, 100, "batch, early")).is_ok());
+        assert!(q.push(held(3, -5, 100, "batch, late")).is_ok());
+        assert_eq!(
+            q.push(held(4, -5, 100, "batch, full"))
+                .map(|v| v.len())
+                .map_err(|h| h.payload),
+            Err("batch, full")
+        );
+        assert_eq!(
+            names(q.push(held(5, 10, 100, "premium")).unwrap()),
+            vec!["batch, late"]
+        );
+        // Bytes: 700 more need one more out, the lowest first.
+        assert_eq!(
+            names(q.push(held(6, 10, 700, "premium, large")).unwrap()),
+            vec!["batch, early"]
+        );
+        assert_eq!(q.bytes(), 900);
+        // Another premium takes the last standard's place; then nothing below 10 is left.
+        assert_eq!(
+            q.push(held(7, 10, 100, "premium, third"))
+                .map(|v| v.len())
+                .map_err(|h| h.payload),
+            Ok(1)
+        );
+        assert_eq!(
+            q.push(held(8, 10, 100, "premium, fourth"))
+                .map(|v| v.len())
+                .map_err(|h| h.payload),
+            Err("premium, fourth")
+        );
+        assert_eq!(q.len(), 3);
     }
 }

@@ -39,3 +39,27 @@ def test_benchmark_pipeline_produces_a_well_formed_report():
     assert all(f"| {p} |" in table for p in POLICIES)
     assert "token_balancer p99 e2e / least_request" in table
     assert (out / "latency_cdf.svg").read_text().count("<polyline") == len(POLICIES)
+
+
+def test_admission_benchmark_pipeline_produces_a_well_formed_report():
+    """examples/admission_bench.py --smoke: every run, per tenant, and the budget runs' refusals
+    carry a Retry-After."""
+    name = "ci-admission-smoke"
+    r = subprocess.run([sys.executable, str(ROOT / "examples/admission_bench.py"), "--smoke", "--name", name],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((ROOT / "results" / name / "admission.json").read_text())
+    runs = doc["runs"]
+    assert list(runs) == ["least_request", "shipped", "fifo", "fair", "chat_alone", "priority", "slo",
+                          "slo_least_request"]
+    for run, d in runs.items():
+        tenants = d["tenants"]
+        assert set(tenants) == ({"chat"} if run == "chat_alone" else {"chat", "docs"}), (run, tenants)
+        for t in tenants.values():
+            assert t["ok"] + t["refused"] + t["other_errors"] == t["requests"] > 0, (run, t)
+            assert t["other_errors"] == 0, (run, t)
+            assert t["refused_with_retry_after"] == t["refused"], (run, t)
+        if run != "slo":
+            assert all(t["refused"] == 0 for t in tenants.values()), (run, tenants)
+    report = (ROOT / "results" / name / "admission.md").read_text()
+    assert "docs throughput, fair / fifo" in report and "admitted met both budgets" in report

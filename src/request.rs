@@ -206,9 +206,12 @@ impl<H: Host> Request<H> {
                             s.shed_held(shed, now, id);
                             return Err(placement);
                         }
-                        // Full (in count or bytes): route over the ceiling now.
+                        // Full (in count or bytes), or holding off (a sheddable request at a
+                        // cold start): route over the ceiling now.
                         Err(_) => {
-                            s.metrics.bump(Stat::HeldQueueFull);
+                            if s.held.holds() {
+                                s.metrics.bump(Stat::HeldQueueFull);
+                            }
                             let terms = Terms {
                                 may_hold: false,
                                 ..terms

@@ -222,3 +222,45 @@ def test_prompts_queued_past_the_limit_hold_a_request_until_a_node_drains(cluste
         assert envoy.counter("token_balancer.routed_over_vram_ceiling") == 0
     finally:
         envoy.stop()
+
+
+def test_a_time_per_token_budget_avoids_the_node_seen_decoding_slowly():
+    """An H100-like node decodes a token in about 8 ms, an L4-like one in about 17: once the
+    filter has seen streams complete on both, a request that accepts 12 ms a token goes to the
+    H100-like node every time, even while the ranking prefers the other, and one that accepts
+    2 ms is answered 429."""
+    c = MockCluster([("fast", "gpu=h100,kv_tokens=20000"), ("slow", "gpu=l4,kv_tokens=20000")])
+    envoy = None
+    try:
+        cfg = envoy_config([n.address for n in c.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": TICK_MS, "stale_after_ms": 60_000, "choices": 0})
+        envoy = Envoy(cfg)
+        polls_seen(c)
+        # Streams on both nodes: the fast one made to look busy while the slow one gets two.
+        def streams_on(name: str):
+            for _ in range(2):
+                r = envoy.post("/v1/chat/completions", chat("tell me more", 40, stream=True), timeout=20)
+                assert r.status == 200 and r.headers["x-mock-node"] == name, (r.status, r.headers)
+
+        c[0].set_health(tokens_per_sec_load=1e9)
+        polls_seen(c)
+        streams_on("slow")
+        c[0].reset_health()
+        polls_seen(c)
+        streams_on("fast")
+        # The fast node looks busy again, so the ranking alone would pick the slow one.
+        c[0].set_health(tokens_per_sec_load=1e9)
+        polls_seen(c)
+        r = envoy.post("/v1/chat/completions", chat("quick", 4), timeout=20)
+        assert r.headers["x-mock-node"] == "slow", r.headers
+        budget = {"x-slo-tpot-ms": "12"}
+        for _ in range(6):
+            r = envoy.post("/v1/chat/completions", chat("quick", 4, stream=True), budget, timeout=20)
+            assert r.status == 200 and r.headers["x-mock-node"] == "fast", (r.status, r.headers)
+        r = envoy.post("/v1/chat/completions", chat("quick", 4, stream=True), {"x-slo-tpot-ms": "2"}, timeout=20)
+        assert r.status == 429 and r.headers["retry-after"] == "1", (r.status, r.headers)
+        assert envoy.counter("token_balancer.rejected.ttft_budget") == 1
+    finally:
+        if envoy:
+            envoy.stop()
+        c.stop()

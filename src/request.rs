@@ -21,7 +21,7 @@
 
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::state::{admit_held, Answer, Placement, Shared, State, Waiting};
+use crate::state::{admit_held, Placement, Shared, State, Waiting};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
@@ -180,8 +180,9 @@ impl<H: Host> Request<H> {
             let placed = match outcome {
                 // Cold starts are waited out whatever the priority: nothing is known yet.
                 Outcome::Saturated if claim.sheddable() && !s.balancer.warming(now) => {
-                    let wait = s.held.wait_ms(claim.priority, weight, &s.balancer, now);
-                    s.refuse(Answer::Shed, wait, weight, m, None, explain)
+                    let retry_after_ms = s.held.wait_ms(claim.priority, weight, &s.balancer, now);
+                    let shed = Outcome::Shed { retry_after_ms };
+                    s.place(shed, weight, m, None, reads, explain)
                 }
                 Outcome::Saturated => {
                     let placement: Placement = Rc::new(RefCell::new(Waiting {

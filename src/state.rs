@@ -199,6 +199,9 @@ impl<H: Host> State<H> {
                     explain,
                 )
             }
+            Outcome::Shed { retry_after_ms } => {
+                self.refuse(Answer::Shed, retry_after_ms, cap, model, held_ms, explain)
+            }
             Outcome::TooLate { retry_after_ms } => {
                 let why = if held_ms.is_some() {
                     Answer::LateWhileHeld
@@ -229,7 +232,7 @@ impl<H: Host> State<H> {
     /// Answers the effective request with the configured status (429 or 503), a
     /// `Retry-After` of `retry_after_ms` rounded up to whole seconds (at least 1), and an
     /// OpenAI-shaped error body saying why (`why`: too late for its budget, or shed).
-    pub fn refuse(
+    fn refuse(
         &mut self,
         why: Answer,
         retry_after_ms: u64,
@@ -321,7 +324,7 @@ pub const FILTER_STATE_KEY: &str = "token_balancer.decision";
 
 /// Why the filter answers a request itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Answer {
+enum Answer {
     /// No node serves its model (`unknown_model: reject`).
     UnknownModel,
     /// No node would give it its first token within its budget, on arrival.
@@ -392,41 +395,64 @@ fn model_not_found_body(model: &str) -> Vec<u8> {
 
 impl<H: Host> State<H> {
     /// Answers the held requests the queue shed to make room for a higher priority
-    /// (`HoldQueue::push`): each is refused (shed, with `Retry-After`) in its own stream.
-    /// `current` is the context this runs in, restored as the effective context afterwards.
+    /// (`HoldQueue::push`), each in its own stream (see `let_go`).
     pub fn shed_held(&mut self, shed: Vec<Held<Placement>>, now: u64, current: u32) {
-        if shed.is_empty() {
+        let shed = shed
+            .into_iter()
+            .map(|held| {
+                let retry_after_ms =
+                    self.held
+                        .wait_ms(held.claim.priority, held.weight, &self.balancer, now);
+                (held, Outcome::Shed { retry_after_ms })
+            })
+            .collect();
+        self.let_go(shed, now, current);
+    }
+
+    /// Lets requests out of the hold queue with their outcomes: each is placed in its own
+    /// stream (`place`), its placement left for the request to adopt, and resumed unless the
+    /// filter answered it. Envoy defers the resumption until this VM call returns, so no
+    /// callback re-enters the VM here. `current` is the context this runs in, restored as the
+    /// effective context afterwards.
+    fn let_go(&mut self, left: Vec<(Held<Placement>, Outcome)>, now: u64, current: u32) {
+        if left.is_empty() {
             return;
         }
-        for held in shed {
-            self.metrics.shift(Stat::HeldNow, -1);
+        self.metrics.shift(Stat::HeldNow, -(left.len() as i64));
+        for (held, outcome) in left {
             if self.host.set_effective_context(held.id).is_err() {
+                // The stream is gone without its end being seen: give the booking back.
+                if let Outcome::Routed { ticket, .. } = &outcome {
+                    self.balancer.release(ticket, 0);
+                }
                 continue;
             }
             let explain = held.payload.try_borrow().is_ok_and(|w| w.explain);
-            let wait = self
-                .held
-                .wait_ms(held.claim.priority, held.weight, &self.balancer, now);
-            let placed = self.refuse(
-                Answer::Shed,
-                wait,
+            let placed = self.place(
+                outcome,
                 held.weight,
                 held.model.as_deref(),
                 Some(now.saturating_sub(held.since_ms)),
+                // Several may go at once, each changing the books the next read: no reuse.
+                Reads::default(),
                 explain,
             );
+            let answered = placed.answered;
             if let Ok(mut waiting) = held.payload.try_borrow_mut() {
                 waiting.placed = Some(placed);
+            }
+            if !answered {
+                self.host.resume_request();
             }
         }
         let _ = self.host.set_effective_context(current);
     }
 }
 
-/// Routes the held requests that now have a node (or have waited long enough) and lets them
-/// go. Called from the root's callbacks and from a request's end, which frees room. Envoy
-/// defers the resumption until this VM call returns, so no callback re-enters the VM here.
-/// `current` is the context this runs in, restored as the effective context afterwards.
+/// Routes the held requests that now have a node (or have waited long enough, or can no
+/// longer meet their budget) and lets them go (`State::let_go`). Called from the root's
+/// callbacks and from a request's first token and end, which free room. `current` is the
+/// context this runs in.
 pub fn admit_held<H: Host>(state: &Shared<H>, current: u32) {
     let Ok(mut guard) = state.try_borrow_mut() else {
         return;
@@ -437,35 +463,5 @@ pub fn admit_held<H: Host>(state: &Shared<H>, current: u32) {
     }
     let now = s.host.now_ms();
     let admitted = s.admit(now);
-    if admitted.is_empty() {
-        return;
-    }
-    s.metrics.shift(Stat::HeldNow, -(admitted.len() as i64));
-    for (held, outcome) in admitted {
-        if s.host.set_effective_context(held.id).is_err() {
-            // The stream is gone without its end being seen: give the booking back.
-            if let Outcome::Routed { ticket, .. } = &outcome {
-                s.balancer.release(ticket, 0);
-            }
-            continue;
-        }
-        let explain = held.payload.try_borrow().is_ok_and(|w| w.explain);
-        let placed = s.place(
-            outcome,
-            held.weight,
-            held.model.as_deref(),
-            Some(now.saturating_sub(held.since_ms)),
-            // Several may go at once, each changing the books the next read: no reuse.
-            Reads::default(),
-            explain,
-        );
-        let answered = placed.answered;
-        if let Ok(mut waiting) = held.payload.try_borrow_mut() {
-            waiting.placed = Some(placed);
-        }
-        if !answered {
-            s.host.resume_request();
-        }
-    }
-    let _ = s.host.set_effective_context(current);
+    s.let_go(admitted, now, current);
 }

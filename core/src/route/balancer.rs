@@ -75,6 +75,10 @@ pub enum Outcome {
     /// No node would give the request its first token within its budget: nothing was booked;
     /// the caller answers it at once, telling it to come back in `retry_after_ms`.
     TooLate { retry_after_ms: u64 },
+    /// The request may be shed (its priority is below 0, or a higher one needs its place in
+    /// the hold queue) and the fleet is saturated: the caller answers it at once, telling it to
+    /// come back in `retry_after_ms` (see `admission`). Never the balancer's own answer.
+    Shed { retry_after_ms: u64 },
 }
 
 /// When a request that no node would decode fast enough is told to come back: a batch's

@@ -572,8 +572,12 @@ impl Sim<'_> {
                         }
                         return false;
                     }
-                    // The simulator's requests carry no budget, so none is too late.
-                    Routed::NoFreshNodes | Routed::UnknownModel | Routed::TooLate { .. } => {
+                    // The simulator's requests carry no budget or priority: none is too late
+                    // or shed.
+                    Routed::NoFreshNodes
+                    | Routed::UnknownModel
+                    | Routed::TooLate { .. }
+                    | Routed::Shed { .. } => {
                         self.out.fallbacks += 1;
                         self.least_request(req.replica)
                     }

@@ -45,11 +45,12 @@ TPOT_MS = 100.0
 QUEUED_MS = 500.0
 
 
-def runs(slo_ms: float, tpot_ms: float, queued_ms: float, time_scale: float) -> list[tuple[str, str, list[str]]]:
+def runs(slo_ms: float, tpot_ms: float, queued_ms: float) -> list[tuple[str, str, list[str]]]:
     """(run, policy, load generator arguments). The token-balancer runs hold a request while
     every node has more than `queued_ms` (model time) of prompts queued, so that the hold
     queue, not the engines' first-come queues, decides who goes first."""
-    limit = {"max_queued_ms": max(1, round(queued_ms / time_scale))} if queued_ms > 0 else {}
+    # In model time: bench.envoy_for scales it to the wall clock.
+    limit = {"max_queued_ms": queued_ms} if queued_ms > 0 else {}
     bench.VARIANTS.update({
         "adm_fifo": {"admission": {**bench.VARIANTS["tb_fifo"]["admission"], **limit}},
         "adm_fair": {"admission": {**limit}},
@@ -166,8 +167,7 @@ def main():
     ap.add_argument("--name", default="")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
     args = ap.parse_args()
-    time_scale = 8.0 if args.smoke else args.time_scale
-    plan = runs(args.slo_ms, args.tpot_ms, args.queued_ms, time_scale)
+    plan = runs(args.slo_ms, args.tpot_ms, args.queued_ms)
     if args.runs:
         wanted = set(args.runs.split(","))
         unknown = wanted - {r for r, _, _ in plan}

@@ -69,9 +69,8 @@ VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
                                       "fairness_from_user": False}},
             # Two objectives with priorities, for requests that name them.
             "tb_priority": {"admission": {"objectives": {"interactive": 100, "bulk": 0}}},
-            # admission.max_queued_ms at QUEUED_MS of model time (set in envoy_for).
-            "tb_queued": {}}
-QUEUED_MS = 500.0
+            # Holding also while every node has more than 500 ms of prompts queued.
+            "tb_queued": {"admission": {"max_queued_ms": 500}}}
 # Envoy's own ring_hash, hashing the header a stock-Envoy user would set for affinity (the
 # load generator's x-prefix-key: the prompt's first shared block).
 BASELINES = ["ring_hash"]
@@ -110,9 +109,10 @@ def envoy_for(policy: str, nodes: list[str], poller: str = "vm", time_scale: flo
     if policy == "naive_seed":
         plugin["policy"] = "least_reported_load"
     plugin.update(VARIANTS.get(policy, {}))
-    if policy == "tb_queued":
-        # Holding also while every node has more than 500 ms of model time of prompts queued.
-        plugin["admission"] = {"max_queued_ms": max(1, round(QUEUED_MS / time_scale))}
+    # A variant's queue limit is model time too, scaled like the shipped timing.
+    queued = plugin.get("admission", {}).get("max_queued_ms")
+    if queued:
+        plugin["admission"] = {**plugin["admission"], "max_queued_ms": max(1, round(queued / time_scale))}
     wasm = PREVIOUS_WASM if policy == "tb_previous" else None
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm, poller=poller)
     if policy in ("round_robin", "least_request"):

@@ -63,6 +63,13 @@ def used(node, tokens: int):
                     vram_total_bytes=TOTAL)
 
 
+def saturate(cluster):
+    """Both nodes report a full cache, and the filter has seen it."""
+    for n in cluster.nodes:
+        used(n, KV_TOKENS)
+    polls_seen(cluster)
+
+
 def long_chat(i: int, words: int = 800, max_tokens: int = 4) -> dict:
     """About `words` x 5 / 4 prompt tokens by the filter's estimate (4 characters a token)."""
     return chat(f"request {i}: " + "word " * words, max_tokens)
@@ -99,9 +106,7 @@ class Sender:
 def test_a_higher_priority_leaves_the_queue_before_a_lower_one_that_came_first(cluster):
     envoy = start_envoy(cluster)
     try:
-        used(cluster[0], KV_TOKENS)
-        used(cluster[1], KV_TOKENS)
-        polls_seen(cluster)
+        saturate(cluster)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             s = Sender(envoy, pool)
             s.send(long_chat(0), {OBJECTIVE: "standard"})
@@ -120,9 +125,7 @@ def test_a_higher_priority_leaves_the_queue_before_a_lower_one_that_came_first(c
 def test_a_tenants_short_requests_go_between_another_tenants_long_prompts(cluster):
     envoy = start_envoy(cluster)
     try:
-        used(cluster[0], KV_TOKENS)
-        used(cluster[1], KV_TOKENS)
-        polls_seen(cluster)
+        saturate(cluster)
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             s = Sender(envoy, pool)
             for i in range(6):
@@ -170,9 +173,7 @@ def test_a_budget_no_node_can_meet_is_answered_429_at_once(cluster):
 def test_a_sheddable_request_is_shed_under_saturation_and_others_wait(cluster):
     envoy = start_envoy(cluster)
     try:
-        used(cluster[0], KV_TOKENS)
-        used(cluster[1], KV_TOKENS)
-        polls_seen(cluster)
+        saturate(cluster)
         r = envoy.post("/v1/chat/completions", chat("batch job", 4), {OBJECTIVE: "batch"}, timeout=20)
         assert r.status == 429 and int(r.headers["retry-after"]) >= 1, (r.status, r.headers)
         assert envoy.counter("token_balancer.rejected.shed") == 1
@@ -188,9 +189,7 @@ def test_a_sheddable_request_is_shed_under_saturation_and_others_wait(cluster):
 def test_a_client_that_leaves_while_held_is_counted(cluster):
     envoy = start_envoy(cluster)
     try:
-        used(cluster[0], KV_TOKENS)
-        used(cluster[1], KV_TOKENS)
-        polls_seen(cluster)
+        saturate(cluster)
         body = json.dumps(chat("hello", 4)).encode()
         s = socket.create_connection(("127.0.0.1", envoy.port))
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

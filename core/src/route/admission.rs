@@ -425,6 +425,12 @@ mod tests {
         assert_eq!(r.kv_cache_usage, Some(kv_used));
     }
 
+    /// Node `node` reports the JSON object's `fields` at `now_ms`.
+    fn health(b: &mut Balancer, node: usize, fields: &str, now_ms: u64) {
+        let body = format!("{{{fields}}}");
+        b.on_health(node, Some(body.as_bytes()), now_ms).unwrap();
+    }
+
     impl<T> HoldQueue<T> {
         /// `push` of a request with no claims, giving back the payload when not held.
         fn put(
@@ -959,10 +965,10 @@ mod tests {
         let mut b = Balancer::new(&cfg);
         let mut rng = SplitMix64::new(17);
         let queued = |b: &mut Balancer, node: usize, q: u32, now: u64| {
-            let body = format!(
-                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"queue_depth":{q},"kv_cache_usage":0}}"#
+            let fields = format!(
+                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"queue_depth":{q},"kv_cache_usage":0"#
             );
-            b.on_health(node, Some(body.as_bytes()), now).unwrap();
+            health(b, node, &fields, now);
         };
         // Requests of 110 tokens, before any is learned: the mean request is this one.
         queued(&mut b, 0, 30, 0); // 3.3 s queued
@@ -1003,10 +1009,10 @@ mod tests {
         let mut b = Balancer::new(&cfg);
         let mut rng = SplitMix64::new(18);
         let idle = |b: &mut Balancer, node: usize, cap: u32, now: u64| {
-            let body = format!(
-                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0}}"#
+            let fields = format!(
+                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
             );
-            b.on_health(node, Some(body.as_bytes()), now).unwrap();
+            health(b, node, &fields, now);
         };
         // Node 0 is the faster by capacity: it ranks first.
         idle(&mut b, 0, 10_000, 0);

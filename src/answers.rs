@@ -184,7 +184,7 @@ impl<H: Host> State<H> {
                     );
                 }
                 self.tell_discovery(node, &answered.step);
-                if answered.step == Step::Next {
+                if matches!(answered.step, Step::Next | Step::Unfiltered(_)) {
                     let State {
                         host,
                         config,
@@ -248,6 +248,13 @@ impl<H: Host> State<H> {
                         RETRY_MS / 1000
                     );
                 }
+            }
+            Step::Unfiltered(seen) => {
+                self.metrics.bump(Stat::TelemetryUnfiltered);
+                warn!(
+                    "node {address}: asked for the metrics read alone (name[] filters), it answered {seen}; polling its whole page from now on (set its filter_metrics to false to skip the try)"
+                );
+                return;
             }
             Step::Poll | Step::Next => return,
         }

@@ -80,6 +80,7 @@ stats! {
     TelemetryDiscovered Counter "token_balancer.telemetry.discovered",
     TelemetryNotFound Counter "token_balancer.telemetry.not_found",
     TelemetryNotFoundNow Gauge "token_balancer.telemetry.not_found_now",
+    TelemetryUnfiltered Counter "token_balancer.telemetry.unfiltered",
     NodesEjected Counter "token_balancer.nodes_ejected",
     NodesReadmitted Counter "token_balancer.nodes_readmitted",
     ModelsOk Counter "token_balancer.models.ok",

@@ -56,6 +56,9 @@ pub struct NodeConfig {
     /// The models (and LoRA adapters) the node serves. When set, this is the whole truth for
     /// the node: its `/v1/models` is not polled and its metrics add nothing (see `models`).
     pub models: Option<Vec<String>>,
+    /// Whether a node found to serve an engine's metrics through `prometheus_client` is then
+    /// asked for the samples read alone (`?name[]=...`, see `fleet::probe`). Default true.
+    pub filter_metrics: bool,
 }
 
 /// The health path polled first when a node's `health_path` is not configured.
@@ -246,12 +249,9 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         None => None,
         Some(_) => Some(header_name(&f, "priority_header", "")?),
     };
-    let fairness_from_user = match f.get("fairness_from_user") {
-        None => d.fairness_from_user,
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| err(f.name("fairness_from_user"), "must be true or false"))?,
-    };
+    let fairness_from_user = f
+        .boolean("fairness_from_user")?
+        .unwrap_or(d.fairness_from_user);
     let reject_status = match f.uint("reject_status")? {
         None => d.reject_status,
         Some(s @ (429 | 503)) => s as u32,
@@ -336,11 +336,7 @@ const PREFIX_FIELDS: &[&str] = &[
 fn parse_prefix(value: &Value) -> Result<PrefixConfig, ConfigError> {
     let f = Fields::new(value, "prefix.", PREFIX_FIELDS)?;
     let d = PrefixConfig::default();
-    let enabled = match f.get("enabled") {
-        None => d.enabled,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(err(f.name("enabled"), "must be true or false")),
-    };
+    let enabled = f.boolean("enabled")?.unwrap_or(d.enabled);
     let bounded = |key: &str, default: usize, lo: u64, hi: u64| -> Result<usize, ConfigError> {
         match f.uint(key)? {
             None => Ok(default),
@@ -424,6 +420,7 @@ const NODE_FIELDS: &[&str] = &[
     "kv_cache_tokens",
     "format",
     "models",
+    "filter_metrics",
 ];
 
 const MEMBERSHIP_FIELDS: &[&str] = &["cluster", "admin_cluster", "poll_ms", "node_defaults"];
@@ -434,6 +431,7 @@ const NODE_DEFAULT_FIELDS: &[&str] = &[
     "kv_cache_tokens",
     "format",
     "models",
+    "filter_metrics",
 ];
 
 /// Where the set of nodes comes from when it follows an Envoy cluster (`membership`): the
@@ -517,12 +515,7 @@ fn parse_explain(value: &Value, taken: &[(&str, &str)]) -> Result<Explain, Confi
             ))
         }
     };
-    let access_log = match f.get("access_log") {
-        None => false,
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| err(f.name("access_log"), "must be true or false"))?,
-    };
+    let access_log = f.boolean("access_log")?.unwrap_or(false);
     if sources.is_empty() && !access_log {
         return Err(err(
             "explain",
@@ -618,6 +611,16 @@ impl<'a> Fields<'a> {
                 .as_u64()
                 .map(Some)
                 .ok_or_else(|| err(self.name(key), "must be a non-negative integer")),
+        }
+    }
+
+    fn boolean(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| err(self.name(key), "must be true or false")),
         }
     }
 
@@ -721,6 +724,7 @@ fn node_settings(f: &Fields, address: String) -> Result<NodeConfig, ConfigError>
         None => None,
         Some(v) => Some(model_names(v, &f.name("models"))?),
     };
+    let filter_metrics = f.boolean("filter_metrics")?.unwrap_or(true);
     Ok(NodeConfig {
         address,
         health_path,
@@ -729,6 +733,7 @@ fn node_settings(f: &Fields, address: String) -> Result<NodeConfig, ConfigError>
         kv_cache_tokens,
         format,
         models,
+        filter_metrics,
     })
 }
 
@@ -1028,11 +1033,12 @@ mod tests {
         let c = Config::parse(
             br#"{"health_cluster":"h","nodes":[],"tick_ms":100,"membership":{"cluster":"c",
                 "admin_cluster":"a","poll_ms":500,"node_defaults":{"health_path":"/metrics",
-                "format":"vllm","kv_cache_tokens":5000,"models":["m"]}}}"#,
+                "format":"vllm","kv_cache_tokens":5000,"models":["m"],"filter_metrics":false}}}"#,
         )
         .unwrap();
         let d = c.membership.unwrap().node_defaults;
         assert_eq!(d.health_path(), "/metrics");
+        assert!(!d.filter_metrics);
         assert_eq!(d.format, HealthFormat::Vllm);
         assert_eq!(d.kv_cache_tokens, Some(5000));
         assert_eq!(d.models.as_deref(), Some(&["m".to_string()][..]));
@@ -1062,6 +1068,7 @@ mod tests {
         assert_eq!(c.healthy_after_successes, 2);
         assert_eq!(c.nodes[0].health_path, None);
         assert_eq!(c.nodes[0].health_path(), "/health");
+        assert!(c.nodes[0].filter_metrics);
         assert_eq!(c.nodes[0].health_target(), "127.0.0.1:8001");
         assert_eq!(c.nodes[0].format, HealthFormat::Auto);
         assert_eq!(c.nodes[0].models, None);
@@ -1135,6 +1142,8 @@ mod tests {
             (format!(r#"{{"nodes":[{node},{node}],"health_cluster":"h"}}"#), "nodes[1].address"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","port":2}],"health_cluster":"h"}"#.into(), "nodes[0].port"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","health_path":"health"}],"health_cluster":"h"}"#.into(), "nodes[0].health_path"),
+            (r#"{"nodes":[{"address":"127.0.0.1:1","filter_metrics":"no"}],"health_cluster":"h"}"#.into(), "nodes[0].filter_metrics"),
+            (r#"{"membership":{"cluster":"c","admin_cluster":"a","node_defaults":{"filter_metrics":1}},"health_cluster":"h"}"#.into(), "membership.node_defaults.filter_metrics"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","health_address":"x"}],"health_cluster":"h"}"#.into(), "nodes[0].health_address"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","capacity_tokens_per_sec":0}],"health_cluster":"h"}"#.into(), "nodes[0].capacity_tokens_per_sec"),
             (r#"{"nodes":[{"address":"127.0.0.1:1","kv_cache_tokens":0}],"health_cluster":"h"}"#.into(), "nodes[0].kv_cache_tokens"),

@@ -9,6 +9,8 @@ use token_balancer_core::fleet::probe::RETRY_MS;
 const VLLM: &str = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n\
                     vllm:kv_cache_usage_perc 0.1\nvllm:prompt_tokens_total 10\n\
                     vllm:generation_tokens_total 5\n";
+/// The start of a vLLM node's filtered poll (`fleet::probe`).
+const VLLM_FILTERED: &str = "/metrics?name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=";
 const LLAMACPP_HEALTH: &str = r#"{"status":"ok"}"#;
 
 /// The one call sent to `address` since the last look.
@@ -41,18 +43,19 @@ fn an_empty_health_answer_sends_the_next_poll_to_the_metrics_at_once() {
     assert_eq!(host.metric("token_balancer.health.ok"), 2);
     assert_eq!(host.metric("token_balancer.telemetry.discovered"), 1);
     assert_eq!(host.metric("token_balancer.telemetry.not_found"), 0);
-    // From then on A is polled at /metrics, B at /health, and nothing more is said.
+    // From then on A is polled at /metrics, asked for the samples read alone, B at /health,
+    // and nothing more is said.
     for _ in 0..3 {
         host.advance(1000);
         tick(&host, &mut root);
         let calls = host.take_calls();
         for c in &calls {
             let want = if c.authority == A {
-                "/metrics"
+                VLLM_FILTERED
             } else {
                 "/health"
             };
-            assert_eq!(c.path, want, "{c:?}");
+            assert!(c.path.starts_with(want), "{c:?}");
             answer(
                 &host,
                 &mut root,
@@ -65,6 +68,57 @@ fn an_empty_health_answer_sends_the_next_poll_to_the_metrics_at_once() {
     }
     assert_eq!(host.metric("token_balancer.telemetry.discovered"), 1);
     assert_eq!(host.metric("token_balancer.health.ok"), 8);
+}
+
+#[test]
+fn a_node_that_ignores_the_filter_is_polled_whole_at_once_and_from_then_on() {
+    let (host, mut root) = configured(&format!(
+        r#"{{"nodes":[{{"address":"{A}","health_path":"/metrics"}}],"health_cluster":"gpu_health","models_poll_ms":0}}"#
+    ));
+    tick(&host, &mut root);
+    let c = call_to(&host, A);
+    assert_eq!(c.path, "/metrics");
+    answer(&host, &mut root, c.token, Some("200"), VLLM);
+    host.advance(1000);
+    tick(&host, &mut root);
+    let c = call_to(&host, A);
+    assert!(c.path.starts_with(VLLM_FILTERED), "{c:?}");
+    // An exporter in front of the engine answers the query with an empty page: not a failed
+    // poll, the whole page is asked at once.
+    answer(&host, &mut root, c.token, Some("200"), "");
+    assert_eq!(host.metric("token_balancer.telemetry.unfiltered"), 1);
+    assert_eq!(host.metric("token_balancer.health.unparsable"), 0);
+    let c = call_to(&host, A);
+    assert_eq!(c.path, "/metrics");
+    answer(&host, &mut root, c.token, Some("200"), VLLM);
+    assert_eq!(host.metric("token_balancer.health.ok"), 2);
+    for _ in 0..2 {
+        host.advance(1000);
+        tick(&host, &mut root);
+        let c = call_to(&host, A);
+        assert_eq!(c.path, "/metrics");
+        answer(&host, &mut root, c.token, Some("200"), VLLM);
+    }
+    assert_eq!(host.metric("token_balancer.telemetry.unfiltered"), 1);
+}
+
+#[test]
+fn filter_metrics_false_polls_the_whole_page() {
+    let (host, mut root) = configured(&format!(
+        r#"{{"nodes":[{{"address":"{A}","filter_metrics":false}}],"health_cluster":"gpu_health","models_poll_ms":0}}"#
+    ));
+    tick(&host, &mut root);
+    let h = call_to(&host, A);
+    answer(&host, &mut root, h.token, Some("200"), "");
+    let m = call_to(&host, A);
+    answer(&host, &mut root, m.token, Some("200"), VLLM);
+    for _ in 0..2 {
+        host.advance(1000);
+        tick(&host, &mut root);
+        let c = call_to(&host, A);
+        assert_eq!(c.path, "/metrics");
+        answer(&host, &mut root, c.token, Some("200"), VLLM);
+    }
 }
 
 #[test]

@@ -39,6 +39,7 @@ const NAMES: &[&str] = &[
     "health.too_large",
     "telemetry.discovered",
     "telemetry.not_found",
+    "telemetry.unfiltered",
     "nodes_ejected",
     "nodes_readmitted",
     "models.ok",

@@ -231,7 +231,7 @@ fn node_state(n: &NodeConfig, (unhealthy, healthy): (u32, u32)) -> NodeState {
     let state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
         .with_hysteresis(unhealthy, healthy)
         .with_format(n.format)
-        .with_probe(Probe::new(n.health_path.as_deref()));
+        .with_probe(Probe::new(n.health_path.as_deref(), n.filter_metrics));
     match &n.models {
         Some(names) => state.with_models(ServedModels::configured(names.clone())),
         None => state,

@@ -172,7 +172,7 @@ impl NodeState {
             capacity_override,
             kv_cache_tokens,
             format: HealthFormat::Auto,
-            probe: Probe::new(None),
+            probe: Probe::new(None, true),
             tracker: Tracker::default(),
             models: ServedModels::default(),
             models_changed: false,
@@ -366,7 +366,7 @@ impl NodeState {
                     Err(HealthError::CallFailed)
                 }
             }),
-            Step::Next | Step::NotFound(_) => None,
+            Step::Next | Step::Unfiltered(_) | Step::NotFound(_) => None,
         };
         Answered { result, step }
     }

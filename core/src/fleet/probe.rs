@@ -29,6 +29,18 @@
 //!   it stays out of the choice) and the metrics paths are tried again every `RETRY_MS`, so
 //!   an engine restarted with its metrics on is found without touching the configuration.
 //!
+//! Asking for less (`filter_metrics`, on by default). vLLM, SGLang and trtllm-serve render
+//! `/metrics` with the Python `prometheus_client`, which returns only the samples named by
+//! `name[]` query parameters when any are given. Their pages run to tens of kilobytes (every
+//! latency histogram, per-route HTTP metrics, the process's own), of which the balancer reads
+//! about ten lines; every byte is copied through Envoy into the VM and scanned on every tick. So
+//! once a path answers such an engine's metrics (found, or configured), the next polls add the
+//! engine's names (`Engine::names_read`, percent-encoded) to that path. An answer to the
+//! filtered path that shows the query was not honoured (not telemetry, a 4xx, over the limit)
+//! turns filtering off for the node for good (`Step::Unfiltered`) and the whole page is asked at
+//! once; a node that is down is down, filtered or not. A configured path that already has a
+//! query is never changed.
+//!
 //! A configured `health_path` is used as it is: no discovery. A configured `format` still
 //! decides how every answer is read (so `format: vllm` finds only vLLM's metrics). The probe
 //! costs nothing per request: it runs on the poll path only, where the polling happens (each
@@ -137,6 +149,9 @@ pub enum Step {
     Poll,
     /// Not a poll: ask the next path (`Probe::path`) now.
     Next,
+    /// Not a poll: the filtered path answered this, so the node does not honour `name[]`
+    /// filters; ask its whole page (`Probe::path`) now, and from now on.
+    Unfiltered(Seen),
     /// A metrics path answered telemetry: a health poll, and the node's telemetry is found
     /// there (`announce`: the first time for this node, or after it was lost).
     Found(Discovery),
@@ -197,17 +212,29 @@ pub struct Probe {
     /// What the paths of the discovery under way answered.
     tried: Vec<(&'static str, Seen)>,
     said: Option<Said>,
+    /// Whether filtered polls may be tried (`filter_metrics`), and were not refused.
+    may_filter: bool,
+    /// The settled path with the engine's `name[]` query, polled instead of it.
+    filtered: Option<String>,
 }
 
 impl Probe {
-    /// A node's probe: `health_path` is the configured one, if any.
-    pub fn new(health_path: Option<&str>) -> Probe {
+    /// A node's probe: `health_path` is the configured one, if any; `filter_metrics` whether
+    /// an engine that filters by name is asked for the samples read alone.
+    pub fn new(health_path: Option<&str>, filter_metrics: bool) -> Probe {
         Probe {
             fixed: health_path.map(str::to_string),
             state: State::Start,
             tried: Vec::new(),
             said: None,
+            may_filter: filter_metrics,
+            filtered: None,
         }
+    }
+
+    /// Whether polls ask for the samples read alone now.
+    pub fn filtered(&self) -> bool {
+        self.filtered.is_some()
     }
 
     /// Whether the node's telemetry is looked for (no `health_path` configured).
@@ -222,6 +249,14 @@ impl Probe {
 
     /// The path to poll now.
     pub fn path(&self) -> &str {
+        if let Some(p) = &self.filtered {
+            return p;
+        }
+        self.whole_path()
+    }
+
+    /// The path to poll now, without a filter.
+    fn whole_path(&self) -> &str {
         if let Some(p) = &self.fixed {
             return p;
         }
@@ -236,6 +271,34 @@ impl Probe {
     /// The answer to a poll of `path()`, at `now_ms`. A node without telemetry is looked for
     /// again by its first answer once `RETRY_MS` has passed.
     pub fn on_answer(&mut self, seen: Seen, now_ms: u64) -> Step {
+        if self.filtered.is_some() {
+            // Only a settled path is filtered, and a settled path stays: this is a poll,
+            // unless the answer says the filter was not understood.
+            return match seen {
+                Seen::NotTelemetry(_) | Seen::TooLarge | Seen::Status(400..=499) => {
+                    self.filtered = None;
+                    self.may_filter = false;
+                    Step::Unfiltered(seen)
+                }
+                Seen::Telemetry(_) | Seen::Down | Seen::Status(_) => Step::Poll,
+            };
+        }
+        let step = self.on_whole_answer(seen, now_ms);
+        if let (true, Seen::Telemetry(Some(engine))) = (self.may_filter, seen) {
+            if engine.filters_by_name() && self.settled() {
+                self.filtered = filtered_path(self.whole_path(), engine);
+            }
+        }
+        step
+    }
+
+    /// Whether the path polled is the node's telemetry for good: configured, or found.
+    fn settled(&self) -> bool {
+        self.fixed.is_some() || matches!(self.state, State::Settled(_))
+    }
+
+    /// `on_answer` for an unfiltered path.
+    fn on_whole_answer(&mut self, seen: Seen, now_ms: u64) -> Step {
         if self.fixed.is_some() {
             return Step::Poll;
         }
@@ -309,6 +372,27 @@ impl Probe {
     }
 }
 
+/// `path` asking for `engine`'s samples read alone (`name[]=` for each, percent-encoded as a
+/// query must be), or `None` when the path already carries a query.
+fn filtered_path(path: &str, engine: Engine) -> Option<String> {
+    if path.contains('?') {
+        return None;
+    }
+    let mut out = String::with_capacity(path.len() + 48 * 12);
+    out.push_str(path);
+    for (i, name) in engine.names_read().enumerate() {
+        out.push(if i == 0 { '?' } else { '&' });
+        out.push_str("name%5B%5D=");
+        for c in name.chars() {
+            match c {
+                ':' => out.push_str("%3A"),
+                c => out.push(c),
+            }
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,12 +412,14 @@ mod tests {
         Next,
         Found(bool),
         NotFound(bool),
+        Unfiltered,
     }
 
     fn short(step: &Step) -> S {
         match step {
             Step::Poll => S::Poll,
             Step::Next => S::Next,
+            Step::Unfiltered(_) => S::Unfiltered,
             Step::Found(d) => S::Found(d.announce),
             Step::NotFound(d) => S::NotFound(d.announce),
         }
@@ -439,7 +525,7 @@ mod tests {
             ),
         ];
         for (name, steps) in cases {
-            let mut p = Probe::new(None);
+            let mut p = Probe::new(None, false);
             for (k, (path, seen, want)) in steps.into_iter().enumerate() {
                 assert_eq!(p.path(), path, "{name}, step {k}");
                 assert_eq!(short(&p.on_answer(seen, 0)), want, "{name}, step {k}");
@@ -449,22 +535,22 @@ mod tests {
 
     #[test]
     fn a_configured_path_is_polled_as_it_is() {
-        let mut p = Probe::new(Some("/health"));
+        let mut p = Probe::new(Some("/health"), false);
         assert!(!p.discovers());
         for seen in [EMPTY, STATUS_OK, Seen::Status(404), Seen::Down, SEED] {
             assert_eq!(p.path(), "/health");
             assert_eq!(p.on_answer(seen, 0), Step::Poll);
         }
-        let p = Probe::new(Some("/stats"));
+        let p = Probe::new(Some("/stats"), false);
         assert_eq!(p.path(), "/stats");
-        assert!(Probe::new(None).discovers());
+        assert!(Probe::new(None, false).discovers());
     }
 
     /// Not found, then found on a retry (the engine restarted with its metrics), then lost
     /// and found again: each change is said once, the retries that change nothing are not.
     #[test]
     fn each_outcome_is_said_once_and_retries_follow_the_engine() {
-        let mut p = Probe::new(None);
+        let mut p = Probe::new(None, false);
         let not_found = |p: &mut Probe, at: u64| {
             assert_eq!(p.path(), "/health");
             assert_eq!(p.on_answer(STATUS_OK, at), Step::Next);
@@ -510,6 +596,147 @@ mod tests {
         assert_eq!(d.found(), Some(("/metrics", Some(Engine::LlamaCpp))));
         assert_eq!(d.health_said(), Some(STATUS_OK));
         assert_eq!(p.path(), "/metrics");
+    }
+
+    /// (case, configured path, [(whether the path polled is filtered, answer, step)]): with
+    /// `filter_metrics` on, which nodes are asked for the samples read alone, and when that
+    /// stops.
+    #[test]
+    fn filtered_polls_table() {
+        use S::*;
+        let vllm = Seen::Telemetry(Some(Engine::Vllm));
+        let sglang = Seen::Telemetry(Some(Engine::Sglang));
+        type Case = (&'static str, Option<&'static str>, Vec<(bool, Seen, S)>);
+        let cases: Vec<Case> = vec![
+            (
+                "vLLM found at /metrics: filtered from the next poll; a node down, or failing \
+                 with a 5xx, stays filtered",
+                None,
+                vec![
+                    (false, EMPTY, Next),
+                    (false, vllm, Found(true)),
+                    (true, vllm, Poll),
+                    (true, Seen::Down, Poll),
+                    (true, Seen::Status(500), Poll),
+                    (true, vllm, Poll),
+                ],
+            ),
+            (
+                "an empty answer to the filter: the whole page at once, and from then on",
+                None,
+                vec![
+                    (false, EMPTY, Next),
+                    (false, vllm, Found(true)),
+                    (true, EMPTY, Unfiltered),
+                    (false, vllm, Poll),
+                    (false, vllm, Poll),
+                ],
+            ),
+            (
+                "a 400 to the filter (a proxy that rejects the query)",
+                Some("/metrics"),
+                vec![
+                    (false, vllm, Poll),
+                    (true, Seen::Status(400), Unfiltered),
+                    (false, vllm, Poll),
+                ],
+            ),
+            (
+                "over the limit even filtered",
+                Some("/metrics"),
+                vec![
+                    (false, sglang, Poll),
+                    (true, Seen::TooLarge, Unfiltered),
+                    (false, sglang, Poll),
+                ],
+            ),
+            (
+                "trtllm-serve at its second path",
+                None,
+                vec![
+                    (false, EMPTY, Next),
+                    (false, JSON_ARRAY, Next),
+                    (false, TRTLLM, Found(true)),
+                    (true, TRTLLM, Poll),
+                ],
+            ),
+            (
+                "llama.cpp and TGI ignore queries: never filtered",
+                None,
+                vec![
+                    (false, STATUS_OK, Next),
+                    (false, LLAMACPP, Found(true)),
+                    (false, LLAMACPP, Poll),
+                ],
+            ),
+            (
+                "the JSON health format is not filtered",
+                None,
+                vec![(false, SEED, Poll), (false, SEED, Poll)],
+            ),
+            (
+                "a configured path with a query of its own is left as it is",
+                Some("/metrics?x=1"),
+                vec![(false, vllm, Poll), (false, vllm, Poll)],
+            ),
+            (
+                "a discovery under way is not filtered",
+                None,
+                vec![
+                    (false, EMPTY, Next),
+                    (false, Seen::Down, Poll),
+                    (false, vllm, Poll),
+                ],
+            ),
+        ];
+        for (name, fixed, steps) in cases {
+            let mut p = Probe::new(fixed, true);
+            for (k, (filtered, seen, want)) in steps.into_iter().enumerate() {
+                assert_eq!(p.filtered(), filtered, "{name}, step {k}: {}", p.path());
+                assert_eq!(
+                    p.path().contains("name%5B%5D="),
+                    filtered,
+                    "{name}, step {k}"
+                );
+                assert_eq!(short(&p.on_answer(seen, 0)), want, "{name}, step {k}");
+            }
+        }
+        // Off in the configuration: never filtered.
+        let mut p = Probe::new(Some("/metrics"), false);
+        for _ in 0..3 {
+            assert_eq!(p.on_answer(vllm, 0), Step::Poll);
+            assert_eq!(p.path(), "/metrics");
+        }
+    }
+
+    /// The filtered path names every sample the engine's reader uses, once each, and
+    /// nothing else, in the form `prometheus_client` decodes.
+    #[test]
+    fn a_filtered_path_names_exactly_what_is_read() {
+        for engine in Engine::ALL {
+            let path = filtered_path("/metrics", engine).unwrap();
+            let (base, query) = path.split_once('?').unwrap();
+            assert_eq!(base, "/metrics");
+            let asked: Vec<String> = query
+                .split('&')
+                .map(|kv| {
+                    let v = kv.strip_prefix("name%5B%5D=").unwrap();
+                    assert!(
+                        v.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'%'),
+                        "{v}"
+                    );
+                    v.replace("%3A", ":")
+                })
+                .collect();
+            let read: Vec<&str> = engine.names_read().collect();
+            assert_eq!(asked, read, "{engine}");
+            assert!(read.iter().all(|n| n.starts_with(engine.prefix())));
+        }
+        assert!(Engine::Vllm
+            .names_read()
+            .any(|n| n == "vllm:lora_requests_info"));
+        assert_eq!(filtered_path("/m?a=b", Engine::Vllm), None);
     }
 
     /// Each engine's real answers classified: what makes a path telemetry or not.

@@ -175,51 +175,164 @@ impl Engine {
 
     /// Which field of a scrape a metric feeds, for this engine.
     fn field(self, name: &str) -> Option<Field> {
-        use Field::*;
-        Some(match (self, name) {
-            (Engine::Vllm, "vllm:num_requests_running") => Running,
-            (Engine::Vllm, "vllm:num_requests_waiting") => Waiting,
-            (Engine::Vllm, "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc") => KvUsage,
-            (Engine::Vllm, "vllm:prompt_tokens_total") => Prompt,
-            (Engine::Vllm, "vllm:generation_tokens_total") => Generation,
-            (Engine::Vllm, "vllm:cache_config_info") => CacheInfo("block_size", "num_gpu_blocks"),
-            (Engine::Vllm, "vllm:prefix_cache_hits_total") => PrefixHits,
-            (Engine::Vllm, "vllm:prefix_cache_queries_total") => PrefixQueries,
+        READ.iter()
+            .find(|(e, n, _)| *e == self && *n == name)
+            .map(|(_, _, f)| *f)
+    }
 
-            (Engine::Sglang, "sglang:num_running_reqs") => Running,
-            (Engine::Sglang, "sglang:num_queue_reqs") => Waiting,
-            (Engine::Sglang, "sglang:token_usage") => KvUsage,
-            (Engine::Sglang, "sglang:num_used_tokens") => KvUsedTokens,
-            (Engine::Sglang, "sglang:max_total_num_tokens") => KvTotalTokens,
-            (Engine::Sglang, "sglang:prompt_tokens_total") => Prompt,
-            (Engine::Sglang, "sglang:generation_tokens_total") => Generation,
-            (Engine::Sglang, "sglang:cache_config_info") => CacheInfo("page_size", "num_pages"),
+    /// Whether the engine serves `/metrics` through the Python `prometheus_client`, whose
+    /// exposition renders only the samples named by `name[]` query parameters when given any:
+    /// vLLM, SGLang and trtllm-serve. TGI's exporter and llama.cpp's hand-written page ignore
+    /// queries (and are small).
+    pub fn filters_by_name(self) -> bool {
+        matches!(self, Engine::Vllm | Engine::Sglang | Engine::Trtllm)
+    }
 
-            (Engine::Tgi, "tgi_batch_current_size") => Running,
-            (Engine::Tgi, "tgi_queue_size") => Waiting,
-            (Engine::Tgi, "tgi_batch_current_max_tokens") => KvUsedTokens,
-            (Engine::Tgi, "tgi_request_input_length_sum") => Prompt,
-            (Engine::Tgi, "tgi_request_generated_tokens_sum") => Generation,
-
-            (Engine::Trtllm, "trtllm_num_requests_running") => Running,
-            (Engine::Trtllm, "trtllm_num_requests_waiting") => Waiting,
-            (Engine::Trtllm, "trtllm_kv_cache_utilization") => KvUsage,
-            (Engine::Trtllm, "trtllm_kv_cache_used_blocks") => KvUsedBlocks,
-            (Engine::Trtllm, "trtllm_kv_cache_max_blocks") => KvTotalBlocks,
-            (Engine::Trtllm, "trtllm_kv_cache_tokens_per_block") => KvTokensPerBlock,
-            (Engine::Trtllm, "trtllm_prompt_tokens_total") => Prompt,
-            (Engine::Trtllm, "trtllm_generation_tokens_total") => Generation,
-
-            (Engine::LlamaCpp, "llamacpp:requests_processing") => Running,
-            (Engine::LlamaCpp, "llamacpp:requests_deferred") => Waiting,
-            (Engine::LlamaCpp, "llamacpp:kv_cache_usage_ratio") => KvUsage,
-            (Engine::LlamaCpp, "llamacpp:kv_cache_tokens") => KvUsedTokens,
-            (Engine::LlamaCpp, "llamacpp:prompt_tokens_total") => Prompt,
-            (Engine::LlamaCpp, "llamacpp:tokens_predicted_total") => Generation,
-            _ => return None,
-        })
+    /// Every sample name this module reads from the engine's scrape: the table of `READ` and
+    /// vLLM's LoRA gauge. A poll may ask for these alone (see `probe`).
+    pub fn names_read(self) -> impl Iterator<Item = &'static str> {
+        let lora = (self == Engine::Vllm).then_some(VLLM_LORA_INFO);
+        READ.iter()
+            .filter(move |(e, _, _)| *e == self)
+            .map(|(_, n, _)| *n)
+            .chain(lora)
     }
 }
+
+/// vLLM's gauge of LoRA adapters (see `models`).
+const VLLM_LORA_INFO: &str = "vllm:lora_requests_info";
+
+/// The samples read, per engine, and the field of a scrape each feeds (the module's table).
+const READ: &[(Engine, &str, Field)] = &[
+    (Engine::Vllm, "vllm:num_requests_running", Field::Running),
+    (Engine::Vllm, "vllm:num_requests_waiting", Field::Waiting),
+    (Engine::Vllm, "vllm:kv_cache_usage_perc", Field::KvUsage),
+    (Engine::Vllm, "vllm:gpu_cache_usage_perc", Field::KvUsage),
+    (Engine::Vllm, "vllm:prompt_tokens_total", Field::Prompt),
+    (
+        Engine::Vllm,
+        "vllm:generation_tokens_total",
+        Field::Generation,
+    ),
+    (
+        Engine::Vllm,
+        "vllm:cache_config_info",
+        Field::CacheInfo("block_size", "num_gpu_blocks"),
+    ),
+    (
+        Engine::Vllm,
+        "vllm:prefix_cache_hits_total",
+        Field::PrefixHits,
+    ),
+    (
+        Engine::Vllm,
+        "vllm:prefix_cache_queries_total",
+        Field::PrefixQueries,
+    ),
+    (Engine::Sglang, "sglang:num_running_reqs", Field::Running),
+    (Engine::Sglang, "sglang:num_queue_reqs", Field::Waiting),
+    (Engine::Sglang, "sglang:token_usage", Field::KvUsage),
+    (
+        Engine::Sglang,
+        "sglang:num_used_tokens",
+        Field::KvUsedTokens,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:max_total_num_tokens",
+        Field::KvTotalTokens,
+    ),
+    (Engine::Sglang, "sglang:prompt_tokens_total", Field::Prompt),
+    (
+        Engine::Sglang,
+        "sglang:generation_tokens_total",
+        Field::Generation,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:cache_config_info",
+        Field::CacheInfo("page_size", "num_pages"),
+    ),
+    (Engine::Tgi, "tgi_batch_current_size", Field::Running),
+    (Engine::Tgi, "tgi_queue_size", Field::Waiting),
+    (
+        Engine::Tgi,
+        "tgi_batch_current_max_tokens",
+        Field::KvUsedTokens,
+    ),
+    (Engine::Tgi, "tgi_request_input_length_sum", Field::Prompt),
+    (
+        Engine::Tgi,
+        "tgi_request_generated_tokens_sum",
+        Field::Generation,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_num_requests_running",
+        Field::Running,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_num_requests_waiting",
+        Field::Waiting,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_kv_cache_utilization",
+        Field::KvUsage,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_kv_cache_used_blocks",
+        Field::KvUsedBlocks,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_kv_cache_max_blocks",
+        Field::KvTotalBlocks,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_kv_cache_tokens_per_block",
+        Field::KvTokensPerBlock,
+    ),
+    (Engine::Trtllm, "trtllm_prompt_tokens_total", Field::Prompt),
+    (
+        Engine::Trtllm,
+        "trtllm_generation_tokens_total",
+        Field::Generation,
+    ),
+    (
+        Engine::LlamaCpp,
+        "llamacpp:requests_processing",
+        Field::Running,
+    ),
+    (
+        Engine::LlamaCpp,
+        "llamacpp:requests_deferred",
+        Field::Waiting,
+    ),
+    (
+        Engine::LlamaCpp,
+        "llamacpp:kv_cache_usage_ratio",
+        Field::KvUsage,
+    ),
+    (
+        Engine::LlamaCpp,
+        "llamacpp:kv_cache_tokens",
+        Field::KvUsedTokens,
+    ),
+    (
+        Engine::LlamaCpp,
+        "llamacpp:prompt_tokens_total",
+        Field::Prompt,
+    ),
+    (
+        Engine::LlamaCpp,
+        "llamacpp:tokens_predicted_total",
+        Field::Generation,
+    ),
+];
 
 impl fmt::Display for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -473,7 +586,7 @@ pub fn scrape(engine: Option<Engine>, body: &[u8]) -> Result<Scrape, FormatError
                 }
             }
         } else if e == Engine::Vllm
-            && s.name == "vllm:lora_requests_info"
+            && s.name == VLLM_LORA_INFO
             && s.value.is_finite()
             && !matches!(lora, Some((t, _)) if s.value <= t)
         {

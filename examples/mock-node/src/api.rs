@@ -8,7 +8,7 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use mock_gpu_node::metrics::Flavour;
+use mock_gpu_node::metrics::{self, Flavour};
 use mock_gpu_node::tokenize;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -41,15 +41,16 @@ pub async fn handle(
     req: Request<Incoming>,
 ) -> Result<Response<BoxBody>, Infallible> {
     let path = req.uri().path().to_string();
+    let query = req.uri().query().map(str::to_string);
     let mut r = match (req.method().clone(), path.as_str()) {
         (Method::POST, "/v1/chat/completions") => completion(node.clone(), Kind::Chat, req).await,
         (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
         (Method::GET, "/health") => health(&node).await,
-        (Method::GET, "/metrics") => metrics(&node, false),
+        (Method::GET, "/metrics") => metrics(&node, false, query.as_deref()),
         (Method::GET, "/prometheus/metrics")
             if node.honest() && node.flavour() == Flavour::Trtllm =>
         {
-            metrics(&node, true)
+            metrics(&node, true, query.as_deref())
         }
         (Method::GET, "/v1/models") => json_response(StatusCode::OK, &node.model_list()),
         (Method::POST, "/admin/health") => admin_health(&node, req).await,
@@ -104,6 +105,8 @@ fn admin_stats(node: &Node) -> Value {
     let mut v = json!({"name": node.name,
         "requests_total": node.requests_total.load(Ordering::Relaxed),
         "health_requests_total": node.health_requests_total.load(Ordering::Relaxed),
+        "metrics_requests_total": node.metrics_requests_total.load(Ordering::Relaxed),
+        "metrics_bytes_total": node.metrics_bytes_total.load(Ordering::Relaxed),
         "lost_model_ms": node.lost_model_us.load(Ordering::Relaxed) as f64 / 1000.0});
     if let (Some(o), Value::Object(p)) = (v.as_object_mut(), node.prefix_stats()) {
         o.extend(p);
@@ -439,7 +442,8 @@ impl Body for ChannelBody {
 /// it: trtllm-serve's `/metrics` is JSON iteration statistics and its Prometheus text is at
 /// `/prometheus/metrics`; every other engine's is at `/metrics`. With `metrics_off=1` there is
 /// none: llama.cpp started without `--metrics` answers 501, the others have no such route.
-fn metrics(node: &Node, prometheus: bool) -> Response<BoxBody> {
+/// The engines that serve it through `prometheus_client` honour its `name[]` filter (`query`).
+fn metrics(node: &Node, prometheus: bool, query: Option<&str>) -> Response<BoxBody> {
     let trtllm = node.honest() && node.flavour() == Flavour::Trtllm;
     if node.metrics_off {
         if node.honest() && node.flavour() == Flavour::Llamacpp && !prometheus {
@@ -464,11 +468,53 @@ fn metrics(node: &Node, prometheus: bool) -> Response<BoxBody> {
                      "gpuMemUsage": 0, "cpuMemUsage": 0, "pinnedMemUsage": 0}]),
         );
     }
+    let mut text = node.metrics();
+    let filters = matches!(
+        node.flavour(),
+        Flavour::Vllm | Flavour::VllmV0 | Flavour::Sglang | Flavour::Trtllm
+    );
+    let names = query.map(names_asked).unwrap_or_default();
+    if filters && !names.is_empty() {
+        text = metrics::filter_by_name(&text, &names);
+    }
+    node.metrics_requests_total.fetch_add(1, Ordering::Relaxed);
+    node.metrics_bytes_total
+        .fetch_add(text.len() as u64, Ordering::Relaxed);
     full(
         StatusCode::OK,
         "text/plain; version=0.0.4; charset=utf-8",
-        node.metrics(),
+        text,
     )
+}
+
+/// The values of a query's `name[]` parameters, percent-decoded (as `parse_qs` reads them).
+fn names_asked(query: &str) -> Vec<String> {
+    query
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| percent_decode(k) == "name[]")
+        .map(|(_, v)| percent_decode(v))
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = [bytes.next(), bytes.next()];
+                let digit = |d: Option<u8>| d.and_then(|d| (d as char).to_digit(16));
+                match (digit(hex[0]), digit(hex[1])) {
+                    (Some(h), Some(l)) => out.push((h * 16 + l) as u8),
+                    _ => out.extend([b'%'].into_iter().chain(hex.into_iter().flatten())),
+                }
+            }
+            b => out.push(b),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 async fn health(node: &Node) -> Response<BoxBody> {

@@ -14,6 +14,17 @@
 //! - llama.cpp prints its own flat list, no labels and no histograms (it has none; its
 //!   averages are gauges).
 //!
+//! vLLM's page is as large as a real one (about 30 KB for one model, idle): besides the families a
+//! balancer reads it carries every latency and size histogram vLLM v1 registers, its sleep
+//! state, and the Python process's own metrics, which `prometheus_client` adds by default. The
+//! histograms vLLM has and the mock does not observe on its own are filled from the nearest
+//! one it does (prefill time from time to first token, inference time from end to end, ...):
+//! right in shape and size, approximate in value.
+//!
+//! The engines that use `prometheus_client` (vLLM, SGLang, trtllm-serve) honour its `name[]`
+//! query filter, as the real ones do (`filter_by_name`): only the samples named are rendered,
+//! with the HELP and TYPE lines of their families. TGI and llama.cpp ignore queries.
+//!
 //! `mock:vram_overflow_events_total` (KV-overflow preemptions) is added to every flavour: real
 //! engines are scraped alongside their own extras too, and the benchmark wants it.
 //!
@@ -516,8 +527,132 @@ fn python_bool(b: bool) -> String {
     if b { "True" } else { "False" }.into()
 }
 
+/// The metrics `prometheus_client`'s default registry adds to every Python server: garbage
+/// collector, interpreter and process. Values are plausible constants and the node's age.
+fn python_process(o: &mut Out, s: &Snapshot) {
+    for (name, help, per_gen) in [
+        (
+            "python_gc_objects_collected_total",
+            "Objects collected during gc",
+            [41287.0, 7764.0, 1093.0],
+        ),
+        (
+            "python_gc_objects_uncollectable_total",
+            "Uncollectable objects found during GC",
+            [0.0; 3],
+        ),
+        (
+            "python_gc_collections_total",
+            "Number of times this generation was collected",
+            [1632.0, 148.0, 9.0],
+        ),
+    ] {
+        o.header(name, "counter", help);
+        for (g, v) in per_gen.iter().enumerate() {
+            let v = o.value(*v);
+            o.line(name, &[("generation", g.to_string())], &v);
+        }
+    }
+    let info: Labels = vec![
+        ("implementation", "CPython".into()),
+        ("major", "3".into()),
+        ("minor", "12".into()),
+        ("patchlevel", "9".into()),
+        ("version", "3.12.9".into()),
+    ];
+    o.gauge("python_info", "Python platform information", &info, 1.0);
+    let none: Labels = vec![];
+    for (name, kind, help, v) in [
+        (
+            "process_virtual_memory_bytes",
+            "gauge",
+            "Virtual memory size in bytes.",
+            39872561152.0,
+        ),
+        (
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory size in bytes.",
+            2186342400.0,
+        ),
+        (
+            "process_start_time_seconds",
+            "gauge",
+            "Start time of the process since unix epoch in seconds.",
+            s.unix_time.floor() - 3600.0,
+        ),
+        (
+            "process_cpu_seconds_total",
+            "counter",
+            "Total user and system CPU time spent in seconds.",
+            9321.67,
+        ),
+        (
+            "process_open_fds",
+            "gauge",
+            "Number of open file descriptors.",
+            93.0,
+        ),
+        (
+            "process_max_fds",
+            "gauge",
+            "Maximum number of open file descriptors.",
+            1048576.0,
+        ),
+    ] {
+        o.one(name, kind, help, &none, v);
+    }
+}
+
+/// A histogram of `bounds` with `n` observations of `v` each (for a family whose values the
+/// mock does not observe, such as vLLM's `n` request parameter).
+fn constant_histogram(bounds: Vec<f64>, v: f64, n: u64) -> Histogram {
+    let mut h = Histogram::new(bounds);
+    let i = h.bounds.iter().take_while(|b| v > **b).count();
+    if let Some(c) = h.counts.get_mut(i) {
+        *c = n;
+    }
+    h.sum = v * n as f64;
+    h.count = n;
+    h
+}
+
+/// Only the samples whose names are in `names`, with the HELP and TYPE lines of their
+/// families: what `prometheus_client` serves for `?name[]=a&name[]=b` (it filters on sample
+/// names, so a histogram is asked for by `x_bucket`, `x_sum`, `x_count`, a counter by
+/// `x_total`). Nothing named is an empty page.
+pub fn filter_by_name(text: &str, names: &[String]) -> String {
+    let mut out = String::new();
+    let mut headers: Vec<&str> = Vec::new();
+    let mut family_shown = false;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            if family_shown || headers.len() >= 2 {
+                headers.clear();
+                family_shown = false;
+            }
+            headers.push(line);
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        if names.iter().any(|n| n == name) {
+            if !family_shown {
+                for h in headers.drain(..) {
+                    out.push_str(h);
+                    out.push('\n');
+                }
+                family_shown = true;
+            }
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 fn vllm(s: &Snapshot, v1: bool) -> String {
     let mut o = Out::new(Num::Python, Hist::SortedSumFirst);
+    python_process(&mut o, s);
     let mut l: Labels = vec![("model_name", s.model.to_string())];
     if v1 {
         l.insert(0, ("engine", "0".into()));
@@ -541,6 +676,19 @@ fn vllm(s: &Snapshot, v1: bool) -> String {
             &l,
             s.waiting as f64,
         );
+        o.header(
+            "vllm:engine_sleep_state",
+            "gauge",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        );
+        for (state, v) in [
+            ("awake", 1.0),
+            ("weights_offloaded", 0.0),
+            ("discard_all", 0.0),
+        ] {
+            let v = o.value(v);
+            o.line("vllm:engine_sleep_state", &with(("sleep_state", state)), &v);
+        }
         o.gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
@@ -644,6 +792,35 @@ fn vllm(s: &Snapshot, v1: bool) -> String {
         &l,
         hist(s, Observed::GenerationTokens),
     );
+    if v1 {
+        // Families the mock does not observe, filled from the nearest it does.
+        o.histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            &l,
+            hist(s, Observed::PromptTokens),
+        );
+        o.histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            &l,
+            hist(s, Observed::GenerationTokens),
+        );
+        let finished = s.finished_stop_total + s.finished_length_total;
+        let n = constant_histogram(vec![1.0, 2.0, 5.0, 10.0, 20.0], 1.0, finished);
+        o.histogram(
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            &l,
+            Some(&n),
+        );
+        o.histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            &l,
+            hist(s, Observed::GenerationTokens),
+        );
+    }
     o.histogram(
         "vllm:time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",
@@ -677,6 +854,27 @@ fn vllm(s: &Snapshot, v1: bool) -> String {
         &l,
         hist(s, Observed::Queue),
     );
+    if v1 {
+        for (name, help, from) in [
+            (
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+                Observed::E2e,
+            ),
+            (
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                Observed::Ttft,
+            ),
+            (
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                Observed::E2e,
+            ),
+        ] {
+            o.histogram(name, help, &l, hist(s, from));
+        }
+    }
     // An Info-style gauge: the value is 1, the facts are labels.
     let mut cache: Labels = vec![
         ("block_size", s.block().to_string()),
@@ -1511,6 +1709,56 @@ mod tests {
         }
     }
 
+    /// vLLM's page is as large as the real one's, and `name[]` keeps exactly the samples
+    /// named, with their families' HELP and TYPE lines, and nothing of the others.
+    #[test]
+    fn vllm_page_size_and_the_name_filter() {
+        let r = recorder(Flavour::Vllm);
+        let page = render(Flavour::Vllm, &snapshot(&r));
+        assert!(page.len() > 25_000, "{}", page.len());
+        let families = page.lines().filter(|l| l.starts_with("# TYPE")).count();
+        assert!(families >= 30, "{families}");
+        let names: Vec<String> = [
+            "vllm:num_requests_running",
+            "vllm:prompt_tokens_total",
+            "vllm:e2e_request_latency_seconds_count",
+            "absent",
+        ]
+        .map(String::from)
+        .to_vec();
+        let small = filter_by_name(&page, &names);
+        let kept: Vec<&str> = small
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(['{', ' ']).next().unwrap())
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                "vllm:num_requests_running",
+                "vllm:prompt_tokens_total",
+                "vllm:e2e_request_latency_seconds_count"
+            ]
+        );
+        for family in [
+            "vllm:num_requests_running gauge",
+            "vllm:prompt_tokens_total counter",
+            "vllm:e2e_request_latency_seconds histogram",
+        ] {
+            assert!(
+                small.contains(&format!("# TYPE {family}\n")),
+                "{family}\n{small}"
+            );
+        }
+        assert_eq!(
+            small.lines().filter(|l| l.starts_with('#')).count(),
+            6,
+            "{small}"
+        );
+        assert!(small.len() < 1_000, "{small}");
+        assert_eq!(filter_by_name(&page, &["absent".to_string()]), "");
+    }
+
     #[test]
     fn each_flavour_speaks_only_its_own_names() {
         let r = recorder(Flavour::Vllm);
@@ -1524,9 +1772,14 @@ mod tests {
         ];
         for (f, prefix) in prefixes {
             let samples = parse(&render(f, &snapshot(&r))).unwrap();
+            // vLLM's Python server adds the process's own metrics.
+            let python = |n: &str| {
+                matches!(f, Flavour::Vllm | Flavour::VllmV0)
+                    && (n.starts_with("python_") || n.starts_with("process_"))
+            };
             for s in &samples {
                 assert!(
-                    s.name.starts_with(prefix) || s.name.starts_with("mock:"),
+                    s.name.starts_with(prefix) || s.name.starts_with("mock:") || python(&s.name),
                     "{f:?}: {}",
                     s.name
                 );

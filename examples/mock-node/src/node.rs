@@ -120,6 +120,9 @@ pub struct Node {
     pub next_id: AtomicU64,
     pub requests_total: AtomicU64,
     pub health_requests_total: AtomicU64,
+    /// `GET /metrics` answered with the engine's text, and the bytes of those answers.
+    pub metrics_requests_total: AtomicU64,
+    pub metrics_bytes_total: AtomicU64,
     /// Model time, µs, the engine lost while busy because this process ran behind the wall
     /// clock by more than `MAX_LAG` (a host too loaded to keep the time scale): the node
     /// served less than its model says in that time. Benchmarks report it.
@@ -194,6 +197,8 @@ impl Node {
             next_id: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
             health_requests_total: AtomicU64::new(0),
+            metrics_requests_total: AtomicU64::new(0),
+            metrics_bytes_total: AtomicU64::new(0),
             lost_model_us: AtomicU64::new(0),
             finished: Mutex::new(VecDeque::new()),
         })

@@ -5,7 +5,7 @@ side with and without the filter.
     .venv/bin/python examples/overhead.py                    # the documented run (docs/BENCHMARKS.md)
     .venv/bin/python examples/overhead.py --nodes 10 --seconds 2 --rounds 1   # a quick look
 
-Three Envoys, each with one worker (--concurrency 1), in front of the same mock nodes in
+Four Envoys, each with one worker (--concurrency 1), in front of the same mock nodes in
 `instant` mode (every completion answered at once with one token, no engine: the upstream is as
 fast as a real HTTP server gets, so what differs is the proxy):
 - no filter, Envoy's least_request: the baseline;
@@ -13,13 +13,20 @@ fast as a real HTTP server gets, so what differs is the proxy):
   into the VM and writes one header, which any body-based router in Envoy must do: what hosting
   such a filter costs, before any work of token-balancer's;
 - token-balancer exactly as shipped (envoy/envoy.yaml: poller service, two choices, debug header
-  off), measured once it routes by its own choice.
+  off), measured once it routes by its own choice;
+- the ext_proc peer (examples/extproc-picker): no Wasm filter, Envoy's `ext_proc` filter asking
+  an external picker process over gRPC (one stream per request: request headers, the buffered
+  request body, response headers), the way the Gateway API Inference Extension's endpoint picker
+  sits behind Envoy. The picker runs the same decision core on the same configuration and polls
+  the nodes itself; it is pinned to Envoy's CPU (the proxy side has one core in every kind), and
+  its CPU time is added to Envoy's. It is measured once Envoy sends requests where it says.
 The load is wrk (Debian package `wrk`, installed when missing) posting one chat completion with
 a 4 KiB body: latency with one connection (one request at a time, wrk -c1), p50 and p99;
 throughput with --connections connections (wrk -c32): requests per second, and Envoy's CPU time
-per request (user + system of the Envoy process over the run: the steadiest figure on a shared
-machine). With two CPUs or more, Envoy is pinned to one and wrk and the mock nodes to the
-others. Every measurement starts a fresh Envoy; the order of the three turns every round, and
+per request (user + system of the Envoy process over the run, plus the picker's for the ext_proc
+peer: the steadiest figure on a shared machine). With two CPUs or more, Envoy (and the picker)
+is pinned to one and wrk and the mock nodes to the others. Every measurement starts a fresh
+Envoy; the order of the kinds turns every round, and
 the added latency, the req/s kept and the CPU added are taken within each round (the same
 stretch of machine time) before the median over rounds. The filter's background work (health
 polls of every node each tick, by the poller service on Envoy's main thread) is counted against
@@ -32,6 +39,7 @@ Output: a table on stdout and results/<name>/overhead.json and overhead.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -47,11 +55,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import (TARGET, Envoy, MockCluster, envoy_config, free_port,  # noqa: E402
-                     wait_until, without_filter)
+                     request, wait_until, without_filter)
 
 FLOOR_WASM = TARGET / "wasm32-wasip1/release/wasm_floor.wasm"
+PICKER = TARGET / "release/extproc-picker"
 
 TARGETS = {"p50_added_us": 50.0, "p99_added_us": 250.0, "rps_kept": 0.85}
+# token-balancer against the ext_proc picker: at most half its added p50, 1.5 times its req/s.
+VS_EXTPROC = {"p50_added_ratio": 0.5, "rps_ratio": 1.5}
 
 
 def ensure_wrk() -> str:
@@ -168,16 +179,125 @@ def with_wasm(cfg: dict, wasm: Path) -> dict:
     return cfg
 
 
+def plugin_of(cfg: dict) -> str:
+    """The token_balancer filter's JSON configuration in `cfg` (what the picker is given)."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")
+    return wasm["typed_config"]["config"]["configuration"]["value"]
+
+
+def with_ext_proc(cfg: dict, picker_port: int) -> dict:
+    """The configuration with the token_balancer filter replaced by Envoy's ext_proc filter,
+    asking the picker on 127.0.0.1:`picker_port` over gRPC (HTTP/2); the gpu_nodes cluster is
+    unchanged (override_host on x-gateway-destination-endpoint, least_request as the fallback)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.pop("bootstrap_extensions", None)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    i = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "token_balancer")
+    hcm["http_filters"][i] = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "extproc_picker"}},
+            # A picker that cannot answer leaves the request to Envoy's fallback balancer.
+            "failure_mode_allow": True,
+            "message_timeout": "1s",
+            # Lets the picker skip the body and response of a request it cannot route.
+            "allow_mode_override": True,
+            "processing_mode": {
+                "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                "response_header_mode": "SEND", "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+    cfg["static_resources"]["clusters"].append({
+        "name": "extproc_picker",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            },
+        },
+        "load_assignment": {"cluster_name": "extproc_picker", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": picker_port}}}}]}]},
+    })
+    return cfg
+
+
+class Picker:
+    """The ext_proc picker process (examples/extproc-picker) with `plugin`, the filter's JSON
+    configuration, pinned to `cpus`; ready once its stats endpoint answers."""
+
+    def __init__(self, plugin: str, cpus: set[int] | None):
+        self.port, self.stats_port = free_port(), free_port()
+        self.dir = tempfile.TemporaryDirectory(prefix="tb-picker-")
+        self.log_path = Path(self.dir.name) / "picker.log"
+        self.log = open(self.log_path, "w")
+        cmd = [str(PICKER), "--listen", f"127.0.0.1:{self.port}",
+               "--stats", f"127.0.0.1:{self.stats_port}", "--config", plugin]
+        if cpus:
+            # Every thread it starts inherits the affinity.
+            cmd = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] + cmd
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_until(self._ready, 15, lambda: f"the picker to serve its stats ({self.tail()})")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"extproc-picker exited with {self.proc.returncode}: {self.tail()}")
+        return "routed" in self.stats()
+
+    def tail(self) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-10:])
+        except OSError:
+            return ""
+
+    def stats(self) -> dict:
+        return request(self.stats_port, "GET", "/stats", timeout=5).json()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        self.dir.cleanup()
+
+
+def routed_count(kind: str, e: Envoy) -> int:
+    """Requests routed by the kind's own choice so far: the filter's counter, or the picker's."""
+    if kind == "extproc":
+        return e.picker.stats()["routed"]
+    return e.counter("token_balancer.routed")
+
+
 POST = {"content-type": "application/json"}
 # Settings over the shipped configuration (--plugin), e.g. a longer tick for a large fleet.
 PLUGIN: dict = {}
 
 
-def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int = 1) -> Envoy:
+def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int = 1,
+          by_name: dict[str, str] | None = None) -> Envoy:
     """One Envoy of `kind`, pinned, taking requests. token_balancer: the shipped configuration
     (poller service, debug header off), once it routes by the filter rather than by Envoy's
-    fallback; floor: the floor filter; plain: no filter, least_request."""
-    if kind == "plain":
+    fallback; floor: the floor filter; plain: no filter, least_request; extproc: the ext_proc
+    filter and its picker (as `e.picker`) with the shipped filter configuration, once Envoy
+    sends requests to the nodes the picker names (`by_name`: each mock node's address by the
+    name it answers with)."""
+    picker = None
+    if kind == "extproc":
+        cfg = envoy_config(nodes, free_port(), free_port(),
+                           plugin={"debug_header": None, **PLUGIN}, poller="singleton")
+        picker = Picker(plugin_of(cfg), envoy_cpus)
+        cfg = with_ext_proc(cfg, picker.port)
+    elif kind == "plain":
         cfg = without_filter(envoy_config(nodes, free_port(), free_port(), poller="vm"), "LEAST_REQUEST")
     elif kind == "floor":
         cfg = envoy_config(nodes, free_port(), free_port(), poller="vm")
@@ -187,46 +307,87 @@ def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int
         cfg = envoy_config(nodes, free_port(), free_port(),
                            plugin={"debug_header": None, **PLUGIN}, poller="singleton",
                            wasm_file=PREVIOUS_WASM if kind == "tb_previous" else None)
-    e = Envoy(cfg, concurrency=concurrency)
+    try:
+        e = Envoy(cfg, concurrency=concurrency)
+    except BaseException:
+        if picker:
+            picker.stop()
+        raise
+    e.picker = picker
     pin(e.proc.pid, envoy_cpus)
-    if kind not in FILTERS:
+    if kind not in ROUTERS:
         r = e.post("/v1/chat/completions", body, headers=POST)
         assert r.status == 200, r
         return e
 
     def routes():
-        before = e.counter("token_balancer.routed")
+        before = routed_count(kind, e)
         r = e.post("/v1/chat/completions", body, headers=POST)
         assert r.status == 200, r
-        return e.counter("token_balancer.routed") > before
+        return routed_count(kind, e) > before
 
-    # Every node must have reported once (1,000 health polls on the first tick).
-    wait_until(routes, 60, "the filter to route a request", interval=0.2)
+    try:
+        # Every node must have reported once (1,000 health polls on the first tick).
+        wait_until(routes, 60, f"the {'picker' if picker else 'filter'} to route a request",
+                   interval=0.2)
+        if picker:
+            served_where_picked(e, body, by_name or {})
+    except BaseException:
+        stop(e)
+        raise
     return e
 
 
-def measure(kind: str, wrk: Wrk, nodes: list[str], body: bytes, args, envoy_cpus) -> dict:
-    e = start(kind, nodes, body, envoy_cpus)
+def served_where_picked(e: Envoy, body: bytes, by_name: dict[str, str], n: int = 8):
+    """Checks that Envoy applied the picker's header mutation: `n` requests in a row, each
+    served by the node the picker named first (the mock node says its name in x-mock-node)."""
+    for _ in range(n):
+        r = e.post("/v1/chat/completions", body, headers=POST)
+        assert r.status == 200, r
+        picked = (e.picker.stats()["last_pick"] or "").split(",")[0]
+        served = by_name.get(r.headers.get("x-mock-node", ""))
+        assert served == picked, f"the picker named {picked}, Envoy sent the request to {served}"
+
+
+def stop(e: Envoy):
+    e.stop()
+    if e.picker:
+        e.picker.stop()
+
+
+def cpu_of(e: Envoy) -> float:
+    """CPU seconds of the proxy side: Envoy's, plus the picker's for the ext_proc peer."""
+    return cpu_seconds(e.proc.pid) + (cpu_seconds(e.picker.proc.pid) if e.picker else 0.0)
+
+
+def measure(kind: str, wrk: Wrk, nodes: list[str], body: bytes, args, envoy_cpus,
+            by_name: dict[str, str] | None = None) -> dict:
+    e = start(kind, nodes, body, envoy_cpus, by_name=by_name)
     try:
         # Warm-up, not measured: V8 compiles the hot Wasm functions with its optimizing tier
         # only after they have run a while.
         wrk.run(e.port, args.connections, args.warmup)
-        routed0 = e.counter("token_balancer.routed") if kind in FILTERS else 0
+        routed0 = routed_count(kind, e) if kind in ROUTERS else 0
         lat = wrk.run(e.port, 1, args.seconds)
-        cpu0 = cpu_seconds(e.proc.pid)
+        cpu0 = cpu_of(e)
+        picker0 = cpu_seconds(e.picker.proc.pid) if e.picker else 0.0
         thr = wrk.run(e.port, args.connections, args.seconds)
-        cpu_us = (cpu_seconds(e.proc.pid) - cpu0) / thr["requests"] * 1e6
+        cpu_us = (cpu_of(e) - cpu0) / thr["requests"] * 1e6
         m = {"latency": lat, "throughput": thr, "cpu_us_per_request": cpu_us}
-        if kind in FILTERS:
-            routed = e.counter("token_balancer.routed") - routed0
+        if e.picker:
+            m["picker_cpu_us_per_request"] = (
+                (cpu_seconds(e.picker.proc.pid) - picker0) / thr["requests"] * 1e6)
+        if kind in ROUTERS:
+            routed = routed_count(kind, e) - routed0
             sent = lat["requests"] + thr["requests"]
             # wrk counts completed requests only; the few cut at the end were routed too.
             m["routed_share"] = min(1.0, routed / sent) if sent else 0.0
+        if kind in FILTERS:
             m["vm_memory_bytes"] = gauge(e, "vm_memory_bytes")
-        m["rss_bytes"] = rss_bytes(e.proc.pid)
+        m["rss_bytes"] = rss_bytes(e.proc.pid) + (rss_bytes(e.picker.proc.pid) if e.picker else 0)
         return m
     finally:
-        e.stop()
+        stop(e)
 
 
 def median(rows: list[dict], *path: str) -> float:
@@ -237,9 +398,11 @@ def median(rows: list[dict], *path: str) -> float:
     return statistics.median(get(r) for r in rows)
 
 
-KINDS = ["plain", "floor", "token_balancer"]
+KINDS = ["plain", "floor", "token_balancer", "extproc"]
 # The kinds that run token-balancer: this build, and another one (--previous-wasm) beside it.
 FILTERS = ("token_balancer", "tb_previous")
+# The kinds that route by the core's choice: the filters and the ext_proc picker.
+ROUTERS = FILTERS + ("extproc",)
 PREVIOUS_WASM: Path | None = None
 
 
@@ -249,17 +412,20 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
     pin(mock.proc.pid, other_cpus)
     try:
         nodes = [node.address for node in mock.nodes]
+        by_name = {node.name: node.address for node in mock.nodes}
         runs = {k: [] for k in KINDS}
         for rnd in range(args.rounds):
             # The order turns every round, so a slow stretch of the machine hits each in turn.
             order = KINDS[rnd % len(KINDS):] + KINDS[:rnd % len(KINDS)]
             for kind in order:
-                m = measure(kind, wrk, nodes, body, args, envoy_cpus)
+                m = measure(kind, wrk, nodes, body, args, envoy_cpus, by_name)
                 runs[kind].append(m)
                 print(f"   round {rnd + 1} {kind:14}: p50 {m['latency']['p50_us']:6.0f} us, "
                       f"p99 {m['latency']['p99_us']:6.0f} us, {m['throughput']['rps']:7.0f} req/s, "
-                      f"Envoy CPU {m['cpu_us_per_request']:5.1f} us/request"
-                      + (f", routed by the filter {m['routed_share']:.1%}" if "routed_share" in m else ""),
+                      f"{'Envoy+picker' if kind == 'extproc' else 'Envoy'} CPU "
+                      f"{m['cpu_us_per_request']:5.1f} us/request"
+                      + (f", routed by the {'picker' if kind == 'extproc' else 'filter'} "
+                         f"{m['routed_share']:.1%}" if "routed_share" in m else ""),
                       flush=True)
         # Memory with four workers: what one more worker's VM costs.
         e = start("token_balancer", nodes, body, envoy_cpus, concurrency=4)
@@ -285,6 +451,22 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
         }
     tb = runs["token_balancer"]
     out["routed_share"] = min(r["routed_share"] for r in tb)
+    if "extproc" in KINDS:
+        ext = runs["extproc"]
+        out["extproc_routed_share"] = min(r["routed_share"] for r in ext)
+        out["extproc"]["picker_cpu_us_per_request"] = median(ext, "picker_cpu_us_per_request")
+        # Within each round, then the median: token-balancer's added p50 over the picker's
+        # (lower is better) and its req/s over the picker's (higher is better).
+        added = [(r["latency"]["p50_us"] - p["latency"]["p50_us"],
+                  x["latency"]["p50_us"] - p["latency"]["p50_us"])
+                 for r, x, p in zip(tb, ext, runs["plain"])]
+        out["vs_extproc"] = {
+            "p50_added_ratio": statistics.median(a / b if b > 0 else float("inf") for a, b in added),
+            "rps_ratio": statistics.median(
+                r["throughput"]["rps"] / x["throughput"]["rps"] for r, x in zip(tb, ext)),
+            "cpu_ratio": statistics.median(
+                r["cpu_us_per_request"] / x["cpu_us_per_request"] for r, x in zip(tb, ext)),
+        }
     out["vm_memory_bytes"] = {"1_worker": one, "4_workers": four, "per_added_worker": (four - one) // 3}
     # Ratios within each round (the same stretch of machine time), then their median.
     for kind in KINDS[1:]:
@@ -310,7 +492,7 @@ def table(results: list[dict], args, pinned: str) -> str:
         f"latency, {args.connections} for throughput. {pinned}"
         + (f" Filter settings over the shipped ones: `{json.dumps(PLUGIN)}`." if PLUGIN else ""),
         "",
-        "| nodes | Envoy | p50 (us) | p99 (us) | req/s | Envoy CPU per request (us) "
+        "| nodes | Envoy | p50 (us) | p99 (us) | req/s | CPU per request (us; Envoy, + picker for ext_proc) "
         "| p50 added | p99 added | req/s kept | CPU added |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -323,15 +505,19 @@ def table(results: list[dict], args, pinned: str) -> str:
             lines.append(f"| {r['nodes']} | {LABELS[kind]} | {k['p50_us']:.0f} | {k['p99_us']:.0f} "
                          f"| {k['rps']:.0f} | {k['cpu_us_per_request']:.0f} {added} |")
     lines += ["", "| nodes | filter VMs' memory, 1 worker (all VMs) | 4 workers | per added worker "
-              "| Envoy RSS: no filter / floor / token-balancer | routed by the filter |",
+              "| Envoy RSS: no filter / floor / token-balancer / ext_proc (Envoy + picker) "
+              "| routed by the filter / by the picker |",
               "|---|---|---|---|---|---|"]
     for r in results:
         m = r["vm_memory_bytes"]
+        ext = r.get("extproc")
         lines.append(
             f"| {r['nodes']} | {m['1_worker'] / mib:.2f} MiB | {m['4_workers'] / mib:.2f} MiB "
             f"| {m['per_added_worker'] / mib:.2f} MiB | {r['plain']['rss_bytes'] / mib:.0f} / "
-            f"{r['floor']['rss_bytes'] / mib:.0f} / {r['token_balancer']['rss_bytes'] / mib:.0f} MiB "
-            f"| {r['routed_share']:.1%} |")
+            f"{r['floor']['rss_bytes'] / mib:.0f} / {r['token_balancer']['rss_bytes'] / mib:.0f}"
+            + (f" / {ext['rss_bytes'] / mib:.0f}" if ext else "") + " MiB "
+            f"| {r['routed_share']:.1%}"
+            + (f" / {r['extproc_routed_share']:.1%}" if ext else "") + " |")
     lines += ["", "Targets for token-balancer: p50 added <= {p50_added_us:.0f} us, p99 added <= "
               "{p99_added_us:.0f} us, req/s kept >= {rps_kept:.2f}.".format(**TARGETS)]
     for r in results:
@@ -345,6 +531,21 @@ def table(results: list[dict], args, pinned: str) -> str:
             f"{name} {'met' if ok else 'MISSED'}" for name, ok in verdict)
             + f" (the floor filter alone: p50 added {r['floor']['p50_added_us']:.0f} us, "
               f"req/s kept {r['floor']['rps_kept']:.2f})")
+    if "extproc" in KINDS:
+        lines += ["", "token-balancer against the ext_proc picker (the same core behind a gRPC stream "
+                  "per request), measured in the same rounds; targets: p50 added at most "
+                  "{p50_added_ratio:.1f}x the picker's, req/s at least {rps_ratio:.1f}x:".format(**VS_EXTPROC)]
+        for r in results:
+            a, b, v = r["token_balancer"], r["extproc"], r["vs_extproc"]
+            lines.append(
+                f"- {r['nodes']} nodes: p50 added {a['p50_added_us']:.0f} us vs {b['p50_added_us']:.0f} us "
+                f"({v['p50_added_ratio']:.2f}x, "
+                f"{'met' if v['p50_added_ratio'] <= VS_EXTPROC['p50_added_ratio'] else 'MISSED'}), "
+                f"req/s {a['rps']:.0f} vs {b['rps']:.0f} ({v['rps_ratio']:.2f}x, "
+                f"{'met' if v['rps_ratio'] >= VS_EXTPROC['rps_ratio'] else 'MISSED'}), "
+                f"p99 added {a['p99_added_us']:.0f} us vs {b['p99_added_us']:.0f} us, CPU per request "
+                f"{a['cpu_us_per_request']:.0f} us vs {b['cpu_us_per_request']:.0f} us "
+                f"(of which the picker's {b['picker_cpu_us_per_request']:.0f} us; {v['cpu_ratio']:.2f}x)")
     if "tb_previous" in KINDS:
         lines += ["", "This build against the previous one (--previous-wasm), measured in the same rounds:"]
         for r in results:
@@ -358,7 +559,8 @@ def table(results: list[dict], args, pinned: str) -> str:
 
 
 LABELS = {"plain": "no filter (least_request)", "floor": "floor filter (reads the body)",
-          "token_balancer": "token-balancer", "tb_previous": "token-balancer, previous build"}
+          "token_balancer": "token-balancer", "tb_previous": "token-balancer, previous build",
+          "extproc": "ext_proc picker (same core, gRPC)"}
 
 
 def main():
@@ -391,6 +593,9 @@ def main():
     print("overhead: building the floor filter", flush=True)
     subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-wasip1",
                     "-p", "wasm-floor"], cwd=ROOT, check=True)
+    print("overhead: building the ext_proc picker", flush=True)
+    subprocess.run(["cargo", "build", "--quiet", "--release", "-p", "extproc-picker"],
+                   cwd=ROOT, check=True)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:
         # Envoy alone on one core, wrk and the mock nodes on the others: the load generator

@@ -1,6 +1,7 @@
-"""A seconds-long run of the overhead benchmark (examples/overhead.py): the three Envoys run,
-the filter routes every request it is sent, and the report is produced and well formed. The
-full benchmark is a command, not a test (its figures are in docs/BENCHMARKS.md)."""
+"""A seconds-long run of the overhead benchmark (examples/overhead.py): the four Envoys run,
+the filter and the ext_proc picker each route every request they are sent, and the report is
+produced and well formed. The full benchmark is a command, not a test (its figures are in
+docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 from harness import ROOT
 
-KINDS = ["plain", "floor", "token_balancer"]
+KINDS = ["plain", "floor", "token_balancer", "extproc"]
 
 
 def test_overhead_benchmark_produces_a_well_formed_report():
@@ -31,10 +32,20 @@ def test_overhead_benchmark_produces_a_well_formed_report():
         assert run["latency"]["non_2xx"] == 0 and run["throughput"]["non_2xx"] == 0, (kind, run)
     # Every request through token-balancer was routed by its own choice, none by the fallback.
     assert fleet["routed_share"] == 1.0, fleet["routed_share"]
+    # So was every request through the ext_proc peer, by the picker's choice: the benchmark
+    # also checked, before measuring, that Envoy sent requests to the very node the picker
+    # named (it fails otherwise).
+    assert fleet["extproc_routed_share"] == 1.0, fleet["extproc_routed_share"]
+    ext = fleet["extproc"]
+    assert 0 < ext["picker_cpu_us_per_request"] < ext["cpu_us_per_request"], ext
+    vs = fleet["vs_extproc"]
+    assert vs["rps_ratio"] > 0 and vs["cpu_ratio"] > 0, vs
     memory = fleet["vm_memory_bytes"]
     assert 0 < memory["1_worker"] < memory["4_workers"], memory
-    for kind in ("floor", "token_balancer"):
+    for kind in ("floor", "token_balancer", "extproc"):
         assert 0 < fleet[kind]["rps_kept"], fleet[kind]
     table = (out / "overhead.md").read_text()
     assert "| 4 | token-balancer |" in table and "| 4 | floor filter" in table, table
     assert "Targets for token-balancer" in table
+    assert "| 4 | ext_proc picker (same core, gRPC) |" in table, table
+    assert "token-balancer against the ext_proc picker" in table, table

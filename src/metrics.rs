@@ -81,6 +81,7 @@ stats! {
     TelemetryNotFound Counter "token_balancer.telemetry.not_found",
     TelemetryNotFoundNow Gauge "token_balancer.telemetry.not_found_now",
     TelemetryUnfiltered Counter "token_balancer.telemetry.unfiltered",
+    HealthQuietNodes Gauge "token_balancer.health.quiet_nodes",
     NodesEjected Counter "token_balancer.nodes_ejected",
     NodesReadmitted Counter "token_balancer.nodes_readmitted",
     ModelsOk Counter "token_balancer.models.ok",

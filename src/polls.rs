@@ -150,16 +150,23 @@ impl<H: Host> State<H> {
             .schedule
             .due(balancer.nodes().len(), config.tick_ms, now_ms);
         let slices = polls.schedule.slices();
+        let mut quiet = 0u64;
         for (i, state) in balancer.nodes().iter().enumerate() {
+            quiet += u64::from(state.member() && state.quiet_reports() > 0);
             // A node whose last poll is still outstanding is not polled again: slow nodes must
-            // not pile up callouts. A node out of the cluster is not polled at all.
+            // not pile up callouts. A node out of the cluster is not polled at all, a quiet
+            // one only once its longer period is up (see `polling`).
             if !state.member()
                 || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
                 || polls.health.is_asked(i, state.tenant())
+                || !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms)
             {
                 continue;
             }
             send_health(host, config, balancer, polls, metrics, i);
+        }
+        if !due.is_empty() {
+            metrics.record(Stat::HealthQuietNodes, quiet);
         }
         (due, polls.schedule.period_ms())
     }

@@ -97,6 +97,9 @@ pub struct Config {
     /// Age after which a node's last good report is no longer trusted (the node is then not a
     /// candidate). Must be longer than the tick.
     pub stale_after_ms: u64,
+    /// Longest period between polls of a node whose reports move nothing (see
+    /// `fleet::polling`); `tick_ms` polls every node every tick.
+    pub quiet_poll_ms: u64,
     /// Request header that carries the chosen `ip:port` list to Envoy's override_host policy.
     pub routing_header: String,
     /// Most request-body bytes inspected; a larger body is passed on untouched and the request
@@ -389,6 +392,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "tick_ms",
     "health_timeout_ms",
     "stale_after_ms",
+    "quiet_poll_ms",
     "routing_header",
     "max_body_bytes",
     "vram_ceiling",
@@ -828,6 +832,19 @@ impl Config {
                 format!("must be longer than tick_ms ({tick_ms}), or every report goes stale before the next"),
             ));
         }
+        let quiet_poll_ms = f
+            .uint("quiet_poll_ms")?
+            .unwrap_or((stale_after_ms / 2).max(tick_ms));
+        if quiet_poll_ms != tick_ms
+            && !(quiet_poll_ms > tick_ms && quiet_poll_ms.saturating_add(tick_ms) <= stale_after_ms)
+        {
+            return Err(err(
+                "quiet_poll_ms",
+                format!(
+                    "must be tick_ms ({tick_ms}: every node every tick), or longer than it with quiet_poll_ms + tick_ms at most stale_after_ms ({stale_after_ms}), or a quiet node's report goes stale"
+                ),
+            ));
+        }
         let max_body_bytes = f.uint("max_body_bytes")?.unwrap_or(1 << 20);
         if max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be positive"));
@@ -995,6 +1012,7 @@ impl Config {
             tick_ms,
             health_timeout_ms,
             stale_after_ms,
+            quiet_poll_ms,
             routing_header,
             max_body_bytes: usize::try_from(max_body_bytes).unwrap_or(usize::MAX),
             vram_ceiling,
@@ -1051,6 +1069,7 @@ mod tests {
         assert_eq!(c.tick_ms, 1000);
         assert_eq!(c.health_timeout_ms, 500);
         assert_eq!(c.stale_after_ms, 3000);
+        assert_eq!(c.quiet_poll_ms, 1500);
         assert_eq!(c.routing_header, "x-gateway-destination-endpoint");
         assert_eq!(c.max_body_bytes, 1 << 20);
         assert_eq!(c.vram_ceiling, 0.9);
@@ -1162,6 +1181,9 @@ mod tests {
             (with(r#""tick_ms":1"#), "tick_ms"),
             (with(r#""health_timeout_ms":0"#), "health_timeout_ms"),
             (with(r#""stale_after_ms":1000"#), "stale_after_ms"),
+            (with(r#""quiet_poll_ms":500"#), "quiet_poll_ms"),
+            (with(r#""quiet_poll_ms":2500"#), "quiet_poll_ms"),
+            (with(r#""quiet_poll_ms":-1"#), "quiet_poll_ms"),
             (with(r#""max_body_bytes":0"#), "max_body_bytes"),
             (with(r#""vram_ceiling":0"#), "vram_ceiling"),
             (with(r#""vram_ceiling":1.5"#), "vram_ceiling"),

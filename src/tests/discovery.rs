@@ -251,3 +251,45 @@ fn a_node_without_telemetry_that_leaves_the_cluster_leaves_the_gauge() {
     assert_eq!(host.metric("token_balancer.nodes_left"), 1);
     assert_eq!(host.metric("token_balancer.telemetry.not_found_now"), 0);
 }
+
+/// Nodes whose reports move nothing are polled less often, up to `quiet_poll_ms`; one whose
+/// report moves is polled every tick again (see `fleet::polling`).
+#[test]
+fn quiet_nodes_are_polled_less_often_until_their_reports_move() {
+    let (host, mut root) = configured(&config(
+        r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":400"#,
+    ));
+    const BUSY: &str =
+        r#"{"tokens_per_sec_load":100,"tokens_per_sec_capacity":1000,"running_requests":3}"#;
+    // 3 s of ticks, every answer at once; A turns busy (its report moves every poll) after 1.5 s.
+    let mut polls = std::collections::HashMap::<(String, bool), u32>::new();
+    for t in 0..30 {
+        tick(&host, &mut root);
+        let late = t >= 15;
+        for c in host.take_calls() {
+            let n = polls.entry((c.authority.clone(), late)).or_default();
+            *n += 1;
+            // A's reports alternate between busy and idle: each one moves.
+            let body = if c.authority == A && late && *n % 2 == 1 {
+                BUSY
+            } else {
+                IDLE
+            };
+            answer(&host, &mut root, c.token, Some("200"), body);
+        }
+        if t == 14 {
+            assert_eq!(host.metric("token_balancer.health.quiet_nodes"), 2);
+        }
+        host.advance(100);
+    }
+    let count = |node: &str, late: bool| polls.get(&(node.to_string(), late)).copied().unwrap_or(0);
+    // The first 1.5 s: polled at 100, 200, then 400 ms periods: 1 + 1 + 1 + 3 = 6, not 15.
+    assert!((5..=7).contains(&count(A, false)), "{polls:?}");
+    assert!((5..=7).contains(&count(B, false)), "{polls:?}");
+    // B stays quiet: once every 400 ms. A moves: within a period, every tick from then on.
+    assert!((3..=5).contains(&count(B, true)), "{polls:?}");
+    assert!(count(A, true) >= 13, "{polls:?}");
+    assert_eq!(host.metric("token_balancer.health.quiet_nodes"), 1);
+    // Every report stays fresh: nothing went to Envoy's fallback for lack of one.
+    assert_eq!(host.metric("token_balancer.health.failed"), 0);
+}

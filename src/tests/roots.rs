@@ -71,6 +71,7 @@ const GAUGES: &[&str] = &[
     "shared.inflight_requests",
     "shared.inflight_tokens",
     "telemetry.not_found_now",
+    "health.quiet_nodes",
     "prefix.blocks",
     "prefix.bytes",
 ];

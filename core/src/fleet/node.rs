@@ -29,6 +29,7 @@
 
 use crate::fleet::books::{Books, Change};
 use crate::fleet::models::ServedModels;
+use crate::fleet::polling;
 use crate::fleet::probe::{Probe, Seen, Step};
 use crate::ingest::engine::{self, FormatError, Health, HealthFormat};
 use crate::ingest::rates::Tracker;
@@ -107,6 +108,9 @@ pub struct NodeState {
     books: Books,
     /// Health polls failed in a row (reset by a good one).
     failures_in_row: u32,
+    /// Good reports in a row that moved nothing since the one before (`Report::quiet_since`),
+    /// ended by any other answer: how much less often the node is polled (see `polling`).
+    quiet_reports: u32,
     /// Good polls in a row (reset by a failed one).
     successes_in_row: u32,
     /// Taken out of the choice by failed polls, until enough good ones bring it back.
@@ -180,6 +184,7 @@ impl NodeState {
             report: None,
             books: Books::of(tenant_of(address)),
             failures_in_row: 0,
+            quiet_reports: 0,
             successes_in_row: 0,
             ejected: false,
             unhealthy_after: 2,
@@ -231,6 +236,23 @@ impl NodeState {
     /// The format the node's health answers are read in.
     pub fn format(&self) -> HealthFormat {
         self.format
+    }
+
+    /// Whether the node is polled in a slice of its due at `now_ms` (see `polling::cadence`):
+    /// every tick while its reports move, less often while they do not.
+    pub fn poll_due(&self, now_ms: u64, tick_ms: u64, quiet_poll_ms: u64) -> bool {
+        polling::due(
+            self.report.as_ref().map(|(_, at)| *at),
+            self.quiet_reports,
+            now_ms,
+            tick_ms,
+            quiet_poll_ms,
+        )
+    }
+
+    /// Good reports in a row that moved nothing (see `poll_due`).
+    pub fn quiet_reports(&self) -> u32 {
+        self.quiet_reports
     }
 
     /// The path to poll the node's health at now (see `probe`).
@@ -413,6 +435,15 @@ impl NodeState {
     /// A good report replaces the previous one; work dispatched so far is now in it. An
     /// ejected node keeps its report fresh but stays out until enough good polls in a row.
     pub fn accept_report(&mut self, report: Report, now_ms: u64) -> Option<Transition> {
+        let quiet = self
+            .report
+            .as_ref()
+            .is_some_and(|(before, _)| report.quiet_since(before));
+        self.quiet_reports = if quiet {
+            self.quiet_reports.saturating_add(1)
+        } else {
+            0
+        };
         self.report = Some((report, now_ms));
         self.next_epoch();
         self.failures_in_row = 0;
@@ -428,6 +459,7 @@ impl NodeState {
     /// A failed or unparsable poll: the last good report stays, but enough failures in a row
     /// take the node out of the choice before that report goes stale.
     pub fn note_failure(&mut self) -> Option<Transition> {
+        self.quiet_reports = 0;
         self.failures_in_row = self.failures_in_row.saturating_add(1);
         self.successes_in_row = 0;
         if !self.ejected && self.failures_in_row >= self.unhealthy_after {
@@ -561,6 +593,42 @@ mod tests {
             load_tokens_per_sec: load,
             ..Report::default()
         }
+    }
+
+    /// Quiet reports in a row lengthen the node's poll period; a report that moves, or a
+    /// failed poll, brings it back to every tick.
+    #[test]
+    fn quiet_reports_lengthen_the_poll_period_until_something_moves() {
+        let mut n = NodeState::new("10.0.0.1:8000", None, None);
+        let (tick, quiet) = (100, 400);
+        assert!(n.poll_due(0, tick, quiet), "never heard from");
+        // Reports 100 ms apart; the time of the last one.
+        let mut at = 0;
+        let mut step = |n: &mut NodeState, load: f64| -> u64 {
+            at += 100;
+            n.accept_report(report(load), at);
+            at
+        };
+        let t = step(&mut n, 0.0);
+        assert_eq!(n.quiet_reports(), 0, "the first report moves from nothing");
+        assert!(n.poll_due(t + 100, tick, quiet));
+        let t = step(&mut n, 0.0);
+        assert_eq!(n.quiet_reports(), 1);
+        assert!(!n.poll_due(t + 100, tick, quiet));
+        assert!(n.poll_due(t + 200, tick, quiet));
+        step(&mut n, 0.0);
+        let t = step(&mut n, 0.0);
+        assert_eq!(n.quiet_reports(), 3);
+        assert!(!n.poll_due(t + 300, tick, quiet) && n.poll_due(t + 400, tick, quiet));
+        // Load moved: every tick again.
+        let t = step(&mut n, 500.0);
+        assert_eq!(n.quiet_reports(), 0);
+        assert!(n.poll_due(t + 100, tick, quiet));
+        let t = step(&mut n, 500.0);
+        assert_eq!(n.quiet_reports(), 1);
+        let _ = n.note_failure();
+        assert_eq!(n.quiet_reports(), 0);
+        assert!(n.poll_due(t + 1, tick, quiet));
     }
 
     /// (polls, expected ejected after each) for a node ejected after 2 failures and readmitted

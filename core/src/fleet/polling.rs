@@ -12,6 +12,20 @@
 //! is polled exactly as before, all at once each tick. The poller publishes what it learned
 //! once per round (after the last slice), so the fleet snapshot the workers decode changes
 //! once a tick, not once a slice.
+//!
+//! Quiet nodes are polled less often (`due`). A poll is worth its cost when the answer can
+//! change a decision; a node whose reports move nothing the choice reads (the same requests
+//! running and waiting, KV-cache use within a point, load within 5 %: `Report::quiet_since`)
+//! is telling the balancer what its own books already say. So each quiet report in a row
+//! doubles the node's poll period, from `tick_ms` up to `quiet_poll_ms` (half of
+//! `stale_after_ms` by default, so its report never goes stale), and any report that moves, or
+//! any failed poll, brings it back to every tick. Requests this Envoy sends meanwhile are in
+//! its books at once, as always; what a longer period delays is learning about work that
+//! others sent (another Envoy replica) or that the engine did on its own, by at most
+//! `quiet_poll_ms` on a node that was idle. An idle fleet of a thousand nodes costs a quarter
+//! of the polls with the shipped settings; a busy one, whose reports move every tick, is
+//! polled as before. The idea is the adaptive scrape interval of monitoring systems, keyed
+//! here to what the balancer reads rather than to a fixed list.
 
 /// Polls started together at most, but for the cap on slices (a bigger fleet has bigger
 /// slices rather than slices shorter than `MIN_SLICE_MS`).
@@ -21,6 +35,30 @@ pub const NODES_PER_SLICE: usize = 64;
 pub const MIN_SLICE_MS: u64 = 10;
 /// Most slices a tick is cut into.
 pub const MAX_SLICES: usize = 16;
+
+/// How long after its last good report a node with `quiet_reports` quiet reports in a row is
+/// polled again: `tick_ms`, doubled per quiet report, at most `quiet_poll_ms`.
+pub fn period_ms(quiet_reports: u32, tick_ms: u64, quiet_poll_ms: u64) -> u64 {
+    tick_ms
+        .saturating_mul(1u64 << quiet_reports.min(20))
+        .min(quiet_poll_ms.max(tick_ms))
+}
+
+/// Whether a node whose last good report came at `report_ms` (none: never) is polled when its
+/// slice is due at `now_ms`. Slices come once a tick, so half a tick of slack keeps a period
+/// of `k` ticks from becoming `k + 1`.
+pub fn due(
+    report_ms: Option<u64>,
+    quiet_reports: u32,
+    now_ms: u64,
+    tick_ms: u64,
+    quiet_poll_ms: u64,
+) -> bool {
+    let Some(at) = report_ms else { return true };
+    quiet_reports == 0
+        || now_ms.saturating_add(tick_ms / 2)
+            >= at.saturating_add(period_ms(quiet_reports, tick_ms, quiet_poll_ms))
+}
 
 /// How many slices a tick's polls of `nodes` nodes are spread over.
 pub fn slices(nodes: usize, tick_ms: u64) -> usize {
@@ -204,6 +242,45 @@ mod tests {
         assert_eq!(s.due(10, 100, 100), vec![0]);
         assert_eq!(s.due(100, 100, 150), vec![0]);
         assert_eq!(s.slices(), 2);
+    }
+
+    /// (quiet reports in a row, tick, quiet_poll_ms, period)
+    #[test]
+    fn quiet_nodes_are_polled_less_often_up_to_quiet_poll_ms() {
+        let cases: &[(u32, u64, u64, u64)] = &[
+            (0, 250, 1000, 250),
+            (1, 250, 1000, 500),
+            (2, 250, 1000, 1000),
+            (9, 250, 1000, 1000),
+            (u32::MAX, 250, 1000, 1000),
+            // Off: quiet_poll_ms is the tick.
+            (5, 250, 250, 250),
+            (1, 100, 250, 200),
+            (2, 100, 250, 250),
+        ];
+        for &(quiet, tick, max, want) in cases {
+            assert_eq!(period_ms(quiet, tick, max), want, "{quiet} {tick} {max}");
+        }
+        // Polled in the slice due a period after the report, with half a tick of slack; a
+        // node never heard from, or whose last report moved, every tick.
+        assert!(due(None, 3, 0, 250, 1000));
+        assert!(due(Some(1000), 0, 1001, 250, 1000));
+        assert!(!due(Some(1000), 1, 1250, 250, 1000));
+        assert!(due(Some(1000), 1, 1375, 250, 1000));
+        assert!(!due(Some(1000), 2, 1500, 250, 1000));
+        assert!(!due(Some(1000), 2, 1874, 250, 1000));
+        assert!(due(Some(1000), 2, 1875, 250, 1000));
+        // Over 10 s of slices a tick apart, a report 10 ms after each poll: a quiet node is
+        // polled once a second, not once every 5 ticks.
+        let (mut t, mut polls, mut last) = (0u64, 0, None);
+        while t < 10_000 {
+            if due(last, 2, t, 250, 1000) {
+                polls += 1;
+                last = Some(t + 10);
+            }
+            t += 250;
+        }
+        assert_eq!(polls, 10);
     }
 
     #[test]

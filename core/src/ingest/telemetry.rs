@@ -32,6 +32,39 @@ pub struct Report {
     pub running_requests: Option<f64>,
 }
 
+impl Report {
+    /// Whether this report moved nothing the choice reads since `before`: the same requests
+    /// running and waiting, KV-cache use within a point, token load and capacity within 5 % (or
+    /// 20 tokens a second).
+    /// A node whose reports do not move is polled less often (see `fleet::polling`).
+    pub fn quiet_since(&self, before: &Report) -> bool {
+        // Within 5 %, or 20 tokens a second: noise on a node that is all but idle.
+        let near = |a: f64, b: f64| (a - b).abs() <= (0.05 * a.abs().max(b.abs())).max(20.0);
+        let same = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) => near(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        let kv = |r: &Report| {
+            r.kv_cache_usage
+                .or(match (r.vram_used_bytes, r.vram_total_bytes) {
+                    (Some(u), Some(t)) if t > 0.0 => Some(u / t),
+                    _ => None,
+                })
+        };
+        let kv_same = match (kv(self), kv(before)) {
+            (Some(a), Some(b)) => (a - b).abs() <= 0.01,
+            (None, None) => true,
+            _ => false,
+        };
+        self.running_requests == before.running_requests
+            && self.queue_depth == before.queue_depth
+            && kv_same
+            && near(self.load_tokens_per_sec, before.load_tokens_per_sec)
+            && same(self.capacity_tokens_per_sec, before.capacity_tokens_per_sec)
+    }
+}
+
 /// Why a health answer was not used.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReportError {
@@ -102,6 +135,98 @@ pub fn parse_health(body: &[u8]) -> Result<Report, ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// (case, before, after, quiet): what a report must keep for the node to be quiet.
+    #[test]
+    fn quiet_reports_table() {
+        let idle = Report {
+            load_tokens_per_sec: 0.0,
+            capacity_tokens_per_sec: Some(40_000.0),
+            kv_cache_usage: Some(0.10),
+            queue_depth: Some(0.0),
+            running_requests: Some(0.0),
+            ..Report::default()
+        };
+        let with = |f: fn(&mut Report)| {
+            let mut r = idle;
+            f(&mut r);
+            r
+        };
+        let cases: Vec<(&str, Report, Report, bool)> = vec![
+            ("the same report", idle, idle, true),
+            (
+                "KV within a point",
+                idle,
+                with(|r| r.kv_cache_usage = Some(0.105)),
+                true,
+            ),
+            (
+                "load within 5 %",
+                with(|r| r.load_tokens_per_sec = 1000.0),
+                with(|r| r.load_tokens_per_sec = 1040.0),
+                true,
+            ),
+            (
+                "a few tokens a second on an idle node",
+                idle,
+                with(|r| r.load_tokens_per_sec = 15.0),
+                true,
+            ),
+            (
+                "one more request running",
+                idle,
+                with(|r| r.running_requests = Some(1.0)),
+                false,
+            ),
+            (
+                "one request waiting",
+                idle,
+                with(|r| r.queue_depth = Some(1.0)),
+                false,
+            ),
+            (
+                "KV two points up",
+                idle,
+                with(|r| r.kv_cache_usage = Some(0.12)),
+                false,
+            ),
+            (
+                "load up 10 %",
+                with(|r| r.load_tokens_per_sec = 1000.0),
+                with(|r| r.load_tokens_per_sec = 1100.0),
+                false,
+            ),
+            (
+                "capacity learned",
+                with(|r| r.capacity_tokens_per_sec = None),
+                idle,
+                false,
+            ),
+            (
+                "KV in bytes",
+                with(|r| {
+                    r.kv_cache_usage = None;
+                    r.vram_used_bytes = Some(10.0);
+                    r.vram_total_bytes = Some(100.0);
+                }),
+                with(|r| {
+                    r.kv_cache_usage = None;
+                    r.vram_used_bytes = Some(30.0);
+                    r.vram_total_bytes = Some(100.0);
+                }),
+                false,
+            ),
+            (
+                "a count the node stopped sending",
+                idle,
+                with(|r| r.running_requests = None),
+                false,
+            ),
+        ];
+        for (name, before, after, want) in cases {
+            assert_eq!(after.quiet_since(&before), want, "{name}");
+        }
+    }
 
     #[test]
     fn seed_format_as_written() {

@@ -24,12 +24,13 @@
 //! | response headers | `SEND` | releases the request's booking |
 //! | response body, trailers | `NONE`, `SKIP` | - |
 //!
-//! Three messages and three answers per routed request. The inference gateway's Envoy
-//! configuration streams the request body to its picker (`FULL_DUPLEX_STREAMED`, and request
-//! trailers `SEND`; in its Envoy Gateway policy the response body may stream too, for usage
-//! accounting), so it exchanges at least as many messages, and as many more as the body has
-//! chunks. This is the cheapest configuration that still routes on the body and releases on
-//! the response: it favours the peer.
+//! Three messages and three answers per routed request, each a round trip on the request's
+//! path. The inference gateway's own configurations ask at least as much of Envoy: its Helm
+//! chart's Envoy Gateway policy is the same (request body buffered, response headers sent),
+//! and its Envoy patch streams the request body (`FULL_DUPLEX_STREAMED`) with request trailers
+//! `SEND`, and optionally the response body and trailers too (for usage accounting), which is
+//! a message more per body chunk. So this is the cheapest configuration that still routes on
+//! the body and releases on the response: it favours the peer.
 
 mod picker;
 mod poller;
@@ -138,7 +139,7 @@ async fn serve(args: Args, config: Config) -> Result<(), Box<dyn std::error::Err
         "extproc-picker listening on {} ({nodes} nodes)",
         grpc.local_addr()?
     );
-    let incoming = tokio_stream_listener(grpc);
+    let incoming = accepted(grpc);
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(ExternalProcessorServer::new(service::Service {
@@ -152,7 +153,7 @@ async fn serve(args: Args, config: Config) -> Result<(), Box<dyn std::error::Err
 
 /// The accepted connections of `listener`, with Nagle off (answers are small and latency is
 /// what is measured).
-fn tokio_stream_listener(
+fn accepted(
     listener: tokio::net::TcpListener,
 ) -> impl futures_util::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     futures_util::stream::unfold(listener, |listener| async move {

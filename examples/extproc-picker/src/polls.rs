@@ -4,7 +4,8 @@
 //!
 //! The same core calls, in the same order: each tick the slices of the fleet now due
 //! (`fleet::polling::Schedule`) get one health poll per node that has none outstanding
-//! (`fleet::callouts::Outstanding`), at the path the node's probe says (`Balancer::health_path`);
+//! (`fleet::callouts::Outstanding`) and whose period is up (a quiet node's is longer,
+//! `NodeState::poll_due`), at the path the node's probe says (`Balancer::health_path`);
 //! every answer goes to `Balancer::on_health_answer`, and a discovery step that asks for the
 //! next path is polled at once. Nodes whose models are not configured are asked for
 //! `/v1/models` in their health slice when their `ListPoll` says so, and the list goes to
@@ -134,7 +135,11 @@ impl Picker {
             else {
                 continue;
             };
-            if !polls.health.is_asked(i, state.tenant()) {
+            // A quiet node (reports that move nothing the choice reads) only once its longer
+            // period is up, as the filter's poller (`NodeState::poll_due`).
+            if !polls.health.is_asked(i, state.tenant())
+                && state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms)
+            {
                 let token = polls.token();
                 polls.health.sent(token, i, state.tenant());
                 out.push(Poll {
@@ -310,6 +315,39 @@ mod tests {
         // Both answered: both are polled on the next tick.
         let (due, _) = p.due_polls(T0 + 250);
         assert_eq!(due.len(), 2);
+    }
+
+    #[test]
+    fn a_quiet_node_is_polled_less_often_than_every_tick() {
+        let mut p = picker(1, serde_json::json!({}));
+        let (tick, quiet_poll) = (p.config.tick_ms, p.config.quiet_poll_ms);
+        assert!(
+            quiet_poll > tick,
+            "the shipped settings poll quiet nodes less often"
+        );
+        // The same report every tick: after a few, the node's period grows past one tick.
+        let mut now = T0;
+        let mut polled = Vec::new();
+        while now < T0 + 20 * tick {
+            for d in p.due_polls(now).0 {
+                polled.push(now);
+                p.on_answer(
+                    d.token,
+                    Kind::Health,
+                    &Fetched::Body(GOOD.to_vec()),
+                    now + 1,
+                );
+            }
+            now += tick;
+        }
+        assert!(polled.len() < 20, "polled at every tick: {polled:?}");
+        // Never longer apart than quiet_poll_ms (and a tick of slice alignment).
+        for w in polled.windows(2) {
+            assert!(w[1] - w[0] <= quiet_poll + tick, "{polled:?}");
+        }
+        assert!(p.balancer.nodes()[0]
+            .fresh_report(now, p.config.stale_after_ms)
+            .is_some());
     }
 
     #[test]

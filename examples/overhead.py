@@ -360,34 +360,49 @@ def cpu_of(e: Envoy) -> float:
     return cpu_seconds(e.proc.pid) + (cpu_seconds(e.picker.proc.pid) if e.picker else 0.0)
 
 
+def failures(e: Envoy) -> str:
+    """What Envoy (and the picker) counted of failed requests: for a failed run's message."""
+    words = ("rq_4xx", "rq_5xx", "rx_reset", "connect_fail", "timeout", "ext_proc", "overflow")
+    stats = {k: v for k, v in {**e.stats("http.inference."), **e.stats("cluster.")}.items()
+             if v and any(w in k for w in words)}
+    return json.dumps(stats) + (f" picker: {e.picker.stats()} {e.picker.tail()}" if e.picker else "")
+
+
 def measure(kind: str, wrk: Wrk, nodes: list[str], body: bytes, args, envoy_cpus,
             by_name: dict[str, str] | None = None) -> dict:
     e = start(kind, nodes, body, envoy_cpus, by_name=by_name)
     try:
-        # Warm-up, not measured: V8 compiles the hot Wasm functions with its optimizing tier
-        # only after they have run a while.
-        wrk.run(e.port, args.connections, args.warmup)
-        routed0 = routed_count(kind, e) if kind in ROUTERS else 0
-        lat = wrk.run(e.port, 1, args.seconds)
-        cpu0 = cpu_of(e)
-        picker0 = cpu_seconds(e.picker.proc.pid) if e.picker else 0.0
-        thr = wrk.run(e.port, args.connections, args.seconds)
-        cpu_us = (cpu_of(e) - cpu0) / thr["requests"] * 1e6
-        m = {"latency": lat, "throughput": thr, "cpu_us_per_request": cpu_us}
-        if e.picker:
-            m["picker_cpu_us_per_request"] = (
-                (cpu_seconds(e.picker.proc.pid) - picker0) / thr["requests"] * 1e6)
-        if kind in ROUTERS:
-            routed = routed_count(kind, e) - routed0
-            sent = lat["requests"] + thr["requests"]
-            # wrk counts completed requests only; the few cut at the end were routed too.
-            m["routed_share"] = min(1.0, routed / sent) if sent else 0.0
-        if kind in FILTERS:
-            m["vm_memory_bytes"] = gauge(e, "vm_memory_bytes")
-        m["rss_bytes"] = rss_bytes(e.proc.pid) + (rss_bytes(e.picker.proc.pid) if e.picker else 0)
-        return m
+        return measured(kind, e, wrk, args)
+    except RuntimeError as err:
+        raise RuntimeError(f"{kind}: {err}\nEnvoy's counters: {failures(e)}") from err
     finally:
         stop(e)
+
+
+def measured(kind: str, e: Envoy, wrk: Wrk, args) -> dict:
+    """One measurement of a started Envoy: warm-up, latency (1 connection), throughput."""
+    # Warm-up, not measured: V8 compiles the hot Wasm functions with its optimizing tier
+    # only after they have run a while.
+    wrk.run(e.port, args.connections, args.warmup)
+    routed0 = routed_count(kind, e) if kind in ROUTERS else 0
+    lat = wrk.run(e.port, 1, args.seconds)
+    cpu0 = cpu_of(e)
+    picker0 = cpu_seconds(e.picker.proc.pid) if e.picker else 0.0
+    thr = wrk.run(e.port, args.connections, args.seconds)
+    cpu_us = (cpu_of(e) - cpu0) / thr["requests"] * 1e6
+    m = {"latency": lat, "throughput": thr, "cpu_us_per_request": cpu_us}
+    if e.picker:
+        m["picker_cpu_us_per_request"] = (
+            (cpu_seconds(e.picker.proc.pid) - picker0) / thr["requests"] * 1e6)
+    if kind in ROUTERS:
+        routed = routed_count(kind, e) - routed0
+        sent = lat["requests"] + thr["requests"]
+        # wrk counts completed requests only; the few cut at the end were routed too.
+        m["routed_share"] = min(1.0, routed / sent) if sent else 0.0
+    if kind in FILTERS:
+        m["vm_memory_bytes"] = gauge(e, "vm_memory_bytes")
+    m["rss_bytes"] = rss_bytes(e.proc.pid) + (rss_bytes(e.picker.proc.pid) if e.picker else 0)
+    return m
 
 
 def median(rows: list[dict], *path: str) -> float:

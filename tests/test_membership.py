@@ -49,6 +49,8 @@ def following_envoy(tmp_path, members: list[str], plugin: dict, poller: str, con
     cfg = envoy_config(members, free_port(), admin_port, poller=poller, plugin={
         "tick_ms": TICK_MS,
         "stale_after_ms": 1000,
+        # Every member polled every tick, quiet or not: these tests count polls per tick.
+        "quiet_poll_ms": TICK_MS,
         "membership": {"cluster": "gpu_nodes", "admin_cluster": "envoy_admin", "poll_ms": 200},
         **plugin,
     })

@@ -98,7 +98,8 @@ pub struct Config {
     /// candidate). Must be longer than the tick.
     pub stale_after_ms: u64,
     /// Longest period between polls of a node whose reports move nothing (see
-    /// `fleet::polling`); `tick_ms` polls every node every tick.
+    /// `fleet::polling`); `tick_ms` polls every node every tick. Default: half of
+    /// `stale_after_ms`, at most four ticks.
     pub quiet_poll_ms: u64,
     /// Request header that carries the chosen `ip:port` list to Envoy's override_host policy.
     pub routing_header: String,
@@ -832,9 +833,13 @@ impl Config {
                 format!("must be longer than tick_ms ({tick_ms}), or every report goes stale before the next"),
             ));
         }
-        let quiet_poll_ms = f
-            .uint("quiet_poll_ms")?
-            .unwrap_or((stale_after_ms / 2).max(tick_ms));
+        // Half the staleness limit, so a quiet node's report never goes stale, and at most
+        // four ticks, so a long staleness limit does not make a quiet node a stranger.
+        let quiet_poll_ms = f.uint("quiet_poll_ms")?.unwrap_or(
+            (stale_after_ms / 2)
+                .min(tick_ms.saturating_mul(4))
+                .max(tick_ms),
+        );
         if quiet_poll_ms != tick_ms
             && !(quiet_poll_ms > tick_ms && quiet_poll_ms.saturating_add(tick_ms) <= stale_after_ms)
         {
@@ -1070,6 +1075,12 @@ mod tests {
         assert_eq!(c.health_timeout_ms, 500);
         assert_eq!(c.stale_after_ms, 3000);
         assert_eq!(c.quiet_poll_ms, 1500);
+        // At most four ticks: a long staleness limit does not stretch it.
+        let long = Config::parse(
+            br#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":"h","tick_ms":100,"stale_after_ms":60000}"#,
+        )
+        .unwrap();
+        assert_eq!(long.quiet_poll_ms, 400);
         assert_eq!(c.routing_header, "x-gateway-destination-endpoint");
         assert_eq!(c.max_body_bytes, 1 << 20);
         assert_eq!(c.vram_ceiling, 0.9);

@@ -17,9 +17,9 @@
 //! change a decision; a node whose reports move nothing the choice reads (the same requests
 //! running and waiting, KV-cache use within a point, load within 5 %: `Report::quiet_since`)
 //! is telling the balancer what its own books already say. So each quiet report in a row
-//! doubles the node's poll period, from `tick_ms` up to `quiet_poll_ms` (half of
-//! `stale_after_ms` by default, so its report never goes stale), and any report that moves, or
-//! any failed poll, brings it back to every tick. Requests this Envoy sends meanwhile are in
+//! doubles the node's poll period, from `tick_ms` up to `quiet_poll_ms` (by default half of
+//! `stale_after_ms`, so its report never goes stale, and at most four ticks), and any report
+//! that moves, or any failed poll, brings it back to every tick. Requests this Envoy sends meanwhile are in
 //! its books at once, as always; what a longer period delays is learning about work that
 //! others sent (another Envoy replica) or that the engine did on its own, by at most
 //! `quiet_poll_ms` on a node that was idle. An idle fleet of a thousand nodes costs a quarter

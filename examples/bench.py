@@ -50,6 +50,8 @@ TRACES = {"azure": ("azure", DATA / "AzureLLMInferenceTrace_conv.csv"),
 # Two fast and two slow GPUs (presets in examples/mock-node/src/engine.rs).
 CLUSTER = [("fast-1", "gpu=a100"), ("fast-2", "gpu=a100"), ("slow-1", "gpu=l4"), ("slow-2", "gpu=l4")]
 POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]
+# The shipped tick (envoy/envoy.yaml), model time.
+SHIPPED_TICK_MS = 250
 # Ablations of token-balancer, run only when named in --policies: the shipped configuration
 # with one setting changed.
 VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
@@ -70,7 +72,9 @@ VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             # Two objectives with priorities, for requests that name them.
             "tb_priority": {"admission": {"objectives": {"interactive": 100, "bulk": 0}}},
             # Holding also while every node has more than 500 ms of prompts queued.
-            "tb_queued": {"admission": {"max_queued_ms": 500}}}
+            "tb_queued": {"admission": {"max_queued_ms": 500}},
+            # Every node polled every tick, quiet or not (quiet_poll_ms = the tick).
+            "tb_every_tick": {"quiet_poll_ms": SHIPPED_TICK_MS}}
 # Envoy's own ring_hash, hashing the header a stock-Envoy user would set for affinity (the
 # load generator's x-prefix-key: the prompt's first shared block).
 BASELINES = ["ring_hash"]
@@ -91,7 +95,7 @@ SLO_TPOT_MS = 100.0
 # The shipped timing (envoy/envoy.yaml) in model time. The mock GPUs run --time-scale times
 # faster than real time, so the filter's tick, staleness limit and hold limit are divided by the
 # time scale: a report is then as old, in model time, as in a real deployment.
-SHIPPED_TIMING_MS = {"tick_ms": 250, "stale_after_ms": 2000, "max_hold_ms": 10000}
+SHIPPED_TIMING_MS = {"tick_ms": SHIPPED_TICK_MS, "stale_after_ms": 2000, "max_hold_ms": 10000}
 
 
 def timing_for(time_scale: float) -> dict:
@@ -113,6 +117,9 @@ def envoy_for(policy: str, nodes: list[str], poller: str = "vm", time_scale: flo
     queued = plugin.get("admission", {}).get("max_queued_ms")
     if queued:
         plugin["admission"] = {**plugin["admission"], "max_queued_ms": max(1, round(queued / time_scale))}
+    # And a variant's quiet period, scaled as the tick is (so the tick itself stays the tick).
+    if "quiet_poll_ms" in plugin:
+        plugin["quiet_poll_ms"] = max(10, round(plugin["quiet_poll_ms"] / time_scale))
     wasm = PREVIOUS_WASM if policy == "tb_previous" else None
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm, poller=poller)
     if policy in ("round_robin", "least_request"):

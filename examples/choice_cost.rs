@@ -14,7 +14,8 @@
 //! share long system prompts (50 tenants, 16 KiB each, 64 blocks of the prefix chain), priced on
 //! each node by the prefix index after a warm-up that fills it: the decision with its prefix
 //! lookups. Then the other pure work of a request: reading the weight and model from a 4 KiB
-//! chat body, without and with its prefix chain.
+//! chat body, without and with its prefix chain. And the pure work of a poll: one health
+//! answer taken in, for the simple JSON format, llama.cpp's page and vLLM's, whole and filtered.
 
 use std::time::Instant;
 use token_balancer_core::config::Config;
@@ -150,6 +151,88 @@ fn main() {
         println!("{choices:7}  {n:5}  {room:>9}  {kind:>7}  {median:8.2} ({min:.2})");
     }
     body_cost();
+    answer_cost();
+}
+
+/// The pure work of a poll: one node's health answer read and taken in (`on_health_answer`),
+/// per kind of page, on a fleet of 100 nodes, the page the same each time (so the counters do
+/// not move and the node stays as it is).
+fn answer_cost() {
+    use token_balancer_core::fleet::node::Polled;
+    use token_balancer_core::ingest::engine::Engine;
+    let vllm = include_str!("../core/tests/data/metrics/vllm_v1.prom");
+    // What a vLLM server answers to the filtered poll: the samples read, with their families'
+    // HELP and TYPE lines.
+    let read: Vec<&str> = Engine::Vllm.names_read().collect();
+    let mut filtered = String::new();
+    let mut headers: Vec<&str> = Vec::new();
+    for line in vllm.lines() {
+        if line.starts_with('#') {
+            headers.push(line);
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        if read.contains(&name) {
+            for h in headers.drain(..) {
+                filtered.push_str(h);
+                filtered.push('\n');
+            }
+            filtered.push_str(line);
+            filtered.push('\n');
+        }
+        headers.clear();
+    }
+    let pages: [(&str, &str); 4] = [
+        (
+            "simple JSON health",
+            r#"{"kv_cache_usage":0.0,"queue_depth":0,"running_requests":0,"tokens_per_sec_capacity":41141.7,"tokens_per_sec_load":0.0,"vram_total_bytes":68157440000,"vram_used_bytes":0}"#,
+        ),
+        (
+            "llama.cpp /metrics",
+            include_str!("../core/tests/data/metrics/llamacpp_real.prom"),
+        ),
+        ("vLLM /metrics, whole", vllm),
+        ("vLLM /metrics, name[] filtered", &filtered),
+    ];
+    for size in [10, 1000] {
+        let nodes: Vec<String> = (0..size)
+            .map(|i| {
+                format!(
+                    r#"{{"address":"10.0.{}.{}:8000","kv_cache_tokens":100000}}"#,
+                    i / 256,
+                    i % 256
+                )
+            })
+            .collect();
+        let cfg = format!(
+            r#"{{"health_cluster":"h","nodes":[{}],"stale_after_ms":600000}}"#,
+            nodes.join(",")
+        );
+        let Ok(cfg) = Config::parse(cfg.as_bytes()) else {
+            eprintln!("choice_cost: the generated configuration does not parse");
+            std::process::exit(1);
+        };
+        for (kind, page) in pages {
+            let mut b = Balancer::new(&cfg);
+            let mut now = 0u64;
+            let mut batches = Vec::new();
+            for _ in 0..15 {
+                let start = Instant::now();
+                for i in 0..1000 {
+                    now += 1;
+                    let _ = b.on_health_answer(i % size, Polled::Body(page.as_bytes()), now);
+                }
+                batches.push(start.elapsed().as_secs_f64() * 1e6 / 1000.0);
+            }
+            batches.sort_by(f64::total_cmp);
+            let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
+            let min = batches.first().copied().unwrap_or(f64::NAN);
+            println!(
+                "{size} nodes, health answer taken in, {kind} ({} bytes): {median:.2} us median ({min:.2} min)",
+                page.len()
+            );
+        }
+    }
 }
 
 /// The other pure work of a request: reading the weight and model from a 4 KiB chat body.

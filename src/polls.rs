@@ -9,6 +9,7 @@
 
 use crate::host::Host;
 use crate::metrics::{Metrics, Stat};
+use crate::roles::Role;
 use crate::state::State;
 use log::warn;
 use proxy_wasm::types::Status;
@@ -142,8 +143,10 @@ impl<H: Host> State<H> {
             role,
             ..
         } = self;
-        let Some(polls) = role.polls() else {
-            return (Vec::new(), config.tick_ms);
+        let (polls, service) = match role {
+            Role::Vm(polls) => (polls, None),
+            Role::Service(polls, service) => (polls, Some(&*service)),
+            Role::Reader(_) => return (Vec::new(), config.tick_ms),
         };
         // The fleet may grow or shrink (membership): the slices follow it.
         let due = polls
@@ -159,8 +162,16 @@ impl<H: Host> State<H> {
             if !state.member()
                 || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
                 || polls.health.is_asked(i, state.tenant())
-                || !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms)
             {
+                continue;
+            }
+            // Requests in flight there: this VM's own books, or (the poller service) the
+            // books the workers share.
+            let in_flight = || match service {
+                Some(service) => service.in_flight(&mut *host, i),
+                None => balancer.books(i).is_some_and(|b| b.inflight_requests > 0),
+            };
+            if !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, in_flight) {
                 continue;
             }
             send_health(host, config, balancer, polls, metrics, i);

@@ -293,3 +293,43 @@ fn quiet_nodes_are_polled_less_often_until_their_reports_move() {
     // Every report stays fresh: nothing went to Envoy's fallback for lack of one.
     assert_eq!(host.metric("token_balancer.health.failed"), 0);
 }
+
+/// A quiet node that runs one of this VM's requests is polled every tick until the request
+/// ends: the burst's effect on it is followed as closely as without quiet polling.
+#[test]
+fn a_quiet_node_with_a_request_in_flight_is_polled_every_tick() {
+    let (host, mut root) = configured(&config(
+        r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":400"#,
+    ));
+    // Quiet: the same idle report a few times over.
+    for _ in 0..8 {
+        tick(&host, &mut root);
+        answer_health(&host, &mut root, IDLE);
+        host.advance(100);
+    }
+    assert_eq!(host.metric("token_balancer.health.quiet_nodes"), 2);
+    let (mut req, _, _) = post(&host, &root, 7, BODY);
+    let node = if inflight(&root, 0) == 1 { A } else { B };
+    let count = |host: &FakeHost, root: &mut Root<FakeHost>, ticks: usize| {
+        let mut polls = std::collections::HashMap::<String, usize>::new();
+        for _ in 0..ticks {
+            tick(host, root);
+            for c in host.take_calls() {
+                *polls.entry(c.authority.clone()).or_default() += 1;
+                answer(host, root, c.token, Some("200"), IDLE);
+            }
+            host.advance(100);
+        }
+        polls
+    };
+    let busy = count(&host, &mut root, 8);
+    let other = if node == A { B } else { A };
+    assert_eq!(busy.get(node).copied(), Some(8), "{busy:?}");
+    assert!(busy.get(other).copied().unwrap_or(0) <= 3, "{busy:?}");
+    // The request ends: quiet again, polled at the longer period.
+    respond(&host, &mut req, 7, "200");
+    end(&host, &mut req, 7);
+    let _ = count(&host, &mut root, 4);
+    let after = count(&host, &mut root, 8);
+    assert!(after.get(node).copied().unwrap_or(0) <= 3, "{after:?}");
+}

@@ -238,16 +238,23 @@ impl NodeState {
         self.format
     }
 
-    /// Whether the node is polled in a slice of its due at `now_ms` (see `polling::cadence`):
-    /// every tick while its reports move, less often while they do not.
-    pub fn poll_due(&self, now_ms: u64, tick_ms: u64, quiet_poll_ms: u64) -> bool {
+    /// Whether the node is polled in a slice of its due at `now_ms` (see `polling::due`):
+    /// every tick while its reports move or it has requests in flight (`in_flight`, asked
+    /// only of a quiet node), less often while it is quiet and idle.
+    pub fn poll_due(
+        &self,
+        now_ms: u64,
+        tick_ms: u64,
+        quiet_poll_ms: u64,
+        in_flight: impl FnOnce() -> bool,
+    ) -> bool {
         polling::due(
             self.report.as_ref().map(|(_, at)| *at),
             self.quiet_reports,
             now_ms,
             tick_ms,
             quiet_poll_ms,
-        )
+        ) || in_flight()
     }
 
     /// Good reports in a row that moved nothing (see `poll_due`).
@@ -601,7 +608,7 @@ mod tests {
     fn quiet_reports_lengthen_the_poll_period_until_something_moves() {
         let mut n = NodeState::new("10.0.0.1:8000", None, None);
         let (tick, quiet) = (100, 400);
-        assert!(n.poll_due(0, tick, quiet), "never heard from");
+        assert!(n.poll_due(0, tick, quiet, || false), "never heard from");
         // Reports 100 ms apart; the time of the last one.
         let mut at = 0;
         let mut step = |n: &mut NodeState, load: f64| -> u64 {
@@ -611,24 +618,30 @@ mod tests {
         };
         let t = step(&mut n, 0.0);
         assert_eq!(n.quiet_reports(), 0, "the first report moves from nothing");
-        assert!(n.poll_due(t + 100, tick, quiet));
+        assert!(n.poll_due(t + 100, tick, quiet, || false));
         let t = step(&mut n, 0.0);
         assert_eq!(n.quiet_reports(), 1);
-        assert!(!n.poll_due(t + 100, tick, quiet));
-        assert!(n.poll_due(t + 200, tick, quiet));
+        assert!(!n.poll_due(t + 100, tick, quiet, || false));
+        assert!(n.poll_due(t + 200, tick, quiet, || false));
         step(&mut n, 0.0);
         let t = step(&mut n, 0.0);
         assert_eq!(n.quiet_reports(), 3);
-        assert!(!n.poll_due(t + 300, tick, quiet) && n.poll_due(t + 400, tick, quiet));
+        assert!(
+            !n.poll_due(t + 300, tick, quiet, || false)
+                && n.poll_due(t + 400, tick, quiet, || false)
+        );
         // Load moved: every tick again.
         let t = step(&mut n, 500.0);
         assert_eq!(n.quiet_reports(), 0);
-        assert!(n.poll_due(t + 100, tick, quiet));
+        assert!(n.poll_due(t + 100, tick, quiet, || false));
         let t = step(&mut n, 500.0);
         assert_eq!(n.quiet_reports(), 1);
+        // Requests in flight: every tick, however quiet its reports.
+        assert!(!n.poll_due(t + 100, tick, quiet, || false));
+        assert!(n.poll_due(t + 100, tick, quiet, || true));
         let _ = n.note_failure();
         assert_eq!(n.quiet_reports(), 0);
-        assert!(n.poll_due(t + 1, tick, quiet));
+        assert!(n.poll_due(t + 1, tick, quiet, || false));
     }
 
     /// (polls, expected ejected after each) for a node ejected after 2 failures and readmitted

@@ -16,16 +16,17 @@
 //! Quiet nodes are polled less often (`due`). A poll is worth its cost when the answer can
 //! change a decision; a node whose reports move nothing the choice reads (the same requests
 //! running and waiting, KV-cache use within a point, load within 5 %: `Report::quiet_since`)
-//! is telling the balancer what its own books already say. So each quiet report in a row
-//! doubles the node's poll period, from `tick_ms` up to `quiet_poll_ms` (by default half of
-//! `stale_after_ms`, so its report never goes stale, and at most four ticks), and any report
-//! that moves, or any failed poll, brings it back to every tick. Requests this Envoy sends meanwhile are in
-//! its books at once, as always; what a longer period delays is learning about work that
-//! others sent (another Envoy replica) or that the engine did on its own, by at most
-//! `quiet_poll_ms` on a node that was idle. An idle fleet of a thousand nodes costs a quarter
-//! of the polls with the shipped settings; a busy one, whose reports move every tick, is
-//! polled as before. The idea is the adaptive scrape interval of monitoring systems, keyed
-//! here to what the balancer reads rather than to a fixed list.
+//! and that runs none of this Envoy's requests is telling the balancer what its own books
+//! already say. So each quiet report in a row doubles the node's poll period, from `tick_ms`
+//! up to `quiet_poll_ms` (by default half of `stale_after_ms`, so its report never goes stale,
+//! and at most four ticks), and any report that moves, any failed poll, or any request in
+//! flight there (the caller says, `NodeState::poll_due`) brings it back to every tick: a burst
+//! sent to an idle node is followed as closely as before. Requests this Envoy sends are in its
+//! books at once, as always; what a longer period delays is news of work that others sent
+//! (another Envoy replica) to a node that was idle, by at most `quiet_poll_ms`. An idle fleet
+//! costs a quarter of the polls with the shipped settings; a busy one is polled every tick as
+//! before. The idea is the adaptive scrape interval of monitoring systems, keyed here to what
+//! the balancer reads and sends.
 
 /// Polls started together at most, but for the cap on slices (a bigger fleet has bigger
 /// slices rather than slices shorter than `MIN_SLICE_MS`).

@@ -138,7 +138,9 @@ impl Picker {
             // A quiet node (reports that move nothing the choice reads) only once its longer
             // period is up, as the filter's poller (`NodeState::poll_due`).
             if !polls.health.is_asked(i, state.tenant())
-                && state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms)
+                && state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, || {
+                    balancer.books(i).is_some_and(|b| b.inflight_requests > 0)
+                })
             {
                 let token = polls.token();
                 polls.health.sent(token, i, state.tenant());

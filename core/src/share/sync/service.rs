@@ -144,6 +144,12 @@ impl Service {
     pub fn key(&self, slot: usize) -> Option<&BookKey> {
         self.keys.get(slot)?.as_ref()
     }
+
+    /// Whether slot `slot`'s shared books have requests in flight (one read; books that
+    /// cannot be read count as busy, the side that polls).
+    pub fn in_flight<S: Store>(&self, store: &mut S, slot: usize) -> bool {
+        self.key(slot).is_some_and(|k| books_busy(store, &k.key))
+    }
 }
 
 /// Whether the shared books under `key` have requests in flight (or cannot be read, which

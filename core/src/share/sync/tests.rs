@@ -408,3 +408,27 @@ fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
     assert_eq!(ix.matched(there, &[21, 22]), 0);
     assert_eq!(ix.matched(1 - there, &[21, 22]), 0);
 }
+
+#[test]
+fn the_service_sees_which_slots_have_requests_in_flight() {
+    let mut store = Mem::default();
+    let (s, _) = started(&mut store, &[A, B], 1000);
+    assert!(!s.in_flight(&mut store, 0) && !s.in_flight(&mut store, 1));
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
+    assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
+    let t = ticket(1, B);
+    r.write(&mut store, &rb, &t, Change::dispatch(&t), None);
+    assert!(!s.in_flight(&mut store, 0));
+    assert!(s.in_flight(&mut store, 1));
+    // One read of one key.
+    let calls = store.calls;
+    s.in_flight(&mut store, 1);
+    assert_eq!(store.calls, calls + 1);
+    // A slot the service does not know: nothing there.
+    assert!(!s.in_flight(&mut store, 9));
+    r.write(&mut store, &rb, &t, Change::release(&t, 0), None);
+    assert!(!s.in_flight(&mut store, 1));
+    // Books that cannot be read count as busy: the node is polled.
+    store.fail = true;
+    assert!(s.in_flight(&mut store, 0));
+}

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import (TARGET, Envoy, MockCluster, envoy_config, free_port,  # noqa: E402
-                     request, wait_until, without_filter)
+                     request, stop_process, wait_until, without_filter)
 
 FLOOR_WASM = TARGET / "wasm32-wasip1/release/wasm_floor.wasm"
 PICKER = TARGET / "release/extproc-picker"
@@ -260,13 +260,7 @@ class Picker:
         return request(self.stats_port, "GET", "/stats", timeout=5).json()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
         self.dir.cleanup()
 

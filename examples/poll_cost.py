@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import (Envoy, MockCluster, envoy_config, free_port, wait_until,  # noqa: E402
                      with_node_settings, without_filter)
+from overhead import cpu_seconds, pin  # noqa: E402
 
 KINDS = ["plain", "json_every_tick", "json", "llamacpp", "vllm_whole_every_tick",
          "vllm_filtered_every_tick", "vllm"]
@@ -60,21 +61,6 @@ FLAVOUR = {"plain": "json", "json_every_tick": "json", "json": "json", "llamacpp
 EVERY_TICK = ("json_every_tick", "vllm_whole_every_tick", "vllm_filtered_every_tick")
 SHIPPED_TICK_MS = 250
 SPECS = {"json": "", "llamacpp": "metrics=llamacpp,kv_tokens=20000", "vllm": "metrics=vllm"}
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pin(pid: int, cpus):
-    if cpus is None:
-        return
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except OSError:
-            pass
 
 
 def served(sample) -> tuple[int, int]:

@@ -150,13 +150,19 @@ class MockCluster:
         return next(n for n in self.nodes if n.name == name)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 5):
+    """Terminates `proc` if it still runs, and kills it if it has not exited after `grace`
+    seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def node_stat(address: str, what: str) -> str:

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import ROOT, Response, free_port, request, wait_until
+from harness import ROOT, Response, free_port, request, stop_process, wait_until
 
 SCRIPT = ROOT / "scripts/llama-server.sh"
 # Loading a 98 MB model takes about a second here; the deadline allows for a loaded machine.
@@ -132,13 +132,7 @@ class LlamaServer:
             self.proc.wait(10)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 15)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -15,7 +15,8 @@
 //! each node by the prefix index after a warm-up that fills it: the decision with its prefix
 //! lookups. Then the other pure work of a request: reading the weight and model from a 4 KiB
 //! chat body, without and with its prefix chain. And the pure work of a poll: one health
-//! answer taken in, for the simple JSON format, llama.cpp's page and vLLM's, whole and filtered.
+//! answer taken in, for the simple JSON format, llama.cpp's page and vLLM's, whole and filtered;
+//! and of sharing the fleet: the snapshot encoded by the poller and taken in by a worker.
 
 use std::time::Instant;
 use token_balancer_core::config::Config;
@@ -152,6 +153,48 @@ fn main() {
     }
     body_cost();
     answer_cost();
+    share_cost();
+}
+
+/// What sharing the fleet costs with `poller: singleton`: the poller encodes its view of every
+/// node into the snapshot it publishes once a round, and each worker that sees a new version
+/// decodes it and takes it in (`mirror_fleet`, `import_fleet`), on the thread that serves
+/// requests.
+fn share_cost() {
+    use token_balancer_core::share::Snapshot;
+    for n in [10, 100, 1000] {
+        let poller = fleet(n, 2, 1);
+        let mut reader = fleet(n, 2, 1);
+        let time = |f: &mut dyn FnMut()| {
+            let mut batches = Vec::new();
+            for _ in 0..9 {
+                let start = Instant::now();
+                for _ in 0..20 {
+                    f();
+                }
+                batches.push(start.elapsed().as_secs_f64() * 1e6 / 20.0);
+            }
+            batches.sort_by(f64::total_cmp);
+            batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        let mut bytes = Vec::new();
+        let encode = time(&mut || {
+            bytes = Snapshot {
+                nodes: poller.fleet_view(0),
+            }
+            .encode();
+        });
+        let take_in = time(&mut || {
+            if let Ok(snapshot) = Snapshot::decode(&bytes) {
+                reader.mirror_fleet(&snapshot);
+                reader.import_fleet(&snapshot);
+            }
+        });
+        println!(
+            "{n} nodes, fleet snapshot of {} bytes: encoded by the poller {encode:.1} us, taken in by a worker {take_in:.1} us (median)",
+            bytes.len()
+        );
+    }
 }
 
 /// The pure work of a poll: one node's health answer read and taken in (`on_health_answer`),

@@ -358,3 +358,49 @@ fn a_workers_placements_reach_the_other_workers_prefix_index() {
     let (_req, _, _) = post(&host, &second, 4, &long);
     assert_eq!(host.request_header_of(4, ROUTING).unwrap(), routed);
 }
+
+/// The host calls of one routed request in a worker of the poller service, from its headers
+/// to its end: each is a crossing into Envoy, and Envoy's work on the filter's behalf is most
+/// of what the filter costs there (docs/BENCHMARKS.md, "Cost inside Envoy").
+#[test]
+fn a_routed_request_costs_at_most_25_host_calls() {
+    let (host, _service, mut worker) = singleton();
+    host.enter(100);
+    worker.on_tick();
+    // A first request: what is built once (metric ids, books keys) is built.
+    let (mut req, _, _) = post(&host, &worker, 2, BODY);
+    respond(&host, &mut req, 2, "200");
+    end(&host, &mut req, 2);
+    host.take_host_calls();
+    let (mut req, _, body) = post(&host, &worker, 3, BODY);
+    assert_eq!(body, Action::Continue);
+    let routed = host.take_host_calls();
+    respond(&host, &mut req, 3, "200");
+    host.stream(3).response_body =
+        br#"{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#
+            .to_vec();
+    host.enter(3);
+    req.on_http_response_body(80, true);
+    end(&host, &mut req, 3);
+    let answered = host.take_host_calls();
+    // Today: six request header reads, the body, the clock, the two compared nodes' shared
+    // books read and the chosen one's written, the routing header, six counters; then the
+    // status, the body, the clock twice, the books read and written, one counter. A change
+    // that adds crossings to every request must say so here.
+    assert!(
+        routed.len() <= 18,
+        "{} host calls to route:\n{routed:#?}",
+        routed.len()
+    );
+    assert!(
+        answered.len() <= 7,
+        "{} host calls to answer:\n{answered:#?}",
+        answered.len()
+    );
+    let books = |calls: &[String]| calls.iter().filter(|c| c.starts_with("shared")).count();
+    assert_eq!(
+        (books(&routed), books(&answered)),
+        (3, 2),
+        "{routed:#?}\n{answered:#?}"
+    );
+}

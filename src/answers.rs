@@ -163,16 +163,17 @@ impl<H: Host> State<H> {
                     .unwrap_or_default()
                     .to_string();
                 let answered = self.balancer.on_health_answer(node, polled, now);
-                if let Some((hits, queries)) = self
-                    .balancer
-                    .nodes()
-                    .get(node)
-                    .and_then(|n| n.engine_prefix())
-                {
+                let state = self.balancer.nodes().get(node);
+                if let Some((hits, queries)) = state.and_then(|n| n.engine_prefix()) {
                     self.metrics
                         .record_node(node, NodeStat::EngineHitTokens, hits as u64);
                     self.metrics
                         .record_node(node, NodeStat::EngineQueryTokens, queries as u64);
+                }
+                if let Some(rate) = state.and_then(|n| n.engine_hit_rate()) {
+                    let permille = (rate * 1000.0).round() as u64;
+                    self.metrics
+                        .record_node(node, NodeStat::EngineHitPermille, permille);
                 }
                 if let Some(result) = answered.result {
                     self.count_health(

@@ -130,10 +130,13 @@ pub enum NodeStat {
     /// value (the engine's), so the gauge is the engine's figure, not a sum over VMs.
     EngineHitTokens,
     EngineQueryTokens,
+    /// Gauge: the engine's own recent prefix-cache hit rate at its last scrape, in thousandths
+    /// (SGLang's `cache_hit_rate`), for engines that publish a rate rather than counters.
+    EngineHitPermille,
 }
 
 /// Every per-node stat, with its kind and its name after the node's, in `NodeStat`'s order.
-pub const NODE_STATS: [(NodeStat, Kind, &str); 6] = [
+pub const NODE_STATS: [(NodeStat, Kind, &str); 7] = [
     (NodeStat::Picks, Kind::Counter, "picks"),
     (NodeStat::HealthFailures, Kind::Counter, "health_failures"),
     (NodeStat::PromptTokens, Kind::Counter, "prompt_tokens"),
@@ -147,6 +150,11 @@ pub const NODE_STATS: [(NodeStat, Kind, &str); 6] = [
         NodeStat::EngineQueryTokens,
         Kind::Gauge,
         "engine_prefix_query_tokens",
+    ),
+    (
+        NodeStat::EngineHitPermille,
+        Kind::Gauge,
+        "engine_prefix_hit_permille",
     ),
 ];
 

@@ -333,3 +333,34 @@ fn a_quiet_node_with_a_request_in_flight_is_polled_every_tick() {
     let after = count(&host, &mut root, 8);
     assert!(after.get(node).copied().unwrap_or(0) <= 3, "{after:?}");
 }
+
+/// What the engines say of their prefix caches reaches the per-node gauges: vLLM's counters
+/// as tokens, SGLang's recent rate in thousandths (the mean over its data-parallel ranks).
+#[test]
+fn the_engines_own_prefix_cache_figures_become_per_node_gauges() {
+    let (host, mut root) = configured(&format!(
+        r#"{{"nodes":[{{"address":"{A}","health_path":"/metrics"}},{{"address":"{B}","health_path":"/metrics"}}],"health_cluster":"gpu_health","models_poll_ms":0}}"#
+    ));
+    tick(&host, &mut root);
+    for c in host.take_calls() {
+        let body = if c.authority == A {
+            format!(
+                "{VLLM}vllm:prefix_cache_hits_total 300\nvllm:prefix_cache_queries_total 1000\n"
+            )
+        } else {
+            "sglang:num_running_reqs{dp_rank=\"0\"} 1\nsglang:num_running_reqs{dp_rank=\"1\"} 1\n\
+             sglang:cache_hit_rate{dp_rank=\"0\"} 0.5\nsglang:cache_hit_rate{dp_rank=\"1\"} 0.75\n"
+                .to_string()
+        };
+        answer(&host, &mut root, c.token, Some("200"), &body);
+    }
+    let node = |a: &str, what: &str| host.metric(&format!("token_balancer.node.{a}.{what}"));
+    assert_eq!(node(A, "engine_prefix_hit_tokens"), 300);
+    assert_eq!(node(A, "engine_prefix_query_tokens"), 1000);
+    assert_eq!(node(B, "engine_prefix_hit_permille"), 625);
+    assert_eq!(
+        node(A, "engine_prefix_hit_permille"),
+        0,
+        "vLLM publishes counters, not a rate"
+    );
+}

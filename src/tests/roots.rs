@@ -104,6 +104,7 @@ fn every_stat_keeps_its_name_and_kind() {
                 node(a, "cached_tokens"),
                 node(a, "engine_prefix_hit_tokens"),
                 node(a, "engine_prefix_query_tokens"),
+                node(a, "engine_prefix_hit_permille"),
             ]
         }))
         .collect();

@@ -102,6 +102,8 @@ pub struct NodeState {
     /// The engine's cumulative prefix-cache counters at its last scrape: prompt tokens found
     /// cached, prompt tokens looked up (vLLM v1); `None` when it publishes none.
     engine_prefix: Option<(f64, f64)>,
+    /// The engine's own recent prefix-cache hit rate at its last scrape, 0..1 (SGLang).
+    engine_hit_rate: Option<f64>,
     report: Option<(Report, u64)>,
     /// The in-flight books; their epoch is the node's report epoch and their tenant
     /// `tenant_of(address)`, so a ticket can be matched to the node that issued it.
@@ -181,6 +183,7 @@ impl NodeState {
             models: ServedModels::default(),
             models_changed: false,
             engine_prefix: None,
+            engine_hit_rate: None,
             report: None,
             books: Books::of(tenant_of(address)),
             failures_in_row: 0,
@@ -412,6 +415,7 @@ impl NodeState {
                 let added = self.models.observe_metrics(&scrape.models);
                 let engine = self.models.set_engine(scrape.engine);
                 self.models_changed |= added || engine;
+                self.engine_hit_rate = scrape.prefix_hit_rate;
                 self.engine_prefix = scrape
                     .prefix_hits
                     .zip(scrape.prefix_queries)
@@ -431,6 +435,12 @@ impl NodeState {
     /// cached, looked up); `None` when it publishes none.
     pub fn engine_prefix(&self) -> Option<(f64, f64)> {
         self.engine_prefix
+    }
+
+    /// The engine's recent prefix-cache hit rate at its last scrape, 0..1, when it publishes
+    /// a rate rather than counters (SGLang).
+    pub fn engine_hit_rate(&self) -> Option<f64> {
+        self.engine_hit_rate
     }
 
     /// Whether the models changed (names seen in the metrics, the engine learned) since this

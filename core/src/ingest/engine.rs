@@ -22,6 +22,7 @@
 //! | KV size, tokens | `vllm:cache_config_info{block_size x num_gpu_blocks}` | `sglang:max_total_num_tokens`, else `sglang:cache_config_info{page_size x num_pages}` | - | `trtllm_kv_cache_tokens_per_block` x `trtllm_kv_cache_max_blocks` | - |
 //! | prompt tokens | `vllm:prompt_tokens_total` | `sglang:prompt_tokens_total` | `tgi_request_input_length_sum` | `trtllm_prompt_tokens_total` | `llamacpp:prompt_tokens_total` |
 //! | output tokens | `vllm:generation_tokens_total` | `sglang:generation_tokens_total` | `tgi_request_generated_tokens_sum` | `trtllm_generation_tokens_total` | `llamacpp:tokens_predicted_total` |
+//! | prefix-cache hits (the engine's word, beside the filter's prediction) | `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total` (tokens) | `sglang:cache_hit_rate` (a recent fraction; the mean over its series) | - | - | - |
 //!
 //! Assumptions, stated because the engines document them loosely:
 //! - vLLM v0 and v1 share the prefix; both KV names are read (vLLM renamed the gauge, and
@@ -253,6 +254,11 @@ const READ: &[(Engine, &str, Field)] = &[
         "sglang:cache_config_info",
         Field::CacheInfo("page_size", "num_pages"),
     ),
+    (
+        Engine::Sglang,
+        "sglang:cache_hit_rate",
+        Field::PrefixHitRate,
+    ),
     (Engine::Tgi, "tgi_batch_current_size", Field::Running),
     (Engine::Tgi, "tgi_queue_size", Field::Waiting),
     (
@@ -355,6 +361,8 @@ enum Field {
     /// Prompt tokens the prefix cache held, and the prompt tokens looked up (vLLM v1).
     PrefixHits,
     PrefixQueries,
+    /// The prefix cache's recent hit rate, 0..1 (SGLang).
+    PrefixHitRate,
     /// An info metric whose labels give (tokens per block, blocks).
     CacheInfo(&'static str, &'static str),
 }
@@ -390,6 +398,9 @@ pub struct Scrape {
     /// the hit rate, beside the filter's prediction (see `fleet::prefixes`).
     pub prefix_hits: Option<Counter>,
     pub prefix_queries: Option<Counter>,
+    /// The prefix cache's recent hit rate, 0..1, when the engine publishes a rate rather than
+    /// counters (SGLang's `cache_hit_rate`; the mean over its data-parallel series).
+    pub prefix_hit_rate: Option<f64>,
     /// Sample lines read, lines skipped as invalid, and values dropped as not believable.
     pub samples: usize,
     pub skipped_lines: usize,
@@ -479,6 +490,10 @@ impl Acc {
         (self.n > 0).then_some(self.max)
     }
 
+    fn mean(&self) -> Option<f64> {
+        (self.n > 0).then(|| self.sum / f64::from(self.n))
+    }
+
     fn counter(&self) -> Option<Counter> {
         // A sum of believable values can still pass the bound.
         (self.n > 0 && believable(self.sum)).then_some(Counter {
@@ -503,6 +518,7 @@ struct Accs {
     generation: Acc,
     prefix_hits: Acc,
     prefix_queries: Acc,
+    prefix_hit_rate: Acc,
     rejected: usize,
 }
 
@@ -520,7 +536,8 @@ impl Accs {
             }
             _ => s.value,
         };
-        let ok = believable(value) && !(field == Field::KvUsage && value > 1.0);
+        let fraction = matches!(field, Field::KvUsage | Field::PrefixHitRate);
+        let ok = believable(value) && !(fraction && value > 1.0);
         if !ok {
             self.rejected += 1;
             return;
@@ -539,6 +556,7 @@ impl Accs {
             Field::Generation => &mut self.generation,
             Field::PrefixHits => &mut self.prefix_hits,
             Field::PrefixQueries => &mut self.prefix_queries,
+            Field::PrefixHitRate => &mut self.prefix_hit_rate,
         };
         acc.add(value);
     }
@@ -639,6 +657,7 @@ pub fn scrape(engine: Option<Engine>, body: &[u8]) -> Result<Scrape, FormatError
         generation_tokens: accs.generation.counter(),
         prefix_hits: accs.prefix_hits.counter(),
         prefix_queries: accs.prefix_queries.counter(),
+        prefix_hit_rate: accs.prefix_hit_rate.mean(),
         samples: count,
         skipped_lines,
         rejected_values: accs.rejected,
@@ -731,6 +750,24 @@ mod tests {
 
     /// Each engine's full metric set, as the engine exposes it, read by auto-detection and by
     /// the explicit format alike.
+    /// SGLang publishes its prefix cache's hit rate as a recent fraction per data-parallel
+    /// rank: the scrape carries their mean; a value past 1 is dropped and counted.
+    #[test]
+    fn sglangs_hit_rate_is_the_mean_of_its_series() {
+        let s = scrape(None, SGLANG.as_bytes()).unwrap();
+        let rate = s.prefix_hit_rate.unwrap();
+        assert!((rate - 0.007507552643049313).abs() < 1e-12, "{rate}");
+        let two = "sglang:num_running_reqs{dp_rank=\"0\"} 1\n\
+                   sglang:cache_hit_rate{dp_rank=\"0\"} 0.5\nsglang:cache_hit_rate{dp_rank=\"1\"} 0.75\n";
+        let s = scrape(None, two.as_bytes()).unwrap();
+        assert_eq!(s.prefix_hit_rate, Some(0.625));
+        let bad = "sglang:num_running_reqs 1\nsglang:cache_hit_rate 1.5\n";
+        let s = scrape(None, bad.as_bytes()).unwrap();
+        assert_eq!((s.prefix_hit_rate, s.rejected_values), (None, 1));
+        let vllm = scrape(None, VLLM_V1.as_bytes()).unwrap();
+        assert_eq!(vllm.prefix_hit_rate, None, "vLLM publishes counters");
+    }
+
     #[test]
     fn full_metric_sets_of_each_engine() {
         let cases: Vec<(&str, &str, HealthFormat, Engine, Fields)> = vec![

@@ -225,6 +225,7 @@ mod tests {
             generation_tokens: c(generation),
             prefix_hits: None,
             prefix_queries: None,
+            prefix_hit_rate: None,
             samples: 10,
             skipped_lines: 0,
             rejected_values: 0,

@@ -153,6 +153,19 @@ class MockCluster:
         stop_process(self.proc)
 
 
+def polls_seen(cluster: "MockCluster", tick_ms: int, rounds: int = 3):
+    """Waits until every VM of the filter has polled every node since the caller's change:
+    every node has answered `rounds` more health polls, and five ticks have passed, since a
+    quiet node is polled once per `quiet_poll_ms`, by default at most four ticks, by each VM
+    that polls (with `poller: vm`, every one of them)."""
+    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
+    t0 = time.monotonic()
+    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
+                           for n in cluster.nodes)
+               and time.monotonic() - t0 >= 5 * tick_ms / 1000, 10 + 5 * tick_ms / 1000,
+               f"{rounds} health polls per node and five ticks")
+
+
 def stop_process(proc: subprocess.Popen, grace: float = 5):
     """Terminates `proc` if it still runs, and kills it if it has not exited after `grace`
     seconds."""

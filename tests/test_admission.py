@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import harness
 from harness import (KV_BYTES_PER_TOKEN, Envoy, MockCluster, chat, envoy_config, free_port,
                      wait_until)
 
@@ -52,9 +53,7 @@ def start_envoy(cluster, **plugin) -> Envoy:
 
 
 def polls_seen(cluster, rounds: int = 3):
-    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
-    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
-                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+    harness.polls_seen(cluster, TICK_MS, rounds)
 
 
 def used(node, tokens: int):

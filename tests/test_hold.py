@@ -11,6 +11,7 @@ import socket
 
 import pytest
 
+import harness
 from harness import (KV_BYTES_PER_TOKEN, Envoy, MockCluster, chat, envoy_config, free_port,
                      wait_until)
 
@@ -35,9 +36,7 @@ def start_envoy(cluster, max_hold_ms: int) -> Envoy:
 
 
 def polls_seen(cluster, rounds: int = 3):
-    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
-    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
-                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+    harness.polls_seen(cluster, TICK_MS, rounds)
 
 
 def served(cluster) -> int:

@@ -14,6 +14,7 @@ import concurrent.futures
 
 import pytest
 
+import harness
 from harness import Envoy, MockCluster, envoy_config, free_port, node_stat, wait_until
 
 TICK_MS = 100
@@ -39,9 +40,7 @@ def envoy(cluster):
 
 
 def polls_seen(cluster, rounds: int = 4):
-    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
-    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
-                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+    harness.polls_seen(cluster, TICK_MS, rounds)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import harness
 from harness import (KV_BYTES_PER_TOKEN, Envoy, MockCluster, chat, envoy_config, free_port,
                      node_stat, request, wait_until)
 
@@ -41,11 +42,7 @@ def envoy(cluster):
 
 
 def polls_seen(cluster, rounds: int = 4):
-    """Waits until every node has answered `rounds` more health polls: by then every VM of the
-    filter has polled at least once since the caller's change."""
-    start = {n.name: n.stats()["health_requests_total"] for n in cluster.nodes}
-    wait_until(lambda: all(n.stats()["health_requests_total"] >= start[n.name] + rounds
-                           for n in cluster.nodes), 10, f"{rounds} health polls per node")
+    harness.polls_seen(cluster, TICK_MS, rounds)
 
 
 @pytest.fixture(autouse=True)

@@ -185,7 +185,7 @@ impl<H: Host> State<H> {
                     );
                 }
                 self.tell_discovery(node, &answered.step);
-                if matches!(answered.step, Step::Next | Step::Unfiltered(_)) {
+                if answered.step.asks_again() {
                     let State {
                         host,
                         config,

@@ -31,7 +31,7 @@ use token_balancer_core::explain::{self, Asked, Decision};
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::claim::{self, Claim};
 use token_balancer_core::ingest::prompt::Chain;
-use token_balancer_core::ingest::request::{self, Api, Weight};
+use token_balancer_core::ingest::request::{self, Api, Unreadable, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{Outcome, Terms};
@@ -375,28 +375,19 @@ impl<H: Host> HttpContext for Request<H> {
             }
             path = Some(p);
         }
-        if end_of_stream {
-            return self.fallback("no_body", Stat::FallbackNoBody);
-        }
-        // A compressed body cannot be read without inflating it; leave it to the fallback.
-        if let Some(enc) = self.host.request_header("content-encoding") {
-            if !enc.eq_ignore_ascii_case("identity") {
-                return self.fallback("encoded_body", Stat::FallbackEncodedBody);
+        match request::unreadable(
+            end_of_stream,
+            |h| self.host.request_header(h),
+            config.max_body_bytes,
+        ) {
+            Some(Unreadable::NoBody) => return self.fallback("no_body", Stat::FallbackNoBody),
+            Some(Unreadable::Encoded) => {
+                return self.fallback("encoded_body", Stat::FallbackEncodedBody)
             }
-        }
-        // A body announced over the limit streams on untouched from the start. Waiting for the
-        // body callbacks to see it pass the limit is not enough: a body that arrives faster
-        // than the worker reads can land in one large read, buffered on top of what the pause
-        // already holds, and past the listener's buffer limit Envoy answers 413 and resets the
-        // client (seen in CI with a 10 MiB body).
-        if let Some(length) = self.host.request_header("content-length") {
-            if length
-                .trim()
-                .parse::<u64>()
-                .is_ok_and(|n| n > config.max_body_bytes as u64)
-            {
-                return self.fallback("body_over_limit", Stat::FallbackBodyOverLimit);
+            Some(Unreadable::OverLimit) => {
+                return self.fallback("body_over_limit", Stat::FallbackBodyOverLimit)
             }
+            None => {}
         }
         // Header lookups one by one: inside Envoy an absent header costs 0.3 us and a present
         // one 1.4 us, while the whole map in one call costs 2 us with a handful of headers

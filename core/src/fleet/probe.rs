@@ -160,6 +160,14 @@ pub enum Step {
     NotFound(Discovery),
 }
 
+impl Step {
+    /// Whether the caller asks the node's path (`Probe::path`) again at once: not a poll, and
+    /// not a finding (`Next`, `Unfiltered`).
+    pub fn asks_again(&self) -> bool {
+        matches!(self, Step::Next | Step::Unfiltered(_))
+    }
+}
+
 /// What discovery found for a node, and whether to say so.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Discovery {

@@ -148,6 +148,44 @@ impl Api {
     }
 }
 
+/// Why a request's body will not be read, told from its headers before any of it comes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreadable {
+    /// The headers end the request: there is no body.
+    NoBody,
+    /// A `content-encoding` other than `identity`: it cannot be read without inflating it.
+    Encoded,
+    /// A `content-length` over `max_body_bytes`: the body streams on untouched from the start.
+    /// Waiting for the body to pass the limit is not enough inside Envoy: a body that arrives
+    /// faster than the worker reads lands in one large read, buffered on top of what the pause
+    /// holds, and past the listener's buffer limit Envoy answers 413 and resets the client.
+    OverLimit,
+}
+
+/// Whether the body of a request whose headers end it (`end_of_stream`) and whose headers
+/// `header` gives will be read: `None`, or why not. Headers are asked only as far as needed,
+/// in this order (inside Envoy each lookup is a host call).
+pub fn unreadable(
+    end_of_stream: bool,
+    header: impl Fn(&str) -> Option<String>,
+    max_body_bytes: usize,
+) -> Option<Unreadable> {
+    if end_of_stream {
+        return Some(Unreadable::NoBody);
+    }
+    if header("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case("identity")) {
+        return Some(Unreadable::Encoded);
+    }
+    let over = |l: String| {
+        l.trim()
+            .parse::<u64>()
+            .is_ok_and(|n| n > max_body_bytes as u64)
+    };
+    header("content-length")
+        .is_some_and(over)
+        .then_some(Unreadable::OverLimit)
+}
+
 /// What the filter reads from a request body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Estimate {
@@ -252,6 +290,35 @@ fn weight_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// (end of stream, content-encoding, content-length, limit 100) -> why not read.
+    #[test]
+    fn unreadable_bodies_table() {
+        type Case = (
+            bool,
+            Option<&'static str>,
+            Option<&'static str>,
+            Option<Unreadable>,
+        );
+        let cases: &[Case] = &[
+            (false, None, None, None),
+            (false, Some("identity"), Some("100"), None),
+            (false, Some("IDENTITY"), Some(" 99 "), None),
+            (false, None, Some("not a number"), None),
+            (true, Some("gzip"), Some("1000"), Some(Unreadable::NoBody)),
+            (false, Some("gzip"), Some("1000"), Some(Unreadable::Encoded)),
+            (false, Some("br"), None, Some(Unreadable::Encoded)),
+            (false, None, Some("101"), Some(Unreadable::OverLimit)),
+        ];
+        for &(eos, enc, len, want) in cases {
+            let header = |name: &str| match name {
+                "content-encoding" => enc.map(str::to_string),
+                "content-length" => len.map(str::to_string),
+                _ => None,
+            };
+            assert_eq!(unreadable(eos, header, 100), want, "{eos} {enc:?} {len:?}");
+        }
+    }
 
     #[test]
     fn text_tokens_by_script() {

@@ -184,13 +184,12 @@ impl Session {
             remove_headers: removed,
             ..HeaderMutation::default()
         });
-        let unreadable = h.end_of_stream
-            || header(h, "content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case("identity"))
-            || header(h, "content-length").is_some_and(|l| {
-                l.trim()
-                    .parse::<u64>()
-                    .is_ok_and(|n| n > config.max_body_bytes as u64)
-            });
+        let unreadable = request::unreadable(
+            h.end_of_stream,
+            |name| header(h, name).map(Cow::into_owned),
+            config.max_body_bytes,
+        )
+        .is_some();
         let mut out = answer(Reply::RequestHeaders(HeadersResponse {
             response: Some(common(mutation)),
         }));

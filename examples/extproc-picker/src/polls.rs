@@ -20,7 +20,6 @@ use token_balancer_core::fleet::models::ListPoll;
 use token_balancer_core::fleet::node::Polled;
 use token_balancer_core::fleet::polling::{self, Schedule};
 use token_balancer_core::fleet::probe::Seen;
-use token_balancer_core::route::balancer::Step;
 
 /// Largest health or model-list answer read, as the filter's (`MAX_HEALTH_BODY`).
 pub const MAX_ANSWER_BYTES: usize = 1024 * 1024;
@@ -76,12 +75,6 @@ impl Fetched {
             Fetched::NoAnswer => Polled::Failed(Seen::of_status(None)),
         }
     }
-}
-
-/// Whether a discovery step asks for another path at once (`Step::Next`, and any step the
-/// core adds that is neither a poll nor a finding).
-fn asks_again(step: &Step) -> bool {
-    !matches!(step, Step::Poll | Step::Found(_) | Step::NotFound(_))
 }
 
 impl Polls {
@@ -220,7 +213,7 @@ impl Picker {
             let address = self.balancer.nodes().get(node).map(|n| n.address());
             eprintln!("node {}: {t:?}", address.unwrap_or("?"));
         }
-        if !asks_again(&answered.step) {
+        if !answered.step.asks_again() {
             return None;
         }
         let Picker {

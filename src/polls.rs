@@ -166,9 +166,9 @@ impl<H: Host> State<H> {
                 continue;
             }
             // Requests in flight there: this VM's own books, or (the poller service) the
-            // books the workers share.
+            // books the workers share, as the last round's scan found them.
             let in_flight = || match service {
-                Some(service) => service.in_flight(&mut *host, i),
+                Some(service) => service.in_flight(i),
                 None => balancer.books(i).is_some_and(|b| b.inflight_requests > 0),
             };
             if !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, in_flight) {

@@ -231,10 +231,11 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Service: the totals of the shared books, as gauges.
-    pub fn report_books(&mut self) {
-        if let Role::Service(_, service) = &self.role {
-            let t = service.totals(&mut self.host);
+    /// Service: reads the shared books once (which nodes have requests in flight, for the
+    /// next round's polls) and records their totals as gauges.
+    pub fn scan_books(&mut self) {
+        if let Role::Service(_, service) = &mut self.role {
+            let t = service.scan(&mut self.host);
             self.metrics
                 .record(Stat::SharedInflightRequests, t.inflight_requests);
             self.metrics

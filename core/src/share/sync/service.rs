@@ -6,7 +6,7 @@ use crate::fleet::node::tenant_of;
 use crate::route::balancer::{Balancer, MemberChange};
 use crate::share::journal;
 use crate::share::{
-    ensure_books, totals, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
+    ensure_books, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
 use std::cell::RefCell;
 
@@ -22,6 +22,9 @@ pub struct Service {
     epoch_base: u64,
     /// The bytes last published, so the version moves only when something changed.
     published: Vec<u8>,
+    /// Which slots had requests in flight at the last `scan` (by slot; a slot past the end
+    /// had none). The polls of the next round read it instead of the books themselves.
+    busy: Vec<bool>,
 }
 
 impl Service {
@@ -135,9 +138,32 @@ impl Service {
         counts
     }
 
-    /// The sums of every node's shared books (for the service's gauges).
-    pub fn totals<S: Store>(&self, store: &mut S) -> Books {
-        totals(store, self.keys.iter().flatten().map(|b| b.key.as_str()))
+    /// Reads every node's shared books once: remembers which slots have requests in flight
+    /// (for `in_flight`, until the next scan) and returns the sums (for the service's
+    /// gauges). Called once a round: one read per node, where asking each quiet node's books
+    /// when it is passed over, and summing them all again for the gauges, was up to two.
+    pub fn scan<S: Store>(&mut self, store: &mut S) -> Books {
+        let mut sum = Books::default();
+        self.busy.clear();
+        for key in &self.keys {
+            let busy = match key {
+                Some(k) => match store.get(&k.key) {
+                    Ok(Some((bytes, _))) => match Books::decode(&bytes) {
+                        Some(b) => {
+                            sum = sum.plus(&b);
+                            b.inflight_requests > 0
+                        }
+                        // Unreadable books count as busy: the node is polled.
+                        None => true,
+                    },
+                    Ok(None) => false,
+                    Err(StoreFailed) => true,
+                },
+                None => false,
+            };
+            self.busy.push(busy);
+        }
+        sum
     }
 
     /// Where slot `slot`'s books are.
@@ -145,10 +171,11 @@ impl Service {
         self.keys.get(slot)?.as_ref()
     }
 
-    /// Whether slot `slot`'s shared books have requests in flight (one read; books that
-    /// cannot be read count as busy, the side that polls).
-    pub fn in_flight<S: Store>(&self, store: &mut S, slot: usize) -> bool {
-        self.key(slot).is_some_and(|k| books_busy(store, &k.key))
+    /// Whether slot `slot`'s shared books had requests in flight at the last `scan` (books
+    /// that could not be read count as busy, the side that polls; before the first scan,
+    /// none). No store call: a quiet node passed over is not worth a read of its own.
+    pub fn in_flight(&self, slot: usize) -> bool {
+        self.busy.get(slot).copied().unwrap_or(false)
     }
 }
 

@@ -410,25 +410,53 @@ fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
 }
 
 #[test]
-fn the_service_sees_which_slots_have_requests_in_flight() {
+fn the_service_sees_which_slots_have_requests_in_flight_once_a_scan() {
     let mut store = Mem::default();
-    let (s, _) = started(&mut store, &[A, B], 1000);
-    assert!(!s.in_flight(&mut store, 0) && !s.in_flight(&mut store, 1));
+    let (mut s, _) = started(&mut store, &[A, B], 1000);
+    // Before the first scan: nothing known in flight.
+    assert!(!s.in_flight(0) && !s.in_flight(1));
+    let t0 = s.scan(&mut store);
+    assert_eq!((t0.inflight_requests, t0.inflight_tokens), (0, 0));
+    assert!(!s.in_flight(0) && !s.in_flight(1));
     let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
     assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
     let t = ticket(1, B);
     r.write(&mut store, &rb, &t, Change::dispatch(&t), None);
-    assert!(!s.in_flight(&mut store, 0));
-    assert!(s.in_flight(&mut store, 1));
-    // One read of one key.
+    // Seen at the next scan, not before: asking costs no store call.
     let calls = store.calls;
-    s.in_flight(&mut store, 1);
-    assert_eq!(store.calls, calls + 1);
+    assert!(!s.in_flight(1));
+    assert_eq!(store.calls, calls);
+    let sum = s.scan(&mut store);
+    assert_eq!(store.calls, calls + 2, "one read per slot");
+    assert_eq!(sum.inflight_requests, 1);
+    assert_eq!(sum.inflight_tokens, t.weight.total());
+    assert!(!s.in_flight(0));
+    assert!(s.in_flight(1));
     // A slot the service does not know: nothing there.
-    assert!(!s.in_flight(&mut store, 9));
+    assert!(!s.in_flight(9));
     r.write(&mut store, &rb, &t, Change::release(&t, 0), None);
-    assert!(!s.in_flight(&mut store, 1));
+    s.scan(&mut store);
+    assert!(!s.in_flight(1));
     // Books that cannot be read count as busy: the node is polled.
     store.fail = true;
-    assert!(s.in_flight(&mut store, 0));
+    s.scan(&mut store);
+    assert!(s.in_flight(0) && s.in_flight(1));
+}
+
+#[test]
+fn the_service_sums_the_books_saturating() {
+    let mut store = Mem::default();
+    let (mut s, _) = started(&mut store, &[A, B], 1000);
+    for (slot, a) in [A, B].iter().enumerate() {
+        let top = Books {
+            inflight_requests: u64::MAX,
+            growth_tokens: u64::MAX,
+            ..Books::of(tenant_of(a))
+        };
+        store
+            .set(&s.key(slot).unwrap().key, &top.encode(), None)
+            .unwrap();
+    }
+    let t = s.scan(&mut store);
+    assert_eq!((t.inflight_requests, t.growth_tokens), (u64::MAX, u64::MAX));
 }

@@ -231,11 +231,10 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Service: reads the shared books once (which nodes have requests in flight, for the
-    /// next round's polls) and records their totals as gauges.
-    pub fn scan_books(&mut self) {
-        if let Role::Service(_, service) = &mut self.role {
-            let t = service.scan(&mut self.host);
+    /// Service: the totals of the shared books as the round's polls read them, as gauges.
+    pub fn report_books(&mut self) {
+        if let Role::Service(_, service) = &self.role {
+            let t = service.totals();
             self.metrics
                 .record(Stat::SharedInflightRequests, t.inflight_requests);
             self.metrics

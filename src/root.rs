@@ -122,7 +122,7 @@ impl<H: Host> State<H> {
         let round_polled = self.role.polls().is_some_and(|p| p.schedule.round_polled());
         if matches!(self.role, Role::Service(..)) && round_polled {
             self.publish(now_ms);
-            self.scan_books();
+            self.report_books();
         }
         period
     }

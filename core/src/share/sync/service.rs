@@ -22,9 +22,9 @@ pub struct Service {
     epoch_base: u64,
     /// The bytes last published, so the version moves only when something changed.
     published: Vec<u8>,
-    /// Which slots had requests in flight at the last `scan` (by slot; a slot past the end
-    /// had none). The polls of the next round read it instead of the books themselves.
-    busy: Vec<bool>,
+    /// Each slot's shared books at their last `look` (`None`: not read yet, or unreadable),
+    /// summed for the gauges by `totals`.
+    seen: Vec<Option<Books>>,
 }
 
 impl Service {
@@ -138,44 +138,44 @@ impl Service {
         counts
     }
 
-    /// Reads every node's shared books once: remembers which slots have requests in flight
-    /// (for `in_flight`, until the next scan) and returns the sums (for the service's
-    /// gauges). Called once a round: one read per node, where asking each quiet node's books
-    /// when it is passed over, and summing them all again for the gauges, was up to two.
-    pub fn scan<S: Store>(&mut self, store: &mut S) -> Books {
-        let mut sum = Books::default();
-        self.busy.clear();
-        for key in &self.keys {
-            let busy = match key {
-                Some(k) => match store.get(&k.key) {
-                    Ok(Some((bytes, _))) => match Books::decode(&bytes) {
-                        Some(b) => {
-                            sum = sum.plus(&b);
-                            b.inflight_requests > 0
-                        }
-                        // Unreadable books count as busy: the node is polled.
-                        None => true,
-                    },
-                    Ok(None) => false,
-                    Err(StoreFailed) => true,
-                },
-                None => false,
-            };
-            self.busy.push(busy);
+    /// Reads slot `slot`'s shared books (one store call) and says whether requests are in
+    /// flight there; books that cannot be read count as busy, the side that polls, and a slot
+    /// without books has none. The poller looks at each node of a slice as it polls the slice,
+    /// so one read a node a round both tells it which quiet nodes the workers are using and
+    /// keeps the sums of `totals`, and the reads come in pieces like the polls.
+    pub fn look<S: Store>(&mut self, store: &mut S, slot: usize) -> bool {
+        let (books, busy) = match self.key(slot).map(|k| store.get(&k.key)) {
+            Some(Ok(Some((bytes, _)))) => match Books::decode(&bytes) {
+                Some(b) => {
+                    let busy = b.inflight_requests > 0;
+                    (Some(b), busy)
+                }
+                None => (None, true),
+            },
+            Some(Ok(None)) | None => (None, false),
+            Some(Err(StoreFailed)) => (None, true),
+        };
+        if self.seen.len() <= slot {
+            self.seen.resize(slot + 1, None);
         }
-        sum
+        if let Some(s) = self.seen.get_mut(slot) {
+            *s = books;
+        }
+        busy
+    }
+
+    /// The sums of every slot's books as last looked at (for the service's gauges); no store
+    /// call.
+    pub fn totals(&self) -> Books {
+        self.seen
+            .iter()
+            .flatten()
+            .fold(Books::default(), |sum, b| sum.plus(b))
     }
 
     /// Where slot `slot`'s books are.
     pub fn key(&self, slot: usize) -> Option<&BookKey> {
         self.keys.get(slot)?.as_ref()
-    }
-
-    /// Whether slot `slot`'s shared books had requests in flight at the last `scan` (books
-    /// that could not be read count as busy, the side that polls; before the first scan,
-    /// none). No store call: a quiet node passed over is not worth a read of its own.
-    pub fn in_flight(&self, slot: usize) -> bool {
-        self.busy.get(slot).copied().unwrap_or(false)
     }
 }
 

@@ -19,7 +19,9 @@ Kinds, in an order that turns every round:
   whole (`filter_metrics: false`) every tick: what polling cost before either saving;
 - vllm_filtered_every_tick: the same nodes asked for the samples read alone (`name[]`
   filters) every tick: the filter's saving alone;
-- vllm: as shipped, filtered and quiet.
+- vllm: as shipped, filtered and quiet;
+- json_previous, vllm_previous (with --previous-wasm FILE): json and vllm with another build
+  of the filter, measured in the same rounds, to compare two builds side by side.
 Per kind: Envoy CPU over the window as a share of one core (less the plain Envoy's), health
 polls per second answered (the `health.ok` counter), Envoy CPU per poll, and bytes per answer
 (from the mock nodes' own count of what they served).
@@ -57,7 +59,11 @@ LABELS = {
 }
 # The mock flavour each kind's nodes serve, and the settings over the shipped ones.
 FLAVOUR = {"plain": "json", "json_every_tick": "json", "json": "json", "llamacpp": "llamacpp",
-           "vllm_whole_every_tick": "vllm", "vllm_filtered_every_tick": "vllm", "vllm": "vllm"}
+           "vllm_whole_every_tick": "vllm", "vllm_filtered_every_tick": "vllm", "vllm": "vllm",
+           "json_previous": "json", "vllm_previous": "vllm"}
+# The kinds that run another build (--previous-wasm), and its file.
+PREVIOUS = ("json_previous", "vllm_previous")
+PREVIOUS_WASM: Path | None = None
 EVERY_TICK = ("json_every_tick", "vllm_whole_every_tick", "vllm_filtered_every_tick")
 SHIPPED_TICK_MS = 250
 SPECS = {"json": "", "llamacpp": "metrics=llamacpp,kv_tokens=20000", "vllm": "metrics=vllm"}
@@ -78,7 +84,8 @@ def measure(kind: str, cluster: MockCluster, args, plugin: dict, envoy_cpus) -> 
     plugin = {"debug_header": None, **plugin}
     if kind in EVERY_TICK:
         plugin["quiet_poll_ms"] = plugin.get("tick_ms", SHIPPED_TICK_MS)
-    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, poller="singleton")
+    cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, poller="singleton",
+                       wasm_file=PREVIOUS_WASM if kind in PREVIOUS else None)
     if kind == "plain":
         cfg = without_filter(cfg, "LEAST_REQUEST")
     elif kind == "vllm_whole_every_tick":
@@ -121,9 +128,24 @@ def main():
     ap.add_argument("--plugin", default="{}",
                     help="JSON object of filter settings over the shipped ones, e.g. '{\"tick_ms\": 1000}'")
     ap.add_argument("--name", default="poll-cost", help="results/<name>/ (default poll-cost)")
+    ap.add_argument("--previous-wasm", type=Path, default=None,
+                    help="another build's token_balancer.wasm: adds the kinds json_previous and "
+                         "vllm_previous, measured in the same rounds")
     args = ap.parse_args()
+    global PREVIOUS_WASM
+    if args.previous_wasm:
+        if not args.previous_wasm.is_file():
+            ap.error(f"--previous-wasm {args.previous_wasm}: no such file")
+        PREVIOUS_WASM = args.previous_wasm.resolve()
+        KINDS.extend(PREVIOUS)
+        LABELS["json_previous"] = f"simple JSON health, as shipped, previous build ({args.previous_wasm})"
+        LABELS["vllm_previous"] = f"vLLM /metrics, as shipped, previous build ({args.previous_wasm})"
+        if args.kinds == ",".join(KINDS[:-len(PREVIOUS)]):
+            args.kinds = ",".join(KINDS)
     plugin = json.loads(args.plugin)
     kinds = args.kinds.split(",")
+    if not args.previous_wasm and set(kinds) & set(PREVIOUS):
+        ap.error("--kinds: json_previous and vllm_previous need --previous-wasm")
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"--kinds: unknown {sorted(unknown)} (known: {', '.join(KINDS)})")

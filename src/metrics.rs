@@ -6,18 +6,10 @@
 //! so a name in this table never changes. Counters count events in this VM and Envoy sums
 //! them over the VMs; a gauge is moved by deltas (`shift`) so that it too is the total over
 //! every VM, except the few each VM sets to a value they all agree on (`record`).
-//!
-//! Every update is a host call, and host calls are most of what the filter costs Envoy per
-//! request (docs/BENCHMARKS.md, "Cost inside Envoy"). So the token counters a routed request
-//! moves (`prefix.prompt_tokens`, `prefix.cached_tokens` and their per-node counterparts) are
-//! added up in the VM (`tally`) and handed to Envoy once a tick (`flush`): they lag by at most
-//! `tick_ms`, and nothing tallied is lost (a reconfiguration flushes the old VM state's).
-//! Counters of events (`routed`, `picks`, fallbacks) move at once.
 
 use crate::host::Host;
 use log::warn;
 use proxy_wasm::types::MetricType;
-use std::cell::RefCell;
 use std::collections::HashMap;
 use token_balancer_core::route::balancer::MAX_NODES;
 use token_balancer_core::share::journal::JournalCounts;
@@ -205,8 +197,6 @@ pub struct Metrics<H> {
     by_address: HashMap<String, NodeIds>,
     /// The `OTHER_NODE` counters, once a node past the bound needed them.
     other: Option<NodeIds>,
-    /// Deltas tallied since the last `flush`, by metric id.
-    tallied: RefCell<HashMap<u32, i64>>,
 }
 
 impl<H: Host> Metrics<H> {
@@ -222,7 +212,6 @@ impl<H: Host> Metrics<H> {
             nodes: Vec::new(),
             by_address: HashMap::new(),
             other: None,
-            tallied: RefCell::new(HashMap::new()),
         };
         for (i, address) in addresses.into_iter().enumerate() {
             m.name_node(i, address);
@@ -276,46 +265,11 @@ impl<H: Host> Metrics<H> {
         self.shift(stat, 1);
     }
 
-    /// Moves a counter or gauge by `delta` (nothing when it is 0).
+    /// Moves a counter or gauge by `delta` (nothing when it is 0: no host call).
     pub fn shift(&self, stat: Stat, delta: i64) {
         let id = self.id(stat);
         if id != 0 && delta != 0 {
             self.host.increment_metric(id, delta);
-        }
-    }
-
-    /// Adds `n` to a counter at the next `flush` (see the module's doc).
-    pub fn tally(&self, stat: Stat, n: u64) {
-        self.tally_id(self.id(stat), n);
-    }
-
-    /// Adds `n` to node `node`'s counter `stat` at the next `flush`.
-    pub fn tally_node(&self, node: usize, stat: NodeStat, n: u64) {
-        self.tally_id(self.node_id(node, stat), n);
-    }
-
-    fn tally_id(&self, id: u32, n: u64) {
-        if id == 0 || n == 0 {
-            return;
-        }
-        let n = i64::try_from(n).unwrap_or(i64::MAX);
-        match self.tallied.try_borrow_mut() {
-            Ok(mut t) => {
-                let sum = t.entry(id).or_insert(0);
-                *sum = sum.saturating_add(n);
-            }
-            // Never in use here (one thread, no re-entry); if it were, at once.
-            Err(_) => self.host.increment_metric(id, n),
-        }
-    }
-
-    /// Hands every tallied delta to Envoy: one host call per counter that moved.
-    pub fn flush(&self) {
-        let Ok(mut t) = self.tallied.try_borrow_mut() else {
-            return;
-        };
-        for (id, n) in t.drain() {
-            self.host.increment_metric(id, n);
         }
     }
 

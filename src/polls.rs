@@ -143,9 +143,9 @@ impl<H: Host> State<H> {
             role,
             ..
         } = self;
-        let (polls, mut service) = match role {
+        let (polls, service) = match role {
             Role::Vm(polls) => (polls, None),
-            Role::Service(polls, service) => (polls, Some(service)),
+            Role::Service(polls, service) => (polls, Some(&*service)),
             Role::Reader(_) => return (Vec::new(), config.tick_ms),
         };
         // The fleet may grow or shrink (membership): the slices follow it.
@@ -156,21 +156,19 @@ impl<H: Host> State<H> {
         let mut quiet = 0u64;
         for (i, state) in balancer.nodes().iter().enumerate() {
             quiet += u64::from(state.member() && state.quiet_reports() > 0);
-            if !due.iter().any(|&slice| polling::in_slice(i, slice, slices)) {
-                continue;
-            }
-            // Requests in flight there: this VM's own books, or (the poller service) the
-            // books the workers share, read once a round with the node's slice (their sums
-            // are the `shared.*` gauges, a departed node's too while its requests run).
-            let shared_busy = service.as_mut().map(|s| s.look(&mut *host, i));
             // A node whose last poll is still outstanding is not polled again: slow nodes must
             // not pile up callouts. A node out of the cluster is not polled at all, a quiet
             // one only once its longer period is up (see `polling`).
-            if !state.member() || polls.health.is_asked(i, state.tenant()) {
+            if !state.member()
+                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
+                || polls.health.is_asked(i, state.tenant())
+            {
                 continue;
             }
-            let in_flight = || match shared_busy {
-                Some(busy) => busy,
+            // Requests in flight there: this VM's own books, or (the poller service) the
+            // books the workers share.
+            let in_flight = || match service {
+                Some(service) => service.in_flight(&mut *host, i),
                 None => balancer.books(i).is_some_and(|b| b.inflight_requests > 0),
             };
             if !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, in_flight) {

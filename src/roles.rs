@@ -231,10 +231,10 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Service: the totals of the shared books as the round's polls read them, as gauges.
+    /// Service: the totals of the shared books, as gauges.
     pub fn report_books(&mut self) {
         if let Role::Service(_, service) = &self.role {
-            let t = service.totals();
+            let t = service.totals(&mut self.host);
             self.metrics
                 .record(Stat::SharedInflightRequests, t.inflight_requests);
             self.metrics

@@ -181,7 +181,6 @@ impl<H: Host> RootContext for Root<H> {
             // Requests held by a previous configuration go on unrouted (Envoy's fallback)
             // rather than wait for a balancer that no longer exists.
             if let Some(mut old) = guard.take() {
-                old.metrics.flush();
                 for held in old.held.drain() {
                     old.metrics.shift(Stat::HeldNow, -1);
                     old.metrics.bump(Stat::HeldReconfigured);
@@ -207,7 +206,6 @@ impl<H: Host> RootContext for Root<H> {
             let period = s.tick(s.host.now_ms());
             report_memory(&mut self.memory_reported, s);
             report_prefixes(&mut self.prefix_reported, s);
-            s.metrics.flush();
             period
         };
         if self.timer_ms != Some(period) {

@@ -151,13 +151,14 @@ impl<H: Host> State<H> {
                 self.metrics.bump_node(ticket.node, NodeStat::Picks);
                 if self.balancer.prefixes().is_some() {
                     let (prompt, cached) = (ticket.weight.prompt_tokens, ticket.cached);
-                    // Tallied, handed to Envoy once a tick: four host calls a request less.
-                    self.metrics.tally(Stat::PrefixPromptTokens, prompt);
-                    self.metrics.tally(Stat::PrefixCachedTokens, cached);
                     self.metrics
-                        .tally_node(ticket.node, NodeStat::PromptTokens, prompt);
+                        .shift(Stat::PrefixPromptTokens, saturating_i64(prompt));
                     self.metrics
-                        .tally_node(ticket.node, NodeStat::CachedTokens, cached);
+                        .shift(Stat::PrefixCachedTokens, saturating_i64(cached));
+                    self.metrics
+                        .add_node(ticket.node, NodeStat::PromptTokens, prompt);
+                    self.metrics
+                        .add_node(ticket.node, NodeStat::CachedTokens, cached);
                 }
                 if over_ceiling {
                     self.metrics.bump(Stat::RoutedOverVramCeiling);
@@ -311,6 +312,10 @@ impl<H: Host> State<H> {
         }
         out
     }
+}
+
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 /// The filter-state key of a request's explanation with `explain.access_log`; Envoy's access

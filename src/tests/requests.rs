@@ -265,7 +265,7 @@ fn without_a_beliefs_path_the_path_is_an_ordinary_request() {
 /// of equals, and the hint is priced nowhere as cached.
 #[test]
 fn a_session_header_keeps_a_sessions_short_prompts_together() {
-    let (host, mut root) = reported(
+    let (host, root) = reported(
         &config(r#","prefix":{"session_header":"x-session-id"}"#),
         IDLE,
     );
@@ -298,49 +298,5 @@ fn a_session_header_keeps_a_sessions_short_prompts_together() {
         end(&host, &mut req, id);
     }
     assert!(nodes.values().all(|n| n.len() == 1), "{nodes:?}");
-    // The token counters reach Envoy on the tick.
-    tick(&host, &mut root);
-    assert!(host.metric("token_balancer.prefix.prompt_tokens") > 0);
     assert_eq!(host.metric("token_balancer.prefix.cached_tokens"), 0);
-}
-
-/// The token counters a routed request moves are tallied in the VM and handed to Envoy on
-/// the next tick (one host call per counter, however many requests), or when a new
-/// configuration replaces the state that tallied them: none is lost.
-#[test]
-fn token_counters_reach_envoy_on_the_tick_or_a_reconfiguration() {
-    let (host, mut root) = reported(&config(""), IDLE);
-    let prompt = |host: &FakeHost| host.metric("token_balancer.prefix.prompt_tokens");
-    let node_prompt = |host: &FakeHost| {
-        host.metric(&format!("token_balancer.node.{A}.prompt_tokens"))
-            + host.metric(&format!("token_balancer.node.{B}.prompt_tokens"))
-    };
-    for id in 2..5 {
-        let (mut req, _, _) = post(&host, &root, id, BODY);
-        end(&host, &mut req, id);
-    }
-    assert_eq!(
-        host.metric("token_balancer.routed"),
-        3,
-        "events count at once"
-    );
-    assert_eq!((prompt(&host), node_prompt(&host)), (0, 0));
-    host.take_host_calls();
-    tick(&host, &mut root);
-    let per_request = prompt(&host) / 3;
-    assert!(per_request > 0);
-    assert_eq!(node_prompt(&host), prompt(&host));
-    let flushed = host
-        .take_host_calls()
-        .iter()
-        .filter(|c| c.starts_with("increment_metric"))
-        .count();
-    assert!(flushed <= 3, "one call per counter that moved: {flushed}");
-    // Tallied, then the plugin is configured anew before any tick: handed over then.
-    let (mut req, _, _) = post(&host, &root, 9, BODY);
-    end(&host, &mut req, 9);
-    host.enter(ROOT);
-    assert!(root.on_configure(0));
-    assert_eq!(prompt(&host), 4 * per_request);
-    assert_eq!(node_prompt(&host), prompt(&host));
 }

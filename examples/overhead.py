@@ -589,8 +589,12 @@ def main():
     ap.add_argument("--previous-wasm", type=Path, default=None,
                     help="another build of token_balancer.wasm, measured beside this one in every round "
                          "(compare two commits in one run)")
+    ap.add_argument("--no-extproc", action="store_true",
+                    help="leave the ext_proc picker out (a quicker comparison of builds)")
     args = ap.parse_args()
     PLUGIN.update(json.loads(args.plugin))
+    if args.no_extproc:
+        KINDS.remove("extproc")
     if args.previous_wasm:
         global PREVIOUS_WASM
         if not args.previous_wasm.is_file():

@@ -432,3 +432,62 @@ fn the_service_sees_which_slots_have_requests_in_flight() {
     store.fail = true;
     assert!(s.in_flight(&mut store, 0));
 }
+
+fn shared(store: &mut Mem, slot: usize) -> Books {
+    let (bytes, _) = store.get(&crate::share::books_key(slot)).unwrap().unwrap();
+    Books::decode(&bytes).unwrap()
+}
+
+/// A release while other requests of this VM are in flight costs no store call: it goes out
+/// with the next dispatch to its node, or with everything kept once the oldest is
+/// `RELEASE_DEFER_MS` old; the VM's own view has it at once; the last release writes at once.
+#[test]
+fn releases_wait_for_the_next_write_while_other_requests_run() {
+    let mut store = Mem::default();
+    started(&mut store, &[A, B], 1000);
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
+    assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
+    let (ta, tb) = (ticket(0, A), ticket(1, B));
+    for t in [&ta, &ta, &tb] {
+        r.write(&mut store, &rb, t, Change::dispatch(t), None);
+    }
+    assert_eq!(shared(&mut store, 0).inflight_requests, 2);
+    // One of A's requests ends: no store call, A still counts two for the others.
+    let calls = store.calls;
+    let c = r.release(&mut store, &rb, &ta, Change::release(&ta, 0), 1001);
+    assert_eq!((c, store.calls), (Counts::default(), calls));
+    assert_eq!(shared(&mut store, 0).inflight_requests, 2);
+    // This VM's own decisions see it ended.
+    let calls = store.calls;
+    let mut own = r.books(&mut store);
+    assert_eq!(own.books(0, 0).unwrap().inflight_requests, 1);
+    drop(own);
+    // The next dispatch to A writes both: one read and one write.
+    r.write(&mut store, &rb, &ta, Change::dispatch(&ta), None);
+    assert_eq!(store.calls, calls + 1 + 2);
+    assert_eq!(shared(&mut store, 0).inflight_requests, 2);
+    assert_eq!(r.pending(), 0);
+    // B's ends, kept; settled only once the oldest kept is RELEASE_DEFER_MS old.
+    r.release(&mut store, &rb, &tb, Change::release(&tb, 0), 1002);
+    assert_eq!(r.pending(), 1);
+    assert_eq!(
+        r.settle(&mut store, &rb, 1002 + RELEASE_DEFER_MS - 1),
+        Counts::default()
+    );
+    assert_eq!(shared(&mut store, 1).inflight_requests, 1);
+    r.settle(&mut store, &rb, 1002 + RELEASE_DEFER_MS);
+    assert_eq!(
+        (r.pending(), shared(&mut store, 1).inflight_requests),
+        (0, 0)
+    );
+    // A's first ends (kept: one more runs), then the last: written at once, with the kept one.
+    r.release(&mut store, &rb, &ta, Change::release(&ta, 0), 1020);
+    assert_eq!(shared(&mut store, 0).inflight_requests, 2);
+    r.release(&mut store, &rb, &ta, Change::release(&ta, 0), 1021);
+    assert_eq!(r.pending(), 0);
+    let a = shared(&mut store, 0);
+    assert_eq!(
+        (a.inflight_requests, a.inflight_tokens, a.growth_tokens),
+        (0, 0, 0)
+    );
+}

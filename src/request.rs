@@ -37,8 +37,8 @@ use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{Outcome, Terms};
 use token_balancer_core::share::Change;
 
-/// Output tokens a stream delivers between two updates of its progress to the shared books
-/// (each is kept for the VM's next write there, see `sync::Reader::keep`).
+/// Output tokens a stream delivers between two writes of its progress to the shared books: a
+/// write is two host calls, and per token that would be most of a stream's cost.
 const SHARED_PROGRESS_STEP: u64 = 16;
 
 pub struct Request<H: Host> {
@@ -319,7 +319,7 @@ impl<H: Host> Request<H> {
                     s.balancer.observe_tpot(&ticket, seconds, now);
                 }
                 s.balancer.release(&ticket, progressed);
-                s.share_release(&ticket, Change::release(&ticket, written), now);
+                s.share(&ticket, Change::release(&ticket, written), None);
                 s.metrics.shift(Stat::InflightNow, -1);
             });
         }
@@ -496,8 +496,7 @@ impl<H: Host> Request<H> {
                     let due = received.saturating_sub(written) >= SHARED_PROGRESS_STEP
                         || (received >= ticket.reserved_output && written < ticket.reserved_output);
                     if due {
-                        let now = s.host.now_ms();
-                        s.share_progress(ticket, Change::progress(ticket, written, received), now);
+                        s.share(ticket, Change::progress(ticket, written, received), None);
                     }
                     due
                 })

@@ -178,22 +178,6 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Reader: a stream's progress, kept for later (`sync::Reader::keep`).
-    pub fn share_progress(&mut self, ticket: &Ticket, change: Change, now_ms: u64) {
-        if let Role::Reader(reader) = &mut self.role {
-            reader.keep(&self.balancer, ticket, change, now_ms);
-        }
-    }
-
-    /// Reader: the end of `ticket`'s request (`change`, a release) at `now_ms`, kept for
-    /// later while this VM has other requests in flight (`sync::Reader::release`).
-    pub fn share_release(&mut self, ticket: &Ticket, change: Change, now_ms: u64) {
-        if let Role::Reader(reader) = &mut self.role {
-            let counts = reader.release(&mut self.host, &self.balancer, ticket, change, now_ms);
-            self.metrics.count(&counts);
-        }
-    }
-
     /// Reader: takes a new fleet snapshot if the version moved, and says whether there is a
     /// usable one, and whether a node got a new report. Other roles always have their fleet.
     pub fn sync_fleet(&mut self, now_ms: u64) -> (bool, bool) {
@@ -207,9 +191,6 @@ impl<H: Host> State<H> {
             self.config.stale_after_ms,
         );
         self.metrics.count(&synced.counts);
-        // Releases kept for later go out once the oldest is a few milliseconds old.
-        let settled = reader.settle(&mut self.host, &self.balancer, now_ms);
-        self.metrics.count(&settled);
         // The per-node counters of a node followed from the poller's fleet are named after
         // it; the service counts and logs the joins and departures, once for the process.
         for &i in &synced.joined {

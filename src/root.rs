@@ -129,17 +129,6 @@ impl<H: Host> State<H> {
 }
 
 impl<H: Host> Context for Root<H> {
-    /// The plugin is going away: releases kept for later are written first, so the other
-    /// workers' books do not keep this VM's ended requests (see `sync::Reader::release`).
-    fn on_done(&mut self) -> bool {
-        if let Ok(mut guard) = self.state.try_borrow_mut() {
-            if let Some(s) = guard.as_mut() {
-                s.flush_books();
-            }
-        }
-        true
-    }
-
     fn on_http_call_response(
         &mut self,
         token: u32,
@@ -192,8 +181,6 @@ impl<H: Host> RootContext for Root<H> {
             // Requests held by a previous configuration go on unrouted (Envoy's fallback)
             // rather than wait for a balancer that no longer exists.
             if let Some(mut old) = guard.take() {
-                // Releases the old state kept for later are written, not lost with it.
-                old.flush_books();
                 for held in old.held.drain() {
                     old.metrics.shift(Stat::HeldNow, -1);
                     old.metrics.bump(Stat::HeldReconfigured);

@@ -303,43 +303,6 @@ fn the_service_polls_a_quiet_node_every_tick_while_a_workers_request_runs_there(
     assert!(times(there) <= 3, "{polled:?}");
 }
 
-/// A worker's request that ends while another of its requests runs costs no shared-data call:
-/// its release goes out with the worker's next write there, a few milliseconds later at most,
-/// or when the last request ends; the shared books balance in the end.
-#[test]
-fn a_release_waits_for_the_next_write_while_another_request_runs() {
-    let (host, _service, mut worker) = singleton();
-    host.enter(100);
-    worker.on_tick();
-    let in_flight = |host: &FakeHost| {
-        (0..2)
-            .map(|slot| shared_books(host, slot).inflight_requests)
-            .sum::<u64>()
-    };
-    let (mut first, _, _) = post(&host, &worker, 2, BODY);
-    let (mut second, _, _) = post(&host, &worker, 3, BODY);
-    assert_eq!(in_flight(&host), 2);
-    host.take_host_calls();
-    end(&host, &mut first, 2);
-    let calls = host.take_host_calls();
-    assert!(!calls.iter().any(|c| c.starts_with("shared")), "{calls:#?}");
-    assert_eq!(in_flight(&host), 2, "the others see it a little later");
-    // The last one ends: both are written.
-    end(&host, &mut second, 3);
-    assert_eq!(in_flight(&host), 0);
-    // Kept ones also go out on the next request once a few milliseconds old, and on the tick.
-    let (mut a, _, _) = post(&host, &worker, 4, BODY);
-    let (mut b, _, _) = post(&host, &worker, 5, BODY);
-    end(&host, &mut a, 4);
-    assert_eq!(in_flight(&host), 2);
-    host.advance(20);
-    host.enter(100);
-    worker.on_tick();
-    assert_eq!(in_flight(&host), 1);
-    end(&host, &mut b, 5);
-    assert_eq!(in_flight(&host), 0);
-}
-
 fn shared_books(host: &FakeHost, slot: usize) -> Books {
     let data = host.world().shared[&books_key(slot)].0.clone();
     Books::decode(&data).unwrap()

@@ -57,18 +57,6 @@ impl Ledger {
         written
     }
 
-    /// Keeps `change` for `key` without a store call: it is written with this VM's next
-    /// update of `key` (merged into it) or by the next `flush`, and `view` shows it meanwhile.
-    pub fn owe(&mut self, key: &str, tenant: u64, change: Change) {
-        let change = match self.pending.remove(key) {
-            Some((t, p)) if t == tenant => p.merge(change),
-            _ => change,
-        };
-        if !change.is_empty() {
-            self.pending.insert(key.to_string(), (tenant, change));
-        }
-    }
-
     /// Tries again every change kept for later; `epoch_of` gives each key's report epoch.
     /// Returns what became of each attempt.
     pub fn flush<S: Store>(

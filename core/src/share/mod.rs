@@ -46,14 +46,6 @@
 //! every VM did before shared books), and this VM sees it only in its own view (`view` adds
 //! its pending changes).
 //!
-//! The same mechanism keeps some changes for later on purpose (`sync::Reader::release` and
-//! `keep`): a release, or a stream's progress, while the VM has other requests in flight. Such
-//! a change only takes load off a node, so until it is written the others see the node busier
-//! than it is, never emptier; it goes out with the VM's next dispatch there (a write that
-//! happens anyway), with everything kept once the oldest is `sync::RELEASE_DEFER_MS` old, on
-//! the tick, or at once when the VM's last request ends. Under load that saves a read and a
-//! write of shared data for most request ends.
-//!
 //! The parts: `codec` (the bytes of the snapshot, the version record and the books), `ledger`
 //! (the read-modify-writes of the books), `fleet` (a balancer's nodes to the snapshot and
 //! back), `sync` (the protocol between the poller service and the workers' VMs over them).

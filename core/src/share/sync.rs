@@ -33,11 +33,6 @@ pub use service::Service;
 /// most this much later.
 pub const VERSION_RECHECK_MS: u64 = 10;
 
-/// How long a reader keeps a release to write with its next dispatch to the same node, at
-/// most, while it has other requests in flight (`Reader::release`): the other workers see a
-/// request end this much later, at worst, and never see it end early.
-pub const RELEASE_DEFER_MS: u64 = 10;
-
 /// Where a node's shared books are: its slot in the poller's fleet, and who it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BookKey {
@@ -98,17 +93,6 @@ impl Counts {
             Written::Gone => self.books_gone = self.books_gone.saturating_add(1),
             Written::Failed => self.failed = self.failed.saturating_add(1),
         }
-    }
-
-    /// Adds `other`'s counts to these.
-    pub fn add_all(&mut self, other: &Counts) {
-        self.failed = self.failed.saturating_add(other.failed);
-        self.cas_retries = self.cas_retries.saturating_add(other.cas_retries);
-        self.cas_exhausted = self.cas_exhausted.saturating_add(other.cas_exhausted);
-        self.books_missing = self.books_missing.saturating_add(other.books_missing);
-        self.books_gone = self.books_gone.saturating_add(other.books_gone);
-        self.published = self.published.saturating_add(other.published);
-        self.imported = self.imported.saturating_add(other.imported);
     }
 
     pub(crate) fn fail(&mut self) {

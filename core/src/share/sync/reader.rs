@@ -2,7 +2,7 @@
 //! the books keys mapped by address, the reader's writes to the shared books, and its side of
 //! the placements journal.
 
-use super::{BookKey, Counts, RELEASE_DEFER_MS, VERSION_RECHECK_MS};
+use super::{BookKey, Counts, VERSION_RECHECK_MS};
 use crate::fleet::node::Ticket;
 use crate::route::balancer::{Balancer, BookSource};
 use crate::share::journal::{Journal, JournalCounts};
@@ -76,10 +76,6 @@ pub struct Reader {
     warned: bool,
     /// Where every worker's prompts went (see `share::journal`).
     pub(crate) journal: Journal,
-    /// This VM's requests in flight, by the dispatches and releases it wrote or kept.
-    in_flight: i64,
-    /// When the oldest release kept for later was kept (see `release`).
-    deferred_since_ms: Option<u64>,
 }
 
 impl Reader {
@@ -242,81 +238,22 @@ impl Reader {
         change: Change,
         known: Option<Read>,
     ) -> Counts {
-        self.in_flight = self.in_flight.saturating_add(change.requests);
-        let Some((key, epoch)) = self.book_of(balancer, ticket) else {
+        let Some(node) = balancer.holder(ticket) else {
             return Counts::default();
         };
-        let written = self
-            .ledger
-            .update(store, &key, ticket.tenant, epoch, change, known);
-        if self.ledger.pending() == 0 {
-            // Whatever was kept went out with this write.
-            self.deferred_since_ms = None;
-        }
-        Counts::of(written)
-    }
-
-    /// Writes the end of `ticket`'s request (`change`, a release) at `now_ms`. While this VM
-    /// has other requests in flight, the release is kept instead (`Ledger::owe`, no store
-    /// call): it is written with this VM's next dispatch to the same node, which writes
-    /// anyway, or with every change kept once the oldest is `RELEASE_DEFER_MS` old (`settle`,
-    /// on the next request), or on the tick (`flush`). Under load most releases so cost no host
-    /// call instead of a read and a write. Meanwhile the other workers see the request as still
-    /// in flight there, never the reverse: a node looks busier for a few milliseconds, not
-    /// emptier. This VM's own decisions see the release at once (`Ledger::view`). The last
-    /// request in flight writes at once, with everything kept, so nothing waits for a tick
-    /// when traffic stops.
-    pub fn release<S: Store>(
-        &mut self,
-        store: &mut S,
-        balancer: &Balancer,
-        ticket: &Ticket,
-        change: Change,
-        now_ms: u64,
-    ) -> Counts {
-        if self.in_flight.saturating_add(change.requests) <= 0 {
-            let mut counts = self.write(store, balancer, ticket, change, None);
-            counts.add_all(&self.flush(store, balancer));
-            return counts;
-        }
-        self.keep(balancer, ticket, change, now_ms);
-        Counts::default()
-    }
-
-    /// Keeps `change` to `ticket`'s books for later at `now_ms`, as `release` does: a
-    /// stream's progress (its prefill done, its growth generated), which only ever makes the
-    /// node look busier to the others until it is written, a few milliseconds later at most.
-    pub fn keep(&mut self, balancer: &Balancer, ticket: &Ticket, change: Change, now_ms: u64) {
-        self.in_flight = self.in_flight.saturating_add(change.requests);
-        if let Some((key, _)) = self.book_of(balancer, ticket) {
-            self.ledger.owe(&key, ticket.tenant, change);
-            self.deferred_since_ms.get_or_insert(now_ms);
-        }
-    }
-
-    /// Writes every change kept for later once the oldest release kept is
-    /// `RELEASE_DEFER_MS` old at `now_ms` (see `release`); nothing otherwise.
-    pub fn settle<S: Store>(&mut self, store: &mut S, balancer: &Balancer, now_ms: u64) -> Counts {
-        match self.deferred_since_ms {
-            Some(at) if now_ms.saturating_sub(at) >= RELEASE_DEFER_MS => {
-                self.flush(store, balancer)
-            }
-            _ => Counts::default(),
-        }
-    }
-
-    /// The books key of `ticket`'s node and the node's report epoch, if it has books.
-    fn book_of(&self, balancer: &Balancer, ticket: &Ticket) -> Option<(String, u64)> {
-        let node = balancer.holder(ticket)?;
-        let book = self.keys.get(node)?.as_ref()?;
+        let Some(Some(book)) = self.keys.get(node) else {
+            return Counts::default();
+        };
         let epoch = balancer.nodes().get(node).map_or(0, |n| n.epoch());
-        Some((book.key.clone(), epoch))
+        Counts::of(
+            self.ledger
+                .update(store, &book.key, ticket.tenant, epoch, change, known),
+        )
     }
 
-    /// Writes the changes kept for later (see `Ledger`, `release`).
+    /// Writes the changes kept for later (see `Ledger`).
     pub fn flush<S: Store>(&mut self, store: &mut S, balancer: &Balancer) -> Counts {
         let mut counts = Counts::default();
-        self.deferred_since_ms = None;
         if self.ledger.pending() == 0 {
             return counts;
         }

@@ -748,8 +748,6 @@ mod tests {
         }
     }
 
-    /// Each engine's full metric set, as the engine exposes it, read by auto-detection and by
-    /// the explicit format alike.
     /// SGLang publishes its prefix cache's hit rate as a recent fraction per data-parallel
     /// rank: the scrape carries their mean; a value past 1 is dropped and counted.
     #[test]
@@ -768,6 +766,8 @@ mod tests {
         assert_eq!(vllm.prefix_hit_rate, None, "vLLM publishes counters");
     }
 
+    /// Each engine's full metric set, as the engine exposes it, read by auto-detection and by
+    /// the explicit format alike.
     #[test]
     fn full_metric_sets_of_each_engine() {
         let cases: Vec<(&str, &str, HealthFormat, Engine, Fields)> = vec![

@@ -140,6 +140,8 @@ pub struct Outcome {
     pub peak_held: usize,
     /// Routing decisions the balancer could not make (fallback to least_request).
     pub fallbacks: u64,
+    /// Requests routed over the VRAM ceiling (held past `max_hold_ms`, or never held).
+    pub over_ceiling: u64,
     /// Requests still booked in flight in the replicas' balancers at the end (0 when every
     /// stream's end was released).
     pub inflight_left: u64,
@@ -554,8 +556,13 @@ impl Sim<'_> {
                     may_hold,
                     &mut OwnBooks,
                 ) {
-                    Routed::Routed { ticket, .. } => {
+                    Routed::Routed {
+                        ticket,
+                        over_ceiling,
+                        ..
+                    } => {
                         let node = ticket.node;
+                        self.out.over_ceiling += u64::from(over_ceiling);
                         if books {
                             if let Some(r) = self.requests.get_mut(id) {
                                 r.ticket = Some(ticket);

@@ -242,7 +242,7 @@ fn main() {
                 .iter()
                 .find(|(n, _, _)| n == "oracle")
                 .map(|(_, o, _)| (o.p("ttft", 0.99), o.p("e2e", 0.99)));
-            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows (routed over the ceiling) | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
             let mut table = format!(
                 "\n**{nodes} nodes, {replicas} replicas, load {}**\n\n{header}",
                 args.load
@@ -251,7 +251,7 @@ fn main() {
                 let ratio =
                     |v: f64, r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.2}", v / r));
                 let line = format!(
-                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} | {:.2} | {:.1}% ({:.1}%) | {} | {}/{} | {} | {:.1} |\n",
+                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} ({}) | {:.2} | {:.1}% ({:.1}%) | {} | {}/{} | {} | {:.1} |\n",
                     o.p("ttft", 0.5),
                     o.p("ttft", 0.99),
                     o.p("e2e", 0.5),
@@ -259,6 +259,7 @@ fn main() {
                     ratio(o.p("ttft", 0.99), oracle.map(|x| x.0)),
                     ratio(o.p("e2e", 0.99), oracle.map(|x| x.1)),
                     o.overflows,
+                    o.over_ceiling,
                     o.imbalance(),
                     100.0 * o.hit_rate(),
                     100.0 * o.hit_bound(),
@@ -275,7 +276,7 @@ fn main() {
                     "e2e_p50_ms": o.p("e2e", 0.5), "e2e_p99_ms": o.p("e2e", 0.99),
                     "overflows": o.overflows, "max_over_mean_utilization": o.imbalance(),
                     "arrived": o.arrived, "completed": o.completed, "peak_held": o.peak_held,
-                    "peak_queue": o.peak_queue, "fallbacks": o.fallbacks,
+                    "peak_queue": o.peak_queue, "fallbacks": o.fallbacks, "over_ceiling": o.over_ceiling,
                     "inflight_left": o.inflight_left, "wall_s": wall,
                     "prefix_hit_rate": o.hit_rate(), "prefix_hit_bound": o.hit_bound(),
                     "ttft_p90_ms_by_class_fast_first": o.ttft_by_class(0.9),

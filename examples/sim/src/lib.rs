@@ -142,6 +142,9 @@ pub struct Outcome {
     pub fallbacks: u64,
     /// Requests routed over the VRAM ceiling (held past `max_hold_ms`, or never held).
     pub over_ceiling: u64,
+    /// Per request routed by token-balancer: the first-token forecast made when it was sent
+    /// (seconds) and its observed time to first token from then over that forecast.
+    pub first_token_ratios: Vec<(f64, f64)>,
     /// Requests still booked in flight in the replicas' balancers at the end (0 when every
     /// stream's end was released).
     pub inflight_left: u64,
@@ -193,6 +196,20 @@ impl Outcome {
         parts.join(" / ")
     }
 
+    /// The observed time to first token over its forecast, p10 / p50 / p90, of the requests
+    /// whose forecast was at least `min_s` seconds ("-" without any): how far the forecasts
+    /// that budgets are compared with are off.
+    pub fn forecast_accuracy(&self, min_s: f64) -> [f64; 3] {
+        let mut r: Vec<f64> = self
+            .first_token_ratios
+            .iter()
+            .filter(|(f, _)| *f >= min_s)
+            .map(|(_, r)| *r)
+            .collect();
+        r.sort_by(f64::total_cmp);
+        [0.1, 0.5, 0.9].map(|q| percentile(&r, q))
+    }
+
     /// Max over mean of the nodes' utilization: 1 is a perfectly even spread.
     pub fn imbalance(&self) -> f64 {
         let n = self.utilization.len().max(1) as f64;
@@ -226,6 +243,9 @@ struct Req {
     done_ms: Option<f64>,
     ticket: Option<Ticket>,
     generated: u64,
+    /// The first-token forecast of the node it was sent to (seconds) and when it was sent
+    /// (model ms), for the forecast's accuracy.
+    forecast: Option<(f64, f64)>,
 }
 
 struct Replica {
@@ -501,6 +521,7 @@ impl Sim<'_> {
             done_ms: None,
             ticket: None,
             generated: 0,
+            forecast: None,
         });
         self.place(id, books, true);
     }
@@ -559,9 +580,16 @@ impl Sim<'_> {
                     Routed::Routed {
                         ticket,
                         over_ceiling,
+                        compared,
                         ..
                     } => {
                         let node = ticket.node;
+                        if let Some(r) = self.requests.get_mut(id) {
+                            r.forecast = compared
+                                .first()
+                                .and_then(|c| c.first_token_seconds)
+                                .map(|f| (f, now));
+                        }
                         self.out.over_ceiling += u64::from(over_ceiling);
                         if books {
                             if let Some(r) = self.requests.get_mut(id) {
@@ -776,6 +804,14 @@ impl Sim<'_> {
         req.generated = req.generated.max(index + 1);
         if req.first_ms.is_none() {
             req.first_ms = Some(now);
+            // Placed at arrival or when let out of the hold queue: the forecast was made then.
+            if let Some((f, sent)) = req.forecast {
+                if f > 0.0 && req.arrive_ms >= self.setup.warmup_ms {
+                    self.out
+                        .first_token_ratios
+                        .push((f, (now - sent) / 1000.0 / f));
+                }
+            }
             if let Some(x) = self.exact.get_mut(node) {
                 x.work = x.work.saturating_sub(req.prompt);
             }

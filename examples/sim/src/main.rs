@@ -242,7 +242,7 @@ fn main() {
                 .iter()
                 .find(|(n, _, _)| n == "oracle")
                 .map(|(_, o, _)| (o.p("ttft", 0.99), o.p("e2e", 0.99)));
-            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows (routed over the ceiling) | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows (routed over the ceiling) | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | first token / forecast p10 / p50 / p90, forecasts >= 0.2 s | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
             let mut table = format!(
                 "\n**{nodes} nodes, {replicas} replicas, load {}**\n\n{header}",
                 args.load
@@ -251,7 +251,7 @@ fn main() {
                 let ratio =
                     |v: f64, r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.2}", v / r));
                 let line = format!(
-                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} ({}) | {:.2} | {:.1}% ({:.1}%) | {} | {}/{} | {} | {:.1} |\n",
+                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} ({}) | {:.2} | {:.1}% ({:.1}%) | {} | {} | {}/{} | {} | {:.1} |\n",
                     o.p("ttft", 0.5),
                     o.p("ttft", 0.99),
                     o.p("e2e", 0.5),
@@ -264,6 +264,7 @@ fn main() {
                     100.0 * o.hit_rate(),
                     100.0 * o.hit_bound(),
                     o.ttft_by_class(0.9),
+                    o.forecast_accuracy(0.2).map(|x| format!("{x:.2}")).join(" / "),
                     o.completed,
                     o.arrived,
                     o.peak_held,
@@ -280,6 +281,8 @@ fn main() {
                     "inflight_left": o.inflight_left, "wall_s": wall,
                     "prefix_hit_rate": o.hit_rate(), "prefix_hit_bound": o.hit_bound(),
                     "ttft_p90_ms_by_class_fast_first": o.ttft_by_class(0.9),
+                    "first_token_over_forecast_p10_p50_p90": o.forecast_accuracy(0.0),
+                    "first_token_over_forecast_p10_p50_p90_from_200ms": o.forecast_accuracy(0.2),
                 }));
             }
             print!("{table}");

@@ -5,7 +5,9 @@
 //!
 //! For every replica count, runs every policy on the same arrivals and prints one table:
 //! p50/p99 TTFT and end-to-end latency (model time), p99 as a ratio to the oracle's, VRAM
-//! overflows (engine preemptions), the max/mean of the nodes' utilization, and what completed.
+//! overflows (engine preemptions) and the requests routed over the ceiling, the max/mean of
+//! the nodes' utilization, token-balancer's first-token forecasts against what came, and what
+//! completed.
 //! Writes `table.md` and `results.json` under `--out`. `--arrivals bursts` sends the same mean
 //! rate in bursts (the load generator's `Bursts`); `--fleet a100,l4` repeats those GPU classes
 //! instead of the default mix.

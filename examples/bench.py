@@ -211,6 +211,12 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         queries = sum(e.get("prefix_cache_queries", 0) for e in engines.values())
         hits = sum(e.get("prefix_cache_hits", 0) for e in engines.values())
         doc["summary"]["engine_prefix_hit_rate"] = hits / queries if queries else None
+        # Where the filter let a request go over the VRAM ceiling: at once (every node was
+        # between vram_ceiling and hold_kv_ceiling for it), or after a hold of max_hold_ms.
+        if policy in ("naive_seed", "token_balancer", *VARIANTS):
+            c = envoy.counters()
+            doc["summary"]["filter"] = {k: c.get(f"token_balancer.{k}", 0) for k in (
+                "routed", "held", "held_routed_over_ceiling", "routed_over_vram_ceiling", "held_queue_full")}
         # Model time each mock lost because this host could not keep the time scale: that
         # node served less than its model in the run (see the mock's lost_model_ms).
         doc["summary"]["mock_lost_model_share"] = {
@@ -263,7 +269,20 @@ def ratios(results: dict[str, dict]) -> str:
             if x is not None and y:
                 out.append(f"- token_balancer p99 {metric[:-3]} / {base}: {x / y:.2f}")
         out.append(f"- VRAM overflows: token_balancer {tb['vram_overflow_events']}, {base} {b['vram_overflow_events']}")
-    return "\n".join(out + [host_lag(results)])
+    return "\n".join(out + over_ceiling(results) + [host_lag(results)])
+
+
+def over_ceiling(results: dict[str, dict]) -> list[str]:
+    """Per token-balancer policy, the requests it sent over the VRAM ceiling, beside the
+    overflows: where overflows came from requests the filter knew would not fit."""
+    out = []
+    for policy, doc in results.items():
+        f = doc["summary"].get("filter")
+        if f:
+            out.append(f"- {policy}: {f['routed_over_vram_ceiling']} of {f['routed']} routed over the VRAM "
+                       f"ceiling ({f['held_routed_over_ceiling']} of them after being held), {f['held']} held, "
+                       f"{doc['summary']['vram_overflow_events']} VRAM overflows")
+    return out
 
 
 def host_lag(results: dict[str, dict]) -> str:

@@ -261,6 +261,7 @@ mod tests {
             },
             reserved_output: reserved,
             cached: 0,
+            dispatched_ms: 0,
         }
     }
 

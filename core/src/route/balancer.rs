@@ -36,7 +36,7 @@ use crate::route::choice::{Ask, AssumedCapacity, Growth, Params, Prefix, Ranked}
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 pub use crate::share::fleet::Imported;
-use crate::share::{self, Books, NodeView, Snapshot};
+use crate::share::{self, Books, Change, NodeView, Snapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Books a full comparison brings up to date at most (see `ranking`). With the drawn
@@ -636,8 +636,10 @@ impl Balancer {
         let inflight_before = state.books().inflight_requests;
         let ticket = Ticket {
             generation: self.generation,
+            dispatched_ms: now_ms,
             ..state.dispatch_cached(first.node, weight, growth.own, first.cached)
         };
+        books.booked(first.node, &Change::dispatch(&ticket));
         if let Some(ix) = self.prefixes.as_mut() {
             ix.record(first.node, &chain.blocks);
             if let Some(kept) = self.placements.as_mut() {
@@ -803,6 +805,12 @@ pub trait BookSource {
     /// Node `node`'s current books, read under the epoch rule for `report_epoch` (the node's
     /// report epoch as this balancer knows it); `None` keeps the balancer's own.
     fn books(&mut self, node: usize, report_epoch: u64) -> Option<Books>;
+
+    /// A request was just booked on node `node` (`change`, a dispatch), and is not written
+    /// where `books` reads yet: the later decisions made with this source must count it.
+    /// Held requests let out together are routed one after another before any of them is
+    /// written to the shared books; read without them, each would find the same room.
+    fn booked(&mut self, _node: usize, _change: &Change) {}
 }
 
 /// The balancer's own books are the current ones: it is the only one dispatching.

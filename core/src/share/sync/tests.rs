@@ -73,6 +73,7 @@ fn ticket(node: usize, address: &str) -> Ticket {
         },
         reserved_output: 60,
         cached: 0,
+        dispatched_ms: 0,
         // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
         generation: 0,
     }
@@ -431,4 +432,123 @@ fn the_service_sees_which_slots_have_requests_in_flight() {
     // Books that cannot be read count as busy: the node is polled.
     store.fail = true;
     assert!(s.in_flight(&mut store, 0));
+}
+
+/// A dispatch sent after the poller took a node's report, but before this reader took that
+/// report in, is not in it: when the reader takes it in, the dispatch is booked again at the
+/// new report, and only once. A dispatch sent before a report is in it, and is forgotten.
+#[test]
+fn a_dispatch_the_report_taken_in_did_not_see_stays_unreflected() {
+    let mut store = Mem::default();
+    let (mut service, mut sb) = started(&mut store, &[A, B], 1000);
+    let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
+    r.sync(&mut store, &mut rb, 1000, STALE);
+    let key = r.key(0).unwrap().key.clone();
+    let send = |r: &mut Reader, store: &mut Mem, rb: &Balancer, at_ms: u64| {
+        let t = Ticket {
+            epoch: rb.nodes()[0].epoch(),
+            dispatched_ms: at_ms,
+            ..ticket(0, A)
+        };
+        r.write(store, rb, &t, Change::dispatch(&t), None);
+    };
+    send(&mut r, &mut store, &rb, 1010);
+    assert_eq!(store.books(&key).unreflected_requests, 1);
+    // The poller took node A's report at 1008, before the dispatch, and publishes it.
+    report(&mut sb, 0, 1008);
+    service.publish(&mut store, &sb, 1020);
+    r.sync(&mut store, &mut rb, 1040, STALE);
+    let b = store.books(&key);
+    assert_eq!(b.epoch, rb.nodes()[0].epoch(), "books at the new report");
+    assert_eq!(
+        b.unreflected_requests, 1,
+        "the dispatch is not in that report"
+    );
+    assert_eq!(b.inflight_requests, 1, "and in flight once");
+    // A report taken after it (1060) sees it: it is cleared, and not booked again.
+    report(&mut sb, 0, 1060);
+    service.publish(&mut store, &sb, 1070);
+    r.sync(&mut store, &mut rb, 1090, STALE);
+    let later = Ticket {
+        epoch: rb.nodes()[0].epoch(),
+        ..ticket(0, A)
+    };
+    r.write(
+        &mut store,
+        &rb,
+        &later,
+        Change::progress(&later, 0, 1),
+        None,
+    );
+    assert_eq!(store.books(&key).unreflected_requests, 0);
+    report(&mut sb, 0, 1100);
+    service.publish(&mut store, &sb, 1110);
+    r.sync(&mut store, &mut rb, 1130, STALE);
+    r.write(
+        &mut store,
+        &rb,
+        &later,
+        Change::progress(&later, 1, 2),
+        None,
+    );
+    assert_eq!(
+        store.books(&key).unreflected_requests,
+        0,
+        "booked again once only"
+    );
+}
+
+/// Held requests let out together, behind the poller service: each is routed knowing where
+/// the ones before it went, though none is written to the shared books before the last is
+/// routed. Node A (fast) has room for two of them, node B (slow) for two more: A takes two
+/// and B the rest, where each would otherwise have found A as empty as the first did.
+#[test]
+fn held_requests_let_out_together_see_each_others_dispatches() {
+    use crate::ingest::prompt::Chain;
+    use crate::rng::SplitMix64;
+    use crate::route::admission::{Held, HoldQueue};
+    let cfg = |extra: &str| {
+        let json = format!(
+            r#"{{"nodes":[{{"address":"{A}"}},{{"address":"{B}"}}],"health_cluster":"h","max_hold_ms":60000{extra}}}"#
+        );
+        Balancer::new(&Config::parse(json.as_bytes()).unwrap())
+    };
+    let mut store = Mem::default();
+    let mut sb = cfg("");
+    // 1,000-token caches (512 KiB a token), empty.
+    for (node, cap) in [(0, 10_000), (1, 1_000)] {
+        let body = format!(
+            r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"vram_used_bytes":0,"vram_total_bytes":524288000}}"#
+        );
+        sb.on_health(node, Some(body.as_bytes()), 1000).unwrap();
+    }
+    let mut service = Service::new([A, B], 1000);
+    service.claim_all(&mut store);
+    service.publish(&mut store, &sb, 1000);
+    let (mut r, mut rb) = (Reader::default(), cfg(""));
+    r.sync(&mut store, &mut rb, 1000, STALE);
+    let mut q: HoldQueue<()> = HoldQueue::new(8, 60_000);
+    let w = Weight {
+        prompt_tokens: 400,
+        output_tokens: 10,
+    };
+    for id in 0..4 {
+        q.push(Held::new(id, w, None, Chain::NONE, 1000, ()))
+            .unwrap();
+    }
+    let mut rng = SplitMix64::new(3);
+    let mut books = r.books(&mut store);
+    let out = q.admit(1001, &mut rb, &mut rng, &mut books);
+    let nodes: Vec<Option<usize>> = out
+        .iter()
+        .map(|(_, o)| match o {
+            crate::route::balancer::Outcome::Routed {
+                ticket,
+                over_ceiling: false,
+                ..
+            } => Some(ticket.node),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(nodes, vec![Some(0), Some(0), Some(1), Some(1)], "{out:?}");
 }

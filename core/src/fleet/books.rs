@@ -261,7 +261,6 @@ mod tests {
             },
             reserved_output: reserved,
             cached: 0,
-            dispatched_ms: 0,
         }
     }
 

@@ -116,13 +116,13 @@ mod tests {
     const VLLM: &str = include_str!("../../tests/data/metrics/vllm_v1.prom");
 
     /// Where requests for `model` go, over 40 tries (node indices, each once, sorted).
-    fn destinations(b: &mut Balancer, model: Option<&str>) -> Result<Vec<usize>, Box<Outcome>> {
+    fn destinations(b: &mut Balancer, model: Option<&str>) -> Result<Vec<usize>, Outcome> {
         let mut rng = SplitMix64::new(3);
         let mut seen = Vec::new();
         for _ in 0..40 {
             let o = b.route(W, model, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
             let Some(i) = routed_to(&o) else {
-                return Err(Box::new(o));
+                return Err(o);
             };
             if let Outcome::Routed { ticket, .. } = o {
                 b.release(&ticket, 0);
@@ -167,7 +167,7 @@ mod tests {
         vllm.on_models(0, br#"{"data":[{"id":"m1"}]}"#).unwrap();
         assert_eq!(
             destinations(&mut vllm, Some("gpt-4o")),
-            Err(Box::new(Outcome::UnknownModel))
+            Err(Outcome::UnknownModel)
         );
         // A configured set stays exact whatever the engine: the operator's aliases.
         let mut aliased = Balancer::new(&engine_cfg(&[r#","models":["smollm2"]"#]));
@@ -175,7 +175,7 @@ mod tests {
         assert_eq!(destinations(&mut aliased, Some("smollm2")), Ok(vec![0]));
         assert_eq!(
             destinations(&mut aliased, Some("gpt-4o")),
-            Err(Box::new(Outcome::UnknownModel))
+            Err(Outcome::UnknownModel)
         );
         // The simple JSON format names no engine: its list is exact, as before.
         let mut seed = Balancer::new(&engine_cfg(&[""]));
@@ -184,7 +184,7 @@ mod tests {
         seed.on_models(0, br#"{"data":[{"id":"m1"}]}"#).unwrap();
         assert_eq!(
             destinations(&mut seed, Some("gpt-4o")),
-            Err(Box::new(Outcome::UnknownModel))
+            Err(Outcome::UnknownModel)
         );
     }
 }

@@ -67,8 +67,6 @@ pub struct Ticket {
     /// Prompt tokens the node is believed to hold in its prefix cache (see
     /// `fleet::prefixes`): work it will not do, though their KV is still counted.
     pub cached: u64,
-    /// When it was sent (ms): a report taken before then does not reflect it.
-    pub dispatched_ms: u64,
 }
 
 impl Ticket {
@@ -571,7 +569,6 @@ impl NodeState {
             weight,
             reserved_output,
             cached,
-            dispatched_ms: 0,
         };
         self.books = self.books.apply(&Change::dispatch(&ticket));
         ticket

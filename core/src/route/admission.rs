@@ -1025,7 +1025,6 @@ mod tests {
             weight: w(0),
             reserved_output: 0,
             cached: 0,
-            dispatched_ms: 0,
         };
         let (t0, t1) = (ticket(0), ticket(1));
         b.observe_tpot(&t0, 0.080, 0);
@@ -1048,16 +1047,16 @@ mod tests {
                     b.release(&ticket, 0);
                     Ok(ticket.node)
                 }
-                other => Err(Box::new(other)),
+                other => Err(other),
             }
         };
         assert_eq!(go(&mut b, None, 10), Ok(0));
         assert_eq!(go(&mut b, Some(50), 10), Ok(1));
         assert_eq!(
             go(&mut b, Some(10), 10),
-            Err(Box::new(Outcome::TooLate {
+            Err(Outcome::TooLate {
                 retry_after_ms: 1000
-            }))
+            })
         );
         // Five stale-after periods later, with fresh reports, the figures are forgotten.
         idle(&mut b, 0, 10_000, 10_001);

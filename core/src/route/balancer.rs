@@ -636,7 +636,6 @@ impl Balancer {
         let inflight_before = state.books().inflight_requests;
         let ticket = Ticket {
             generation: self.generation,
-            dispatched_ms: now_ms,
             ..state.dispatch_cached(first.node, weight, growth.own, first.cached)
         };
         books.booked(first.node, &Change::dispatch(&ticket));

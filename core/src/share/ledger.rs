@@ -2,7 +2,7 @@
 //! compare-and-swap, retried on contention, and kept for later when it cannot be written (see
 //! `share` for the rules: the tenant rule, the epoch rule, pending changes).
 
-use crate::fleet::books::{Books, Change, Unreflected};
+use crate::fleet::books::{Books, Change};
 use crate::share::{Read, SetError, Store, StoreFailed, MAX_CAS_RETRIES};
 use std::collections::HashMap;
 
@@ -175,8 +175,7 @@ fn write<S: Store>(
             Ok(None) => return Written::Missing,
             Err(StoreFailed) => return Written::Failed,
         };
-        let books = books.at_epoch(report_epoch);
-        let next = books.apply(&sent_since(change, report_epoch, books.epoch));
+        let next = books.at_epoch(report_epoch).apply(change);
         match store.set(key, &next.encode(), Some(cas)) {
             Ok(()) => {
                 return Written::Yes {
@@ -189,36 +188,6 @@ fn write<S: Store>(
         }
     }
     Written::Exhausted
-}
-
-/// `change` as it applies to books at `books_epoch`, written by a VM that knows the node's
-/// report `report_epoch`. Work added at the report the VM knows, to books at a newer one,
-/// counts at the newer one: a VM writes a dispatch as it sends it, so when another VM has
-/// taken the newer report first the dispatch was sent after that report was taken, and the
-/// report does not reflect it. (The epoch rule alone would drop it from the unreflected part:
-/// every worker would then see the request only at the node's next report, while each keeps
-/// letting held requests out on its own events, onto the node that looks to have room.) Work
-/// taken away, or booked before the report the VM knows (a change kept for later and written
-/// late), stays under the epoch rule: a newer report may have cleared it.
-fn sent_since(change: &Change, report_epoch: u64, books_epoch: u64) -> Change {
-    match change.unreflected {
-        Some(u)
-            if u.epoch == report_epoch
-                && report_epoch < books_epoch
-                && u.requests >= 0
-                && u.tokens >= 0
-                && u.prompt_tokens >= 0 =>
-        {
-            Change {
-                unreflected: Some(Unreflected {
-                    epoch: books_epoch,
-                    ..u
-                }),
-                ..*change
-            }
-        }
-        _ => *change,
-    }
 }
 
 #[cfg(test)]
@@ -245,7 +214,6 @@ mod tests {
             },
             reserved_output: o + 10,
             cached: 0,
-            dispatched_ms: 0,
         }
     }
 
@@ -288,17 +256,10 @@ mod tests {
                 3,
             ),
             (
-                "sent on the report the writer knows, after a newer one was taken: not in it",
+                "a dispatch from an older epoch is already reflected",
                 6,
                 5,
                 5,
-                3,
-            ),
-            (
-                "booked before the report the writer knows (written late): already reflected",
-                6,
-                5,
-                4,
                 2,
             ),
         ];
@@ -331,27 +292,6 @@ mod tests {
             assert_eq!(b.inflight_requests, 3, "{what}: in flight never resets");
             assert_eq!(b.epoch, (*books_epoch).max(*report_epoch), "{what}");
         }
-    }
-
-    /// A release from a VM that has not taken the newer report yet: the work it takes back
-    /// was booked before that report, which cleared it; nothing else is taken.
-    #[test]
-    fn a_release_on_an_older_report_takes_nothing_a_newer_one_cleared() {
-        let mut s = store_with_books();
-        let start = Books {
-            epoch: 6,
-            tenant: T,
-            inflight_requests: 3,
-            unreflected_requests: 2,
-            unreflected_tokens: 20,
-            ..Books::default()
-        };
-        s.set(K, &start.encode(), None).unwrap();
-        let mut l = Ledger::default();
-        let w = l.update(&mut s, K, T, 5, Change::release(&ticket(5, 5, 5), 5), None);
-        assert!(matches!(w, Written::Yes { .. }), "{w:?}");
-        let b = shared(&mut s, K);
-        assert_eq!((b.inflight_requests, b.unreflected_requests), (2, 2));
     }
 
     #[test]

@@ -36,10 +36,7 @@
 //!   poller takes. When an update finds the snapshot's epoch newer than the books', the
 //!   unreflected part resets (that report now reflects that work) before the change applies;
 //!   a change's unreflected part applies only if the books are at the epoch it was booked at.
-//!   So a release never takes away work a newer report already cleared. One exception: a
-//!   dispatch booked at the report its worker knows, written to books at a newer one (another
-//!   worker took that report first), was sent after the newer report was taken, and counts
-//!   there (`ledger::sent_since`).
+//!   So a release never takes away work a newer report already cleared.
 //!
 //! Changes are signed deltas (`Change`), so a change that could not be written (retries
 //! exhausted, key missing, host error) is kept in the VM (`Ledger`'s pending changes), merged

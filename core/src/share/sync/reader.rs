@@ -7,37 +7,10 @@ use crate::fleet::node::Ticket;
 use crate::route::balancer::{Balancer, BookSource};
 use crate::share::journal::{Journal, JournalCounts};
 use crate::share::{
-    Books, Change, Ledger, Read, Snapshot, Store, StoreFailed, Unreflected, Version, FLEET_KEY,
-    VERSION_KEY,
+    Books, Change, Ledger, Read, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
-
-/// Dispatches a reader remembers at most (see `Sent`); past it the oldest is forgotten.
-pub const MAX_SENT: usize = 1024;
-
-/// A dispatch this reader wrote, kept until it takes in a report of its node taken after it.
-///
-/// The poller takes a node's report, finishes its round and publishes the snapshot; a worker
-/// takes the snapshot in on its next request or tick, up to a round later. Dispatches it
-/// sends meanwhile are booked at the report it knows, and the report it then takes in resets
-/// that unreflected part (the epoch rule), though it was taken before they were sent and
-/// does not reflect them. Every worker would see those requests only at the node's next
-/// report, a round during which the node looks emptier by their prompts and is sent more: in
-/// the benchmark, saturated nodes behind the poller service overflowed their VRAM where one
-/// worker polling its own nodes did not. So a reader remembers what it sent, and when it takes
-/// in a report taken before a dispatch, books that dispatch's unreflected part again at the
-/// new report (`Reader::rebook`). Its release, booked at the older report, takes nothing
-/// away: the next report clears it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Sent {
-    node: usize,
-    tenant: u64,
-    at_ms: u64,
-    requests: i64,
-    tokens: i64,
-    prompt_tokens: i64,
-}
 
 /// Why a reader has no usable fleet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,8 +76,6 @@ pub struct Reader {
     warned: bool,
     /// Where every worker's prompts went (see `share::journal`).
     pub(crate) journal: Journal,
-    /// The dispatches no report taken in yet has seen (see `Sent`).
-    sent: VecDeque<Sent>,
 }
 
 impl Reader {
@@ -189,12 +160,9 @@ impl Reader {
                     Ok(Some((bytes, _))) => match Snapshot::decode(&bytes) {
                         Ok(snapshot) => {
                             out.counts.imported = out.counts.imported.saturating_add(1);
-                            let before: Vec<u64> =
-                                balancer.nodes().iter().map(|n| n.epoch()).collect();
                             out.joined = balancer.mirror_fleet(&snapshot).joined;
                             let imported = balancer.import_fleet(&snapshot);
                             self.map_books(balancer, &snapshot);
-                            self.rebook(store, balancer, &before, &mut out.counts);
                             if !self.fleet_ok {
                                 out.lacking = imported.missing;
                             }
@@ -224,70 +192,6 @@ impl Reader {
         self.fleet_ok = usable;
         out.usable = usable;
         out
-    }
-
-    /// Books again, at each node's new report, the unreflected part of the dispatches sent
-    /// after that report was taken (see `Sent`); forgets the ones it saw. `before` is each
-    /// node's report epoch before the snapshot was taken in.
-    fn rebook<S: Store>(
-        &mut self,
-        store: &mut S,
-        balancer: &Balancer,
-        before: &[u64],
-        counts: &mut Counts,
-    ) {
-        if self.sent.is_empty() {
-            return;
-        }
-        let nodes = balancer.nodes();
-        let mut again: Vec<(usize, u64, Unreflected)> = Vec::new();
-        self.sent.retain(|s| {
-            let Some(n) = nodes.get(s.node).filter(|n| n.tenant() == s.tenant) else {
-                // Its node left, or the slot is another node's now.
-                return false;
-            };
-            if before.get(s.node).is_some_and(|e| n.epoch() <= *e) {
-                return true;
-            }
-            match n.reported_at() {
-                Some(at) if s.at_ms >= at => {
-                    let epoch = n.epoch();
-                    match again.iter_mut().find(|(i, _, _)| *i == s.node) {
-                        Some((_, _, u)) => {
-                            u.requests = u.requests.saturating_add(s.requests);
-                            u.tokens = u.tokens.saturating_add(s.tokens);
-                            u.prompt_tokens = u.prompt_tokens.saturating_add(s.prompt_tokens);
-                        }
-                        None => again.push((
-                            s.node,
-                            s.tenant,
-                            Unreflected {
-                                epoch,
-                                requests: s.requests,
-                                tokens: s.tokens,
-                                prompt_tokens: s.prompt_tokens,
-                            },
-                        )),
-                    }
-                    true
-                }
-                // The report saw it.
-                _ => false,
-            }
-        });
-        for (node, tenant, u) in again {
-            let Some(Some(book)) = self.keys.get(node) else {
-                continue;
-            };
-            let change = Change {
-                unreflected: Some(u),
-                ..Change::default()
-            };
-            counts.add(
-                self.ledger
-                    .update(store, &book.key, tenant, u.epoch, change, None),
-            );
-        }
     }
 
     /// The books key of each node, from the slots of `snapshot`, matched by address. A key is
@@ -341,19 +245,6 @@ impl Reader {
             return Counts::default();
         };
         let epoch = balancer.nodes().get(node).map_or(0, |n| n.epoch());
-        if let Some(u) = change.unreflected.filter(|_| change.requests > 0) {
-            if self.sent.len() >= MAX_SENT {
-                self.sent.pop_front();
-            }
-            self.sent.push_back(Sent {
-                node,
-                tenant: ticket.tenant,
-                at_ms: ticket.dispatched_ms,
-                requests: u.requests,
-                tokens: u.tokens,
-                prompt_tokens: u.prompt_tokens,
-            });
-        }
         Counts::of(
             self.ledger
                 .update(store, &book.key, ticket.tenant, epoch, change, known),

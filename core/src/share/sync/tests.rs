@@ -73,7 +73,6 @@ fn ticket(node: usize, address: &str) -> Ticket {
         },
         reserved_output: 60,
         cached: 0,
-        dispatched_ms: 0,
         // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
         generation: 0,
     }
@@ -432,70 +431,6 @@ fn the_service_sees_which_slots_have_requests_in_flight() {
     // Books that cannot be read count as busy: the node is polled.
     store.fail = true;
     assert!(s.in_flight(&mut store, 0));
-}
-
-/// A dispatch sent after the poller took a node's report, but before this reader took that
-/// report in, is not in it: when the reader takes it in, the dispatch is booked again at the
-/// new report, and only once. A dispatch sent before a report is in it, and is forgotten.
-#[test]
-fn a_dispatch_the_report_taken_in_did_not_see_stays_unreflected() {
-    let mut store = Mem::default();
-    let (mut service, mut sb) = started(&mut store, &[A, B], 1000);
-    let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
-    r.sync(&mut store, &mut rb, 1000, STALE);
-    let key = r.key(0).unwrap().key.clone();
-    let send = |r: &mut Reader, store: &mut Mem, rb: &Balancer, at_ms: u64| {
-        let t = Ticket {
-            epoch: rb.nodes()[0].epoch(),
-            dispatched_ms: at_ms,
-            ..ticket(0, A)
-        };
-        r.write(store, rb, &t, Change::dispatch(&t), None);
-    };
-    send(&mut r, &mut store, &rb, 1010);
-    assert_eq!(store.books(&key).unreflected_requests, 1);
-    // The poller took node A's report at 1008, before the dispatch, and publishes it.
-    report(&mut sb, 0, 1008);
-    service.publish(&mut store, &sb, 1020);
-    r.sync(&mut store, &mut rb, 1040, STALE);
-    let b = store.books(&key);
-    assert_eq!(b.epoch, rb.nodes()[0].epoch(), "books at the new report");
-    assert_eq!(
-        b.unreflected_requests, 1,
-        "the dispatch is not in that report"
-    );
-    assert_eq!(b.inflight_requests, 1, "and in flight once");
-    // A report taken after it (1060) sees it: it is cleared, and not booked again.
-    report(&mut sb, 0, 1060);
-    service.publish(&mut store, &sb, 1070);
-    r.sync(&mut store, &mut rb, 1090, STALE);
-    let later = Ticket {
-        epoch: rb.nodes()[0].epoch(),
-        ..ticket(0, A)
-    };
-    r.write(
-        &mut store,
-        &rb,
-        &later,
-        Change::progress(&later, 0, 1),
-        None,
-    );
-    assert_eq!(store.books(&key).unreflected_requests, 0);
-    report(&mut sb, 0, 1100);
-    service.publish(&mut store, &sb, 1110);
-    r.sync(&mut store, &mut rb, 1130, STALE);
-    r.write(
-        &mut store,
-        &rb,
-        &later,
-        Change::progress(&later, 1, 2),
-        None,
-    );
-    assert_eq!(
-        store.books(&key).unreflected_requests,
-        0,
-        "booked again once only"
-    );
 }
 
 /// Held requests let out together, behind the poller service: each is routed knowing where

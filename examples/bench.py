@@ -212,7 +212,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         hits = sum(e.get("prefix_cache_hits", 0) for e in engines.values())
         doc["summary"]["engine_prefix_hit_rate"] = hits / queries if queries else None
         # Where the filter let a request go over the VRAM ceiling: at once (every node was
-        # between vram_ceiling and hold_kv_ceiling for it), or after a hold of max_hold_ms.
+        # between vram_ceiling and hold_kv_ceiling for it), or after being held (the same, or
+        # its hold ran out).
         if policy in ("naive_seed", "token_balancer", *VARIANTS):
             c = envoy.counters()
             doc["summary"]["filter"] = {k: c.get(f"token_balancer.{k}", 0) for k in (

@@ -140,7 +140,8 @@ pub struct Outcome {
     pub peak_held: usize,
     /// Routing decisions the balancer could not make (fallback to least_request).
     pub fallbacks: u64,
-    /// Requests routed over the VRAM ceiling (held past `max_hold_ms`, or never held).
+    /// Requests routed over the VRAM ceiling: at once, every node being between the two
+    /// ceilings for them, or once held for `max_hold_ms`.
     pub over_ceiling: u64,
     /// Per request routed by token-balancer: the first-token forecast made when it was sent
     /// (seconds) and its observed time to first token from then over that forecast.

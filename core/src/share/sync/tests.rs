@@ -442,14 +442,14 @@ fn held_requests_let_out_together_see_each_others_dispatches() {
     use crate::ingest::prompt::Chain;
     use crate::rng::SplitMix64;
     use crate::route::admission::{Held, HoldQueue};
-    let cfg = |extra: &str| {
+    let cfg = || {
         let json = format!(
-            r#"{{"nodes":[{{"address":"{A}"}},{{"address":"{B}"}}],"health_cluster":"h","max_hold_ms":60000{extra}}}"#
+            r#"{{"nodes":[{{"address":"{A}"}},{{"address":"{B}"}}],"health_cluster":"h","max_hold_ms":60000}}"#
         );
         Balancer::new(&Config::parse(json.as_bytes()).unwrap())
     };
     let mut store = Mem::default();
-    let mut sb = cfg("");
+    let mut sb = cfg();
     // 1,000-token caches (512 KiB a token), empty.
     for (node, cap) in [(0, 10_000), (1, 1_000)] {
         let body = format!(
@@ -460,7 +460,7 @@ fn held_requests_let_out_together_see_each_others_dispatches() {
     let mut service = Service::new([A, B], 1000);
     service.claim_all(&mut store);
     service.publish(&mut store, &sb, 1000);
-    let (mut r, mut rb) = (Reader::default(), cfg(""));
+    let (mut r, mut rb) = (Reader::default(), cfg());
     r.sync(&mut store, &mut rb, 1000, STALE);
     let mut q: HoldQueue<()> = HoldQueue::new(8, 60_000);
     let w = Weight {

@@ -61,11 +61,8 @@ VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             # The shipped configuration on another build of the filter (--previous-wasm): two
             # commits side by side in one run.
             "tb_previous": {},
-            # Holds of another length (model time, scaled like the shipped timing), on this
-            # build and on the other one.
-            "tb_hold_10s": {"max_hold_ms": 10000},
+            # Holds of 60 s (model time, scaled like the shipped timing), against the shipped 10.
             "tb_hold_60s": {"max_hold_ms": 60000},
-            "tb_previous_hold_10s": {"max_hold_ms": 10000},
             # token-balancer without prefix pricing: every node charged the whole prompt.
             "tb_no_prefix": {"prefix": {"enabled": False}},
             # Our re-implementation of the inference gateway's default scoring (queue 2, KV 2,
@@ -129,7 +126,7 @@ def envoy_for(policy: str, nodes: list[str], poller: str = "vm", time_scale: flo
     # And a variant's quiet period, scaled as the tick is (so the tick itself stays the tick).
     if "quiet_poll_ms" in plugin:
         plugin["quiet_poll_ms"] = max(10, round(plugin["quiet_poll_ms"] / time_scale))
-    wasm = PREVIOUS_WASM if policy.startswith("tb_previous") else None
+    wasm = PREVIOUS_WASM if policy == "tb_previous" else None
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm, poller=poller)
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())
@@ -261,7 +258,7 @@ def ratios(results: dict[str, dict]) -> str:
     tb = results["token_balancer"]["summary"]
     out = []
     for base in ("least_request", "round_robin", "cswrr_orca", "ring_hash", "gateway_profile", "tb_no_prefix",
-                 "naive_seed", "tb_previous", "tb_previous_hold_10s"):
+                 "naive_seed", "tb_previous"):
         if base not in results:
             continue
         b = results[base]["summary"]
@@ -414,9 +411,9 @@ def main():
         presets = [g for g in args.cluster.split(",") if g]
         CLUSTER = [(f"{g}-{i + 1}", f"gpu={g}") for i, g in enumerate(presets)]
     policies = [p for p in args.policies.split(",") if p]
-    if args.previous_wasm and not any(p.startswith("tb_previous") for p in policies):
+    if args.previous_wasm and "tb_previous" not in policies:
         policies.append("tb_previous")
-    if any(p.startswith("tb_previous") for p in policies) and not args.previous_wasm:
+    if "tb_previous" in policies and not args.previous_wasm:
         ap.error("policy tb_previous needs --previous-wasm")
     unknown = set(policies) - set(POLICIES) - set(VARIANTS) - set(BASELINES)
     if unknown:

@@ -273,6 +273,11 @@ impl<H: Host> Metrics<H> {
         }
     }
 
+    /// Adds `n` to a counter (nothing when `n` is 0).
+    pub fn add(&self, stat: Stat, n: u64) {
+        self.shift(stat, saturating_i64(n));
+    }
+
     /// Sets a gauge.
     pub fn record(&self, stat: Stat, value: u64) {
         let id = self.id(stat);
@@ -293,8 +298,7 @@ impl<H: Host> Metrics<H> {
         }
         let id = self.node_id(node, stat);
         if id != 0 {
-            self.host
-                .increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+            self.host.increment_metric(id, saturating_i64(n));
         }
     }
 
@@ -349,6 +353,11 @@ impl<H: Host> Metrics<H> {
             }
         }
     }
+}
+
+/// A count as a metric delta, saturating at `i64::MAX`.
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

@@ -151,10 +151,8 @@ impl<H: Host> State<H> {
                 self.metrics.bump_node(ticket.node, NodeStat::Picks);
                 if self.balancer.prefixes().is_some() {
                     let (prompt, cached) = (ticket.weight.prompt_tokens, ticket.cached);
-                    self.metrics
-                        .shift(Stat::PrefixPromptTokens, saturating_i64(prompt));
-                    self.metrics
-                        .shift(Stat::PrefixCachedTokens, saturating_i64(cached));
+                    self.metrics.add(Stat::PrefixPromptTokens, prompt);
+                    self.metrics.add(Stat::PrefixCachedTokens, cached);
                     self.metrics
                         .add_node(ticket.node, NodeStat::PromptTokens, prompt);
                     self.metrics
@@ -312,10 +310,6 @@ impl<H: Host> State<H> {
         }
         out
     }
-}
-
-fn saturating_i64(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 /// The filter-state key of a request's explanation with `explain.access_log`; Envoy's access

@@ -174,6 +174,7 @@ impl<H: Host> State<H> {
                     inflight_before,
                     over_ceiling,
                     compared,
+                    choices: self.balancer.params().choices,
                 }));
                 Placed {
                     ticket: Some(ticket),

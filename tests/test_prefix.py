@@ -30,10 +30,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def envoy(cluster):
-    # The shipped power-of-two choices: the node holding a prefix must be compared although
-    # the draws pick two of four.
+    # Power-of-two choices (what `choices: auto` uses behind many routers): the node holding
+    # a prefix must be compared although the draws pick two of four.
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
-                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS})
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, "choices": 2})
     e = Envoy(cfg)
     yield e
     e.stop()

@@ -125,8 +125,9 @@ pub struct Config {
     /// `least_reported_load`, kept only as a benchmark baseline.
     pub policy: Rule,
     /// How many candidates the choice compares per request: power-of-d choices over nodes
-    /// drawn in proportion to their capacity (2, the default), or 0 for all nodes (argmin).
-    pub choices: usize,
+    /// drawn in proportion to their capacity, 0 for all nodes (argmin), or `auto` (the
+    /// default): as many as the number of routers sharing the fleet allows (`route::routers`).
+    pub choices: Choices,
     /// Longest a request waits in the filter while every node is predicted over the VRAM
     /// ceiling, before it is routed anyway. 0 (default) never holds: such a request goes at
     /// once to the node that overflows least.
@@ -375,6 +376,16 @@ pub enum Poller {
     /// configuration and root_id `token_balancer_poller`, polls and publishes the fleet in
     /// shared data; the filter VMs read it and share their in-flight books there.
     Singleton,
+}
+
+/// How many candidates the choice compares per request (`choices`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choices {
+    /// Follows how many routers share the fleet, learned from the engines' reports (see
+    /// `route::routers`).
+    Auto,
+    /// This many drawn candidates; 0 compares every node.
+    Fixed(usize),
 }
 
 /// What happens to a request naming a model that every node is known not to serve.
@@ -904,14 +915,26 @@ impl Config {
                 ))
             }
         };
-        let choices = f.uint("choices")?.unwrap_or(2);
-        if choices > 64 {
-            return Err(err(
-                "choices",
-                "must be at most 64 (0 compares every node); more samples than that cost more \
-                 than a full comparison saves",
-            ));
-        }
+        let choices = match f.get("choices") {
+            None => Choices::Auto,
+            Some(Value::String(s)) if s == "auto" => Choices::Auto,
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= 64 => Choices::Fixed(usize::try_from(n).unwrap_or(0)),
+                Some(_) => {
+                    return Err(err(
+                        "choices",
+                        "must be at most 64 (0 compares every node); more samples than that \
+                         cost more than a full comparison saves",
+                    ))
+                }
+                None => {
+                    return Err(err(
+                        "choices",
+                        "must be \"auto\" or an integer from 0 (every node) to 64",
+                    ))
+                }
+            },
+        };
         let max_hold_ms = f.uint("max_hold_ms")?.unwrap_or(0);
         if max_hold_ms > 600_000 {
             return Err(err(
@@ -1001,7 +1024,7 @@ impl Config {
             models_poll_ms,
             unknown_model,
             policy,
-            choices: usize::try_from(choices).unwrap_or(0),
+            choices,
             max_hold_ms,
             hold_kv_ceiling,
             unhealthy_after_failures,
@@ -1090,7 +1113,7 @@ mod tests {
         assert_eq!(c.debug_header, None);
         assert_eq!(c.beliefs_path, None);
         assert_eq!(c.policy, Rule::TokenThroughput);
-        assert_eq!(c.choices, 2);
+        assert_eq!(c.choices, Choices::Auto);
         assert_eq!(c.max_hold_ms, 0);
         assert_eq!(c.max_held_requests, 1024);
         assert_eq!(c.hold_kv_ceiling, 1.0);
@@ -1135,7 +1158,12 @@ mod tests {
         assert_eq!(c.debug_header.as_deref(), Some("x-token-balancer-debug"));
         assert_eq!(c.beliefs_path.as_deref(), Some("/token-balancer/beliefs"));
         assert_eq!(c.policy, Rule::LeastReportedLoad);
-        assert_eq!(c.choices, 0);
+        assert_eq!(c.choices, Choices::Fixed(0));
+        let auto = Config::parse(
+            br#"{"nodes":[{"address":"10.0.0.1:8000"}],"health_cluster":"h","choices":"auto"}"#,
+        )
+        .unwrap();
+        assert_eq!(auto.choices, Choices::Auto);
         assert_eq!(c.max_hold_ms, 5000);
         assert_eq!(c.max_held_requests, 10);
         assert_eq!(
@@ -1204,6 +1232,8 @@ mod tests {
             (with(r#""policy":1"#), "policy"),
             (with(r#""choices":65"#), "choices"),
             (with(r#""choices":-1"#), "choices"),
+            (with(r#""choices":"two""#), "choices"),
+            (with(r#""choices":2.5"#), "choices"),
             (with(r#""membership":{}"#), "membership.cluster"),
             (with(r#""membership":{"cluster":"c"}"#), "membership.admin_cluster"),
             (with(r#""membership":{"cluster":"","admin_cluster":"a"}"#), "membership.cluster"),

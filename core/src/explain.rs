@@ -51,6 +51,9 @@ pub struct Route {
     pub over_ceiling: bool,
     /// The nodes of the routing header, in its order, as they were weighed.
     pub compared: Box<[Ranked]>,
+    /// Candidates the choice compared per request when it chose (0: every node); with
+    /// `choices: auto` it follows how many routers share the fleet.
+    pub choices: usize,
 }
 
 /// One request's decision, as the debug header and the explanation tell it.
@@ -125,7 +128,12 @@ impl Decision {
                     let _ = write!(out, "; held_ms={ms}");
                 }
                 if full.is_some() {
-                    let _ = write!(out, "; weight_tokens={}; candidates=", r.weight.total());
+                    let _ = write!(
+                        out,
+                        "; weight_tokens={}; choices={}; candidates=",
+                        r.weight.total(),
+                        r.choices
+                    );
                     for (i, (address, n)) in r.header_value.split(',').zip(&r.compared).enumerate()
                     {
                         let sep = if i == 0 { "" } else { "," };
@@ -304,6 +312,7 @@ mod tests {
                 predicted_seconds: 0.0417,
                 inflight_before: 3,
                 over_ceiling,
+                choices: 16,
                 compared: vec![
                     Ranked {
                         node: 0,
@@ -372,7 +381,7 @@ mod tests {
             "decision=routed; why=shortest_predicted_time; model=llama-3-8b; \
              node=10.0.0.1:8000,[fd00::2]:8000; prompt_tokens=812; cached_tokens=512; output_tokens=214; \
              output_cap=1024; predicted_ms=41.7; inflight=3; held_ms=350; weight_tokens=1026; \
-             candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
+             choices=16; candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
         );
         let over = routed(true, None).render(full, Asked::default());
         assert!(

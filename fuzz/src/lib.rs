@@ -373,6 +373,10 @@ fn to_json(c: &Config) -> Value {
         UnknownModel::Fallback => "fallback",
         UnknownModel::Reject => "reject",
     };
+    let choices = match c.choices {
+        token_balancer_core::config::Choices::Auto => json!("auto"),
+        token_balancer_core::config::Choices::Fixed(d) => json!(d),
+    };
     let poller = match c.poller {
         Poller::Vm => "vm",
         Poller::Singleton => "singleton",
@@ -391,7 +395,7 @@ fn to_json(c: &Config) -> Value {
         "kv_bytes_per_token": c.kv_bytes_per_token,
         "max_hosts_in_header": c.max_hosts_in_header,
         "policy": policy,
-        "choices": c.choices,
+        "choices": choices,
         "max_hold_ms": c.max_hold_ms,
         "max_held_requests": c.max_held_requests,
         "hold_kv_ceiling": c.hold_kv_ceiling,

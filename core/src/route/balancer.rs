@@ -18,7 +18,7 @@
 //! `now_ms` and randomness as a `Rng`, so every behaviour is tested natively and, compiled to
 //! wasm32-wasip1, in the same instruction set the filter ships in.
 
-use crate::config::{Config, NodeConfig};
+use crate::config::{Choices, Config, NodeConfig};
 use crate::fleet::membership::Fleet;
 pub use crate::fleet::membership::{MemberChange, MAX_NODES};
 use crate::fleet::models::{self, ListError, Serves};
@@ -35,6 +35,7 @@ use crate::route::candidates::{self, Pool};
 use crate::route::choice::{Ask, AssumedCapacity, Growth, Params, Prefix, Ranked};
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
+use crate::route::routers::{self, Routers};
 pub use crate::share::fleet::Imported;
 use crate::share::{self, Books, Change, NodeView, Snapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -168,6 +169,9 @@ pub struct Balancer {
     outputs: OutputModel,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
+    /// How many routers share the fleet, with `choices: "auto"`: it sets `params.choices`
+    /// (see `routers`).
+    routers: Option<Routers>,
     /// The model names the fleet serves by name (see `names`).
     named: Named,
     /// Where the prompts routed so far are believed cached (see `prefixes`); `None` with
@@ -200,7 +204,10 @@ impl Balancer {
                 vram_ceiling: cfg.vram_ceiling,
                 kv_bytes_per_token: cfg.kv_bytes_per_token,
                 keep: cfg.max_hosts_in_header,
-                choices: cfg.choices,
+                choices: match cfg.choices {
+                    Choices::Auto => routers::MANY_CHOICES,
+                    Choices::Fixed(d) => d,
+                },
             },
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,
@@ -208,6 +215,7 @@ impl Balancer {
             first_asked_ms: None,
             outputs: OutputModel::default(),
             pool: Pool::default(),
+            routers: (cfg.choices == Choices::Auto).then(Routers::default),
             named: Named::default(),
             prefixes: cfg
                 .prefix
@@ -505,9 +513,14 @@ impl Balancer {
         // Only in a fleet with nodes that serve any name does it matter whether some node
         // names the model (see `models`); the names are gathered when they change.
         let named = model.is_some_and(|m| self.named.named(self.fleet.nodes(), m));
-        if self.params.choices > 0 || self.prefixes.is_some() {
-            self.pool
+        if self.params.choices > 0 || self.prefixes.is_some() || self.routers.is_some() {
+            let rebuilt = self
+                .pool
                 .refresh(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
+            if let Some(r) = self.routers.as_mut().filter(|_| rebuilt) {
+                r.observe(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
+                self.params.choices = r.choices();
+            }
         }
         let prefix = match &self.prefixes {
             Some(index) if !chain.is_empty() => Some(Prefix {

@@ -53,8 +53,8 @@ impl Pool {
         self.dirty = true;
     }
 
-    /// Rebuilds the pool if it may be out of date at `now_ms`.
-    pub fn refresh(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {
+    /// Rebuilds the pool if it may be out of date at `now_ms`; says whether it did.
+    pub fn refresh(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) -> bool {
         let due = match self.built_at {
             None => true,
             Some(at) => {
@@ -64,6 +64,7 @@ impl Pool {
         if due {
             self.rebuild(nodes, now_ms, stale_after_ms);
         }
+        due
     }
 
     fn rebuild(&mut self, nodes: &[NodeState], now_ms: u64, stale_after_ms: u64) {

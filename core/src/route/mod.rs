@@ -10,5 +10,6 @@ pub mod outputs;
 #[cfg(test)]
 mod prefix_tests;
 pub mod ranking;
+pub mod routers;
 #[cfg(test)]
 pub(crate) mod testing;

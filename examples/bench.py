@@ -56,8 +56,10 @@ SHIPPED_TICK_MS = 250
 # with one setting changed.
 VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             "tb_hold_at_ceiling": {"hold_kv_ceiling": 0.9},
-            # Every node compared on every request (argmin), against the shipped two choices.
+            # Every node compared on every request (argmin), and two choices whatever the
+            # routers, against the shipped `auto`.
             "tb_argmin": {"choices": 0},
+            "tb_two_choices": {"choices": 2},
             # The shipped configuration on another build of the filter (--previous-wasm): two
             # commits side by side in one run.
             "tb_previous": {},

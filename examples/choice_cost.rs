@@ -97,6 +97,10 @@ fn main() {
         (2, 1000, 1, false),
         (2, 1000, 10, false),
         (2, 1000, 100, false),
+        // What `choices: auto` compares behind one or two routers.
+        (16, 100, 1, false),
+        (16, 1000, 1, false),
+        (16, 1000, 10, false),
         (0, 10, 1, false),
         (0, 100, 1, false),
         (0, 1000, 1, false),

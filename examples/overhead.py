@@ -12,8 +12,9 @@ fast as a real HTTP server gets, so what differs is the proxy):
 - the floor (examples/wasm-floor): a Wasm filter that only pauses the request, copies the body
   into the VM and writes one header, which any body-based router in Envoy must do: what hosting
   such a filter costs, before any work of token-balancer's;
-- token-balancer exactly as shipped (envoy/envoy.yaml: poller service, two choices, debug header
-  off), measured once it routes by its own choice;
+- token-balancer exactly as shipped (envoy/envoy.yaml: poller service, `choices: auto`, which
+  stays at two here since the instant nodes report no load, debug header off), measured once it
+  routes by its own choice;
 - the ext_proc peer (examples/extproc-picker): no Wasm filter, Envoy's `ext_proc` filter asking
   an external picker process over gRPC (one stream per request: request headers, the buffered
   request body, response headers), the way the Gateway API Inference Extension's endpoint picker
@@ -275,6 +276,9 @@ def routed_count(kind: str, e: Envoy) -> int:
 POST = {"content-type": "application/json"}
 # Settings over the shipped configuration (--plugin), e.g. a longer tick for a large fleet.
 PLUGIN: dict = {}
+# Settings over those for the `tb_previous` kind only (--previous-plugin): two configurations of
+# one build side by side.
+PREVIOUS_PLUGIN: dict = {}
 
 
 def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int = 1,
@@ -298,9 +302,10 @@ def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int
         cfg.pop("bootstrap_extensions", None)
         cfg = with_wasm(cfg, FLOOR_WASM)
     else:
+        previous = kind == "tb_previous"
         cfg = envoy_config(nodes, free_port(), free_port(),
-                           plugin={"debug_header": None, **PLUGIN}, poller="singleton",
-                           wasm_file=PREVIOUS_WASM if kind == "tb_previous" else None)
+                           plugin={"debug_header": None, **PLUGIN, **(PREVIOUS_PLUGIN if previous else {})},
+                           poller="singleton", wasm_file=PREVIOUS_WASM if previous else None)
     try:
         e = Envoy(cfg, concurrency=concurrency)
     except BaseException:
@@ -499,7 +504,8 @@ def table(results: list[dict], args, pinned: str) -> str:
         f"{args.warmup:g} s of warm-up (medians; "
         f"differences and ratios taken within each round), 4 KiB chat body, one connection for "
         f"latency, {args.connections} for throughput. {pinned}"
-        + (f" Filter settings over the shipped ones: `{json.dumps(PLUGIN)}`." if PLUGIN else ""),
+        + (f" Filter settings over the shipped ones: `{json.dumps(PLUGIN)}`." if PLUGIN else "")
+        + (f" For tb_previous: `{json.dumps(PREVIOUS_PLUGIN)}`." if PREVIOUS_PLUGIN else ""),
         "",
         "| nodes | Envoy | p50 (us) | p99 (us) | req/s | CPU per request (us; Envoy, + picker for ext_proc) "
         "| p50 added | p99 added | req/s kept | CPU added |",
@@ -589,10 +595,14 @@ def main():
     ap.add_argument("--previous-wasm", type=Path, default=None,
                     help="another build of token_balancer.wasm, measured beside this one in every round "
                          "(compare two commits in one run)")
+    ap.add_argument("--previous-plugin", default="{}",
+                    help="JSON object of filter settings for the --previous-wasm build only, e.g. "
+                         "'{\"choices\": 2}' with this build as --previous-wasm: two configurations side by side")
     ap.add_argument("--no-extproc", action="store_true",
                     help="leave the ext_proc picker out (a quicker comparison of builds)")
     args = ap.parse_args()
     PLUGIN.update(json.loads(args.plugin))
+    PREVIOUS_PLUGIN.update(json.loads(args.previous_plugin))
     if args.no_extproc:
         KINDS.remove("extproc")
     if args.previous_wasm:

@@ -133,6 +133,7 @@ impl<H: Host> State<H> {
                 over_ceiling,
                 inflight_before,
                 compared,
+                choices,
             } => {
                 if self
                     .host
@@ -174,7 +175,7 @@ impl<H: Host> State<H> {
                     inflight_before,
                     over_ceiling,
                     compared,
-                    choices: self.balancer.params().choices,
+                    choices: usize::from(choices),
                 }));
                 Placed {
                     ticket: Some(ticket),

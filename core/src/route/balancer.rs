@@ -65,6 +65,9 @@ pub enum Outcome {
         inflight_before: u64,
         /// The nodes of the routing header, in its order, as they were weighed (visibility).
         compared: Box<[Ranked]>,
+        /// Candidates the choice drew for this request (0: every node), as `choices` and
+        /// the traffic set it (see `routers`; visibility). At most 64.
+        choices: u8,
     },
     /// No basis to choose: the routing header is not set and Envoy's fallback balancer routes.
     NoFreshNodes,
@@ -522,6 +525,24 @@ impl Balancer {
                 self.params.choices = r.choices();
             }
         }
+        // Where the traffic reuses prefixes, a prompt is weighed between the nodes that hold
+        // its opening (or the one preferred for a new one) and two drawn nodes, whatever
+        // `auto` compares otherwise (see `routers`).
+        let held = matches!(&self.prefixes, Some(index) if index.holds_start(&chain.blocks));
+        let params = Params {
+            choices: match &mut self.routers {
+                Some(r) if !chain.is_empty() && self.prefixes.is_some() => {
+                    r.reuse_seen(held);
+                    if r.reuses_prefixes() {
+                        self.params.choices.min(routers::MANY_CHOICES)
+                    } else {
+                        self.params.choices
+                    }
+                }
+                _ => self.params.choices,
+            },
+            ..self.params
+        };
         let prefix = match &self.prefixes {
             Some(index) if !chain.is_empty() => Some(Prefix {
                 index,
@@ -542,14 +563,14 @@ impl Balancer {
             named,
             prefix,
         };
-        let sampled = if self.params.choices > 0 {
+        let sampled = if params.choices > 0 {
             candidates::sample(
                 self.fleet.nodes_mut(),
                 &self.pool,
                 &ask,
                 mean,
                 now_ms,
-                &self.params,
+                &params,
                 rng,
                 &mut |i, n| load_books(books, i, n),
             )
@@ -668,6 +689,7 @@ impl Balancer {
             over_ceiling,
             inflight_before,
             compared: ranked.into_boxed_slice(),
+            choices: u8::try_from(params.choices).unwrap_or(u8::MAX),
         }
     }
 

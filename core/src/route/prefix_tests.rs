@@ -7,6 +7,7 @@ use crate::ingest::prompt::{self, Chain};
 use crate::ingest::request::Weight;
 use crate::rng::SplitMix64;
 use crate::route::balancer::{Balancer, Outcome, OwnBooks};
+use crate::route::routers;
 use crate::route::testing::*;
 
 /// A chat prompt: `system` then `question`, its chain in 256-character blocks, and its weight
@@ -288,4 +289,54 @@ fn the_gateway_profile_scores_queue_kv_and_prefix() {
         .unwrap();
     let t = routed(&go(&mut b, &prompt(&sys, "once more", 10), 30, &mut rng)).unwrap();
     assert_ne!(t.node, home, "2 x 0 + 2 x 0.2 + 3 x 1 against 4");
+}
+
+/// The candidates a routed request was weighed among (see `routers`).
+fn choices_of(o: &Outcome) -> Option<usize> {
+    match o {
+        Outcome::Routed { choices, .. } => Some(usize::from(*choices)),
+        _ => None,
+    }
+}
+
+/// `choices: auto` behind one router: two candidates until the engines report this router's
+/// requests, then 16 for prompts that are all new, and two again while the traffic reuses
+/// prefixes (where a new prefix goes decides where its tenant's later requests go).
+#[test]
+fn auto_choices_follow_the_routers_and_the_reuse_of_prefixes() {
+    let n = 20;
+    let mut b = idle_fleet(n, "");
+    let mut rng = SplitMix64::new(5);
+    let unique = |i: u32| prompt(&system(1_000 + i, 2_000), "question", 50);
+    // Unreported, and prompts taken as reused: two.
+    let first = go(&mut b, &unique(0), 10, &mut rng);
+    assert_eq!(choices_of(&first), Some(2));
+    // Two hundred new prompts in flight, then reports that show each node running what this
+    // router sent it: its share is all of it.
+    let mut per_node = vec![0u32; n];
+    for i in 1..200 {
+        if let Some(t) = routed(&go(&mut b, &unique(i), 20, &mut rng)) {
+            if let Some(c) = per_node.get_mut(t.node) {
+                *c += 1;
+            }
+        }
+    }
+    for (i, c) in per_node.iter().enumerate() {
+        let body = format!(
+            r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"running_requests":{c},"queue_depth":0}}"#
+        );
+        b.on_health(i, Some(body.as_bytes()), 2_000).unwrap();
+    }
+    let new = go(&mut b, &unique(500), 2_000, &mut rng);
+    assert_eq!(choices_of(&new), Some(routers::FEW_CHOICES));
+    // A tenant's system prompt, sent over and over: once most prompts find their opening
+    // cached, two candidates (its holders join them) for every prompt, new ones included.
+    let sys = system(7, 4_000);
+    for i in 0..200 {
+        go(&mut b, &prompt(&sys, &format!("q{i}"), 10), 2_100, &mut rng);
+    }
+    let held = go(&mut b, &prompt(&sys, "again", 10), 2_200, &mut rng);
+    assert_eq!(choices_of(&held), Some(2));
+    let new = go(&mut b, &unique(900), 2_200, &mut rng);
+    assert_eq!(choices_of(&new), Some(2));
 }

@@ -528,16 +528,13 @@ impl Balancer {
         // Where the traffic reuses prefixes, a prompt is weighed between the nodes that hold
         // its opening (or the one preferred for a new one) and two drawn nodes, whatever
         // `auto` compares otherwise (see `routers`).
+        // The share of reuse counts the prompts routed (below), not every attempt of a held
+        // one.
         let held = matches!(&self.prefixes, Some(index) if index.holds_start(&chain.blocks));
         let params = Params {
-            choices: match &mut self.routers {
-                Some(r) if !chain.is_empty() && self.prefixes.is_some() => {
-                    r.reuse_seen(held);
-                    if r.reuses_prefixes() {
-                        self.params.choices.min(routers::MANY_CHOICES)
-                    } else {
-                        self.params.choices
-                    }
+            choices: match &self.routers {
+                Some(r) if r.reuses_prefixes() && !chain.is_empty() && self.prefixes.is_some() => {
+                    self.params.choices.min(routers::MANY_CHOICES)
                 }
                 _ => self.params.choices,
             },
@@ -674,6 +671,9 @@ impl Balancer {
         };
         books.booked(first.node, &Change::dispatch(&ticket));
         if let Some(ix) = self.prefixes.as_mut() {
+            if let Some(r) = self.routers.as_mut().filter(|_| !chain.is_empty()) {
+                r.reuse_seen(held);
+            }
             ix.record(first.node, &chain.blocks);
             if let Some(kept) = self.placements.as_mut() {
                 if kept.len() < MAX_PLACEMENTS && !chain.blocks.is_empty() {

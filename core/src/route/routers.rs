@@ -7,8 +7,9 @@
 //! same way and herd on the same "best" node between two ticks, which a few random candidates
 //! prevent (Mitzenmacher, "How Useful Is Old Information?", 2000; see `candidates`). The
 //! simulator puts the crossing near four routers (docs/BENCHMARKS.md, "How many
-//! candidates"): with one or two, comparing every node gives a p99 TTFT 0.55x to 0.9x of
-//! two choices'; with four they tie; with eight, comparing every node is 1.1x to 1.6x worse.
+//! candidates"): with one or two, comparing every node gives a p99 TTFT 0.57x to 1.0x of
+//! two choices'; with four they tie; with eight it is 1.1x to 1.4x worse, with sixteen up to
+//! 2.7x.
 //!
 //! A router cannot see its peers, but the engines see all of them: each reports the requests
 //! it is running and queueing whoever sent them, while this router's books hold its own.
@@ -25,7 +26,7 @@
 //! conversations), where a new prefix is placed decides where its later requests go, since
 //! they are priced cheaper where it is cached: comparing every node puts every new prefix
 //! on the node that is fastest at that moment, and the tenants pile up there (in the
-//! simulator, on 40 tenants over 8 nodes, p99 TTFT 1.2x to 3.2x of two choices' over five
+//! simulator, on 40 tenants over 8 nodes, p99 TTFT 1.2x to 6.6x of two choices' over five
 //! seeds). Two candidates, one of them the node preferred for the prefix (rendezvous hashing,
 //! see `candidates`), spread new prefixes in proportion to capacity. So while more than
 //! `REUSE_SHARE` of the recent prompts (about the last `REUSE_MEMORY`) found their opening
@@ -36,7 +37,9 @@
 //! Where it errs: requests that reach the engines without any router (clients calling a node
 //! directly) count as other routers' and keep two choices; with the poller service, a
 //! worker's copies of the shared books are as fresh as its last read of each, and a node not
-//! read for a while counts what it held then.
+//! read for a while counts what it held then. And comparing 16 costs more than two: behind the
+//! poller service each compared node's books are a read of shared data, about 16 us of CPU
+//! a request more at 1,000 nodes (1 us at 10).
 
 use crate::fleet::node::NodeState;
 

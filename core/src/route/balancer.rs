@@ -188,6 +188,9 @@ pub struct Balancer {
     placements: Option<Vec<(usize, Vec<u64>)>>,
     /// When this balancer was first asked to route: its warm-up (see `warming`) starts then.
     first_asked_ms: Option<u64>,
+    /// The node whose books a full comparison brings up to date next, besides the best few
+    /// (see `route`): every node in turn.
+    next_refresh: usize,
     /// Seconds of queued prompts past which a node takes no request that may wait
     /// (`admission.max_queued_ms`); none when off.
     max_queued_s: Option<f64>,
@@ -216,6 +219,7 @@ impl Balancer {
             hold_kv_ceiling: cfg.hold_kv_ceiling,
             mean_request_tokens: None,
             first_asked_ms: None,
+            next_refresh: 0,
             outputs: OutputModel::default(),
             pool: Pool::default(),
             routers: (cfg.choices == Choices::Auto).then(Routers::default),
@@ -584,7 +588,17 @@ impl Balancer {
             None if model.is_some_and(|m| self.model_unknown(m)) => return Outcome::UnknownModel,
             None => {
                 // Every candidate is compared, on the books at hand; only the best few are
-                // brought up to date (see `ranking`).
+                // brought up to date (see `ranking`). One more node, each in turn, is too: a
+                // node whose books at hand still show work it has since finished would
+                // otherwise never be among the best few, and never be chosen again.
+                let count = self.fleet.nodes().len();
+                if count > 0 {
+                    let i = self.next_refresh % count;
+                    self.next_refresh = i + 1;
+                    if let Some(n) = self.fleet.nodes_mut().get_mut(i) {
+                        load_books(books, i, n);
+                    }
+                }
                 let decision = ranking::compare(
                     self.fleet.nodes_mut(),
                     &ask,
@@ -968,13 +982,42 @@ mod tests {
             Some(3)
         );
         assert!(books.asked.contains(&3), "{:?}", books.asked);
-        // What was read stays: the next decision reads the header's nodes only.
+        // What was read stays: the next decision reads the header's nodes, and one more in
+        // turn.
         books.asked.clear();
         assert_eq!(
             routed_to(&b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut books)),
             Some(3)
         );
-        assert_eq!(books.asked.len(), 3, "{:?}", books.asked);
+        assert_eq!(books.asked.len(), 4, "{:?}", books.asked);
+    }
+
+    /// Every node compared, with books in shared data: a node whose books at hand still show
+    /// work that has since ended (another worker released it) is read in its turn and
+    /// chosen again, though it is never among the best few on the stale books.
+    #[test]
+    fn a_node_behind_stale_books_is_read_in_its_turn() {
+        let mut rng = SplitMix64::new(11);
+        let mut b = idle_fleet(10, r#","choices":0"#);
+        let stale = Books {
+            epoch: b.nodes()[7].epoch(),
+            inflight_requests: 500,
+            inflight_tokens: 500_000,
+            prefill_tokens: 400_000,
+            ..Books::of(b.nodes()[7].books().tenant)
+        };
+        b.set_books(7, &stale);
+        // The shared books: every node empty.
+        let mut shared = Counting::new(|_| false);
+        let mut to_seven = 0;
+        for t in 0..40 {
+            let o = b.route(W, None, &Chain::NONE, 10 + t, &mut rng, false, &mut shared);
+            let ticket = routed(&o).unwrap();
+            to_seven += usize::from(ticket.node == 7);
+            b.release(&ticket, 0);
+        }
+        assert!(to_seven > 0, "node 7 was never chosen");
+        assert_eq!(b.nodes()[7].books().inflight_requests, 0);
     }
 
     /// Books replaced by shared figures at the top of the range (any VM may have written

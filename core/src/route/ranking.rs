@@ -15,7 +15,8 @@
 //! the next decisions, so the view converges on the nodes that matter at a bounded cost per
 //! decision. What it cannot see within the bound is a node that freed room since this
 //! balancer last read its books while ranked below the best few: it is found once its books
-//! are read again, or its next report shows the room.
+//! are read again, which the balancer does for one more node, each in turn, on every full
+//! comparison (a report does not clear books that still count finished requests).
 //!
 //! Only the best of each kind are kept as the nodes are ranked (a selection, no list of the
 //! whole fleet), and exact ties are broken by a random key drawn for every node, so equal idle

@@ -590,9 +590,10 @@ impl Balancer {
                 // Every candidate is compared, on the books at hand; only the best few are
                 // brought up to date (see `ranking`). One more node, each in turn, is too: a
                 // node whose books at hand still show work it has since finished would
-                // otherwise never be among the best few, and never be chosen again.
+                // otherwise never be among the best few, and never be chosen again. (A fleet
+                // no larger than the routing header has every node read already.)
                 let count = self.fleet.nodes().len();
-                if count > 0 {
+                if count > self.params.keep.max(1) {
                     let i = self.next_refresh % count;
                     self.next_refresh = i + 1;
                     if let Some(n) = self.fleet.nodes_mut().get_mut(i) {

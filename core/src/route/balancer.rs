@@ -172,8 +172,8 @@ pub struct Balancer {
     outputs: OutputModel,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
-    /// How many routers share the fleet, with `choices: "auto"`: it sets `params.choices`
-    /// (see `routers`).
+    /// How many routers share the fleet, with `choices: "auto"`: it decides each request's
+    /// number of candidates (see `routers`).
     routers: Option<Routers>,
     /// The model names the fleet serves by name (see `names`).
     named: Named,
@@ -210,6 +210,7 @@ impl Balancer {
                 vram_ceiling: cfg.vram_ceiling,
                 kv_bytes_per_token: cfg.kv_bytes_per_token,
                 keep: cfg.max_hosts_in_header,
+                // With `auto`, `routers` decides per request.
                 choices: match cfg.choices {
                     Choices::Auto => routers::MANY_CHOICES,
                     Choices::Fixed(d) => d,
@@ -526,21 +527,14 @@ impl Balancer {
                 .refresh(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
             if let Some(r) = self.routers.as_mut().filter(|_| rebuilt) {
                 r.observe(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
-                self.params.choices = r.choices();
             }
         }
-        // Where the traffic reuses prefixes, a prompt is weighed between the nodes that hold
-        // its opening (or the one preferred for a new one) and two drawn nodes, whatever
-        // `auto` compares otherwise (see `routers`).
-        // The share of reuse counts the prompts routed (below), not every attempt of a held
-        // one.
+        let chained = self.prefixes.is_some() && !chain.is_empty();
         let held = matches!(&self.prefixes, Some(index) if index.holds_start(&chain.blocks));
         let params = Params {
             choices: match &self.routers {
-                Some(r) if r.reuses_prefixes() && !chain.is_empty() && self.prefixes.is_some() => {
-                    self.params.choices.min(routers::MANY_CHOICES)
-                }
-                _ => self.params.choices,
+                Some(r) => r.choices(chained),
+                None => self.params.choices,
             },
             ..self.params
         };
@@ -552,7 +546,7 @@ impl Balancer {
                 // for where a new one goes, and for the client's hints.
                 preferred: chain
                     .key()
-                    .filter(|_| chain.hint.is_some() || !index.holds_start(&chain.blocks))
+                    .filter(|_| chain.hint.is_some() || !held)
                     .and_then(|k| self.pool.preferred(k)),
             }),
             _ => None,
@@ -686,7 +680,8 @@ impl Balancer {
         };
         books.booked(first.node, &Change::dispatch(&ticket));
         if let Some(ix) = self.prefixes.as_mut() {
-            if let Some(r) = self.routers.as_mut().filter(|_| !chain.is_empty()) {
+            // The share of reuse counts the prompts routed, not every attempt of a held one.
+            if let Some(r) = self.routers.as_mut().filter(|_| chained) {
                 r.reuse_seen(held);
             }
             ix.record(first.node, &chain.blocks);

@@ -155,9 +155,11 @@ impl Routers {
         self.reuse > REUSE_SHARE
     }
 
-    /// Candidates to compare per request.
-    pub fn choices(&self) -> usize {
-        if self.few {
+    /// Candidates to compare for a request; `chained`: its prompt has a prefix chain to
+    /// price (prefix pricing on, a prompt of a block or more). While the traffic reuses
+    /// prefixes such a prompt gets two (see the module).
+    pub fn choices(&self, chained: bool) -> usize {
+        if self.few && !(chained && self.reuses_prefixes()) {
             FEW_CHOICES
         } else {
             MANY_CHOICES
@@ -223,7 +225,11 @@ mod tests {
             for s in 0..60u64 {
                 r.observe(&fleet(reported, own, s * 1000), s * 1000, 5000);
             }
-            assert_eq!(r.choices(), want, "own {own}, reported {reported}: {r:?}");
+            assert_eq!(
+                r.choices(false),
+                want,
+                "own {own}, reported {reported}: {r:?}"
+            );
         }
     }
 
@@ -260,14 +266,14 @@ mod tests {
             }
         };
         run(&mut r, 4, 4.0);
-        assert_eq!(r.choices(), FEW_CHOICES);
+        assert_eq!(r.choices(false), FEW_CHOICES);
         // A share of 0.35, between leaving and entering: still few.
         run(&mut r, 7, 20.0);
-        assert_eq!(r.choices(), FEW_CHOICES, "{r:?}");
+        assert_eq!(r.choices(false), FEW_CHOICES, "{r:?}");
         run(&mut r, 1, 10.0);
-        assert_eq!(r.choices(), MANY_CHOICES, "{r:?}");
+        assert_eq!(r.choices(false), MANY_CHOICES, "{r:?}");
         run(&mut r, 7, 20.0);
-        assert_eq!(r.choices(), MANY_CHOICES, "{r:?}");
+        assert_eq!(r.choices(false), MANY_CHOICES, "{r:?}");
     }
 
     #[test]
@@ -304,6 +310,6 @@ mod tests {
         // Every report stale: nothing new taken in, the smoothed figures stay.
         r.observe(&nodes, 60_000, 5000);
         assert_eq!(r.share(), Some(1.0));
-        assert_eq!(r.choices(), FEW_CHOICES);
+        assert_eq!(r.choices(false), FEW_CHOICES);
     }
 }

@@ -122,9 +122,10 @@ def envoy_for(policy: str, nodes: list[str], poller: str = "vm", time_scale: flo
     if "max_hold_ms" in variant:
         plugin["max_hold_ms"] = round(variant["max_hold_ms"] / time_scale)
     # A variant's queue limit is model time too, scaled like the shipped timing.
-    queued = plugin.get("admission", {}).get("max_queued_ms")
-    if queued:
-        plugin["admission"] = {**plugin["admission"], "max_queued_ms": max(1, round(queued / time_scale))}
+    for key in ("max_queued_ms", "short_lane_ms"):
+        ms = plugin.get("admission", {}).get(key)
+        if ms:
+            plugin["admission"] = {**plugin["admission"], key: max(1, round(ms / time_scale))}
     # And a variant's quiet period, scaled as the tick is (so the tick itself stays the tick).
     if "quiet_poll_ms" in plugin:
         plugin["quiet_poll_ms"] = max(10, round(plugin["quiet_poll_ms"] / time_scale))

@@ -175,6 +175,7 @@ impl<H: Host> Request<H> {
                 may_hold: s.held.holds() || claim.sheddable(),
                 ttft_left_ms: claim.ttft_ms,
                 tpot_ms: claim.tpot_ms,
+                lane: s.held.others_active(claim.tenant, now),
             };
             let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
             let placed = match outcome {
@@ -225,7 +226,7 @@ impl<H: Host> Request<H> {
                 outcome => s.place(outcome, weight, m, None, reads, explain),
             };
             if let Some(ticket) = &placed.ticket {
-                s.held.served(claim.tenant, ticket.weight.total());
+                s.held.served(claim.tenant, ticket.weight.total(), now);
             }
             Ok(placed)
         });

@@ -222,6 +222,34 @@ def test_prompts_queued_past_the_limit_hold_a_request_until_a_node_drains(cluste
         envoy.stop()
 
 
+def test_long_prompts_leave_a_node_with_a_short_queue_to_another_tenant(cluster):
+    """With `short_lane_ms`, node-a (nothing queued) is the last node whose queue is short:
+    tenant docs' long prompt takes it while docs is the only tenant, a short request of tenant
+    chat takes it too, and then, with chat active, docs' next long prompt goes to node-b, which
+    has more queued, and leaves node-a to chat."""
+    envoy = start_envoy(cluster, admission={"max_queued_ms": 600_000, "short_lane_ms": 200})
+    try:
+        # node-b has 50 requests queued (half a second or more of prompts at 1,000 tokens/s,
+        # whatever the mean request the filter has learned), node-a none; caches empty.
+        cluster[0].set_health(tokens_per_sec_load=0, tokens_per_sec_capacity=1000, queue_depth=0)
+        cluster[1].set_health(tokens_per_sec_load=0, tokens_per_sec_capacity=1000, queue_depth=50)
+        polls_seen(cluster)
+
+        def send(body, tenant):
+            r = envoy.post("/v1/chat/completions", body, {TENANT: tenant}, 30)
+            assert r.status == 200, r.body[:200]
+            return r.headers["x-mock-node"]
+
+        # About 1,000 prompt tokens: a second at node-a, longer than the lane's 200 ms.
+        assert send(long_chat(0), "docs") == "node-a"
+        assert send(chat("short", 4), "chat") == "node-a"
+        assert send(long_chat(1), "docs") == "node-b"
+        assert send(chat("short again", 4), "chat") == "node-a"
+        assert envoy.counter("token_balancer.held") == 0
+    finally:
+        envoy.stop()
+
+
 def test_a_time_per_token_budget_avoids_the_node_seen_decoding_slowly():
     """An H100-like node decodes a token in about 8 ms, an L4-like one in about 17: once the
     filter has seen streams complete on both, a request that accepts 12 ms a token goes to the

@@ -188,6 +188,11 @@ pub struct AdmissionConfig {
     /// node is past it the request waits in the hold queue, where priority and fairness order
     /// it, instead of in an engine's first-come queue. 0 (default) holds only for VRAM.
     pub max_queued_ms: u64,
+    /// With `max_queued_ms` and more than one tenant active: one node is kept with at most
+    /// this much of prompts queued (milliseconds at its capacity), for the tenants whose
+    /// requests are short. A request whose own prompt takes longer than this to prefill does
+    /// not take the last such node; it waits for another. 0 (default) keeps no node.
+    pub short_lane_ms: u64,
 }
 
 impl Default for AdmissionConfig {
@@ -203,6 +208,7 @@ impl Default for AdmissionConfig {
             reject_status: 429,
             max_held_bytes: 64 << 20,
             max_queued_ms: 0,
+            short_lane_ms: 0,
         }
     }
 }
@@ -218,6 +224,7 @@ const ADMISSION_FIELDS: &[&str] = &[
     "reject_status",
     "max_held_bytes",
     "max_queued_ms",
+    "short_lane_ms",
 ];
 
 /// The most objectives `admission.objectives` lists.
@@ -270,6 +277,13 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
             "must be at most 600000 (10 minutes)",
         ));
     }
+    let short_lane_ms = f.uint("short_lane_ms")?.unwrap_or(d.short_lane_ms);
+    if short_lane_ms > 0 && short_lane_ms >= max_queued_ms {
+        return Err(err(
+            f.name("short_lane_ms"),
+            "must be below `admission.max_queued_ms` (the lane is a node queued less than the rest may be), or 0",
+        ));
+    }
     let a = AdmissionConfig {
         objective_header: header_name(&f, "objective_header", &d.objective_header)?,
         objectives,
@@ -281,6 +295,7 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         reject_status,
         max_held_bytes,
         max_queued_ms,
+        short_lane_ms,
     };
     // Each header is read for one meaning only.
     let mut seen: Vec<(&str, &str)> = vec![
@@ -1441,6 +1456,21 @@ mod tests {
                 with(r#"{"objectives":["gold"]}"#),
                 "admission.objectives",
                 "an object",
+            ),
+            (
+                with(r#"{"short_lane_ms":100}"#),
+                "admission.short_lane_ms",
+                "must be below `admission.max_queued_ms`",
+            ),
+            (
+                with(r#"{"max_queued_ms":500,"short_lane_ms":500}"#),
+                "admission.short_lane_ms",
+                "must be below `admission.max_queued_ms`",
+            ),
+            (
+                with(r#"{"short_lane_ms":-1}"#),
+                "admission.short_lane_ms",
+                "non-negative integer",
             ),
             (
                 with(r#"{"priority_header":"X-P"}"#),

@@ -48,6 +48,10 @@ use crate::rng::Rng;
 use crate::route::balancer::{Balancer, BookSource, Outcome, Terms};
 use std::collections::HashMap;
 
+/// A tenant served within this many milliseconds is active: other tenants leave it a short
+/// lane (`Terms::lane`).
+pub const ACTIVE_MS: u64 = 10_000;
+
 /// Tenants whose served tokens are remembered at most; past it, a tenant with nothing held
 /// and the smallest counter is forgotten (it would be lifted to the waiting minimum anyway).
 pub const MAX_TENANTS: usize = 4096;
@@ -121,6 +125,9 @@ pub struct HoldQueue<T> {
     served: HashMap<u64, f64>,
     /// The tenant served last, whose counter lifts a tenant that starts waiting alone.
     last_served: Option<u64>,
+    /// The two tenants served last, each with when (latest first): enough to tell whether a
+    /// tenant other than any given one was served recently.
+    recent: [Option<(u64, u64)>; 2],
 }
 
 impl<T> HoldQueue<T> {
@@ -135,6 +142,7 @@ impl<T> HoldQueue<T> {
             bytes: 0,
             served: HashMap::new(),
             last_served: None,
+            recent: [None; 2],
         }
     }
 
@@ -223,15 +231,30 @@ impl<T> HoldQueue<T> {
         Ok(shed)
     }
 
-    /// Counts `tokens` served to `tenant` (a request routed, held or not). Nothing is counted
-    /// while holding is off.
-    pub fn served(&mut self, tenant: u64, tokens: u64) {
+    /// Counts `tokens` served to `tenant` at `now_ms` (a request routed, held or not).
+    /// Nothing is counted while holding is off.
+    pub fn served(&mut self, tenant: u64, tokens: u64, now_ms: u64) {
         if !self.holds() {
             return;
         }
         let c = self.counter(tenant) + tokens as f64;
         self.set_counter(tenant, c);
         self.last_served = Some(tenant);
+        match self.recent {
+            [Some((t, _)), _] if t == tenant => {}
+            [latest, _] => self.recent = [None, latest],
+        }
+        self.recent[0] = Some((tenant, now_ms));
+    }
+
+    /// Whether a tenant other than `tenant` is active at `now_ms`: it has a request held, or
+    /// was served within `ACTIVE_MS`.
+    pub fn others_active(&self, tenant: u64, now_ms: u64) -> bool {
+        self.recent
+            .iter()
+            .flatten()
+            .any(|&(t, at)| t != tenant && now_ms.saturating_sub(at) <= ACTIVE_MS)
+            || self.entries.iter().any(|h| h.claim.tenant != tenant)
     }
 
     /// The tokens `tenant` has been served (as counted, lifts included).
@@ -319,10 +342,16 @@ impl<T> HoldQueue<T> {
         best.map(|(i, _)| i)
     }
 
-    fn leave(&mut self, at: usize, outcome: Outcome, out: &mut Vec<(Held<T>, Outcome)>) {
+    fn leave(
+        &mut self,
+        at: usize,
+        outcome: Outcome,
+        now_ms: u64,
+        out: &mut Vec<(Held<T>, Outcome)>,
+    ) {
         let held = self.take(at);
         if let Outcome::Routed { ticket, .. } = &outcome {
-            self.served(held.claim.tenant, ticket.weight.total());
+            self.served(held.claim.tenant, ticket.weight.total(), now_ms);
         }
         out.push((held, outcome));
     }
@@ -348,7 +377,7 @@ impl<T> HoldQueue<T> {
             let retry_after_ms = self.entries.get(at).map_or(1000, |h| {
                 self.wait_ms(h.claim.priority, h.weight, balancer, now_ms)
             });
-            self.leave(at, Outcome::TooLate { retry_after_ms }, &mut out);
+            self.leave(at, Outcome::TooLate { retry_after_ms }, now_ms, &mut out);
         }
         while let Some(at) = self
             .entries
@@ -360,6 +389,7 @@ impl<T> HoldQueue<T> {
                 may_hold: false,
                 ttft_left_ms: h.ttft_left_ms(now_ms),
                 tpot_ms: h.claim.tpot_ms,
+                lane: false,
             };
             let outcome = balancer.route_on(
                 h.weight,
@@ -370,7 +400,7 @@ impl<T> HoldQueue<T> {
                 terms,
                 books,
             );
-            self.leave(at, outcome, &mut out);
+            self.leave(at, outcome, now_ms, &mut out);
         }
         while let Some(at) = self.next() {
             let Some(h) = self.entries.get(at) else { break };
@@ -378,6 +408,7 @@ impl<T> HoldQueue<T> {
                 may_hold: true,
                 ttft_left_ms: h.ttft_left_ms(now_ms),
                 tpot_ms: h.claim.tpot_ms,
+                lane: self.others_active(h.claim.tenant, now_ms),
             };
             let outcome = balancer.route_on(
                 h.weight,
@@ -391,7 +422,7 @@ impl<T> HoldQueue<T> {
             if matches!(outcome, Outcome::Saturated) {
                 break;
             }
-            self.leave(at, outcome, &mut out);
+            self.leave(at, outcome, now_ms, &mut out);
         }
         out
     }
@@ -777,7 +808,7 @@ mod tests {
         let mut rng = SplitMix64::new(13);
         report(&mut b, 0.0, 0);
         let mut q = HoldQueue::new(16, 60_000);
-        q.served(1, 50_000);
+        q.served(1, 50_000, 0);
         hold(&mut q, 1, 100, claim(0, 2, None), 0, "new tenant");
         assert_eq!(q.counter(2), 50_000.0, "lifted to the tenant served last");
         hold(&mut q, 2, 100, claim(0, 1, None), 0, "busy tenant");
@@ -786,7 +817,7 @@ mod tests {
         assert_eq!(order(&out), vec!["new tenant", "busy tenant"]);
         // With holding off nothing is counted.
         let mut off: HoldQueue<()> = HoldQueue::new(0, 0);
-        off.served(1, 10);
+        off.served(1, 10, 0);
         assert_eq!(off.counter(1), 0.0);
     }
 
@@ -794,10 +825,10 @@ mod tests {
     fn the_tenant_table_is_bounded_and_forgets_the_idle_least_served() {
         let mut q: HoldQueue<&'static str> = HoldQueue::new(4, 60_000);
         for t in 0..MAX_TENANTS as u64 {
-            q.served(t + 1, 1_000 + t);
+            q.served(t + 1, 1_000 + t, 0);
         }
         assert_eq!(q.tenants(), MAX_TENANTS);
-        q.served(999_999, 5);
+        q.served(999_999, 5, 0);
         assert_eq!(q.tenants(), MAX_TENANTS);
         assert_eq!(
             q.counter(1),
@@ -992,6 +1023,111 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// Three idle nodes prefilling 1,000 tokens a second, 1 s of queued prompts allowed, a
+    /// lane of 100 ms: while another tenant is active, long prompts (0.5 s each) fill two
+    /// nodes and never the third, and wait once the two are full; a short one (50 ms) still
+    /// starts at once on the third. With no other tenant active the third takes long ones too.
+    #[test]
+    fn long_prompts_leave_a_short_lane_while_other_tenants_are_active() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"max_hold_ms":10000,
+                 "admission":{"max_queued_ms":1000,"short_lane_ms":100},
+                 "nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":100000},
+                          {"address":"10.0.0.2:8000","kv_cache_tokens":100000},
+                          {"address":"10.0.0.3:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let fresh = || {
+            let mut b = Balancer::new(&cfg);
+            for node in 0..3 {
+                health(
+                    &mut b,
+                    node,
+                    r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
+                    0,
+                );
+            }
+            b
+        };
+        let ask = |b: &mut Balancer, rng: &mut SplitMix64, prompt: u64, lane: bool| {
+            let terms = Terms {
+                may_hold: true,
+                lane,
+                ..Terms::default()
+            };
+            b.route_on(w(prompt), None, &Chain::NONE, 0, rng, terms, &mut OwnBooks)
+        };
+        let node = |o: &Outcome| match o {
+            Outcome::Routed { ticket, .. } => Some(ticket.node),
+            _ => None,
+        };
+        let mut rng = SplitMix64::new(21);
+        let mut b = fresh();
+        let mut used = [0usize; 3];
+        let mut held = 0;
+        for _ in 0..8 {
+            match node(&ask(&mut b, &mut rng, 500, true)) {
+                Some(n) => used[n] += 1,
+                None => held += 1,
+            }
+        }
+        let lane = used.iter().position(|&u| u == 0);
+        assert!(
+            lane.is_some(),
+            "one node kept free of long prompts: {used:?}"
+        );
+        assert!(
+            held > 0,
+            "the long prompts wait once the other two are full"
+        );
+        assert_eq!(ask(&mut b, &mut rng, 500, true), Outcome::Saturated);
+        // A short prompt takes the lane.
+        assert_eq!(node(&ask(&mut b, &mut rng, 50, true)), lane);
+        // Without another tenant active, long prompts use every node.
+        let mut b = fresh();
+        let mut used = [0usize; 3];
+        for _ in 0..6 {
+            if let Some(n) = node(&ask(&mut b, &mut rng, 500, false)) {
+                used[n] += 1;
+            }
+        }
+        assert!(used.iter().all(|&u| u > 0), "{used:?}");
+    }
+
+    /// Another tenant is active while it has a request held or was served within
+    /// `ACTIVE_MS`; a tenant is never active for itself.
+    #[test]
+    fn other_tenants_are_active_while_held_or_recently_served() {
+        let mut q: HoldQueue<()> = HoldQueue::new(8, 10_000);
+        assert!(!q.others_active(1, 0));
+        q.served(1, 100, 0);
+        assert!(!q.others_active(1, 0));
+        assert!(q.others_active(2, 0));
+        assert!(q.others_active(2, ACTIVE_MS));
+        assert!(!q.others_active(2, ACTIVE_MS + 1));
+        // Three tenants: whichever asks, the latest other one is remembered.
+        q.served(2, 100, 1_000);
+        q.served(3, 100, 2_000);
+        q.served(3, 100, 3_000);
+        for t in [1, 2, 3, 4] {
+            assert!(q.others_active(t, 3_000), "tenant {t}");
+        }
+        // Tenant 2, last served at 1 s, is active for tenant 3 until `ACTIVE_MS` later.
+        assert!(q.others_active(3, 1_000 + ACTIVE_MS));
+        assert!(!q.others_active(3, 1_000 + ACTIVE_MS + 1));
+        // A request held counts until it leaves.
+        let claim = Claim {
+            tenant: 5,
+            ..Claim::default()
+        };
+        q.push(Held::new(1, w(10), None, Chain::NONE, 50_000, ()).claiming(claim, 0))
+            .unwrap();
+        assert!(q.others_active(3, 50_000));
+        assert!(!q.others_active(5, 50_000));
+        q.remove(1);
+        assert!(!q.others_active(3, 50_000));
     }
 
     /// Node 0 decoded its last streams at 80 ms a token, node 1 at 20: a 50-ms budget per token

@@ -98,22 +98,48 @@ pub struct Terms {
     pub ttft_left_ms: Option<u64>,
     /// Its output tokens must come at most this many milliseconds apart.
     pub tpot_ms: Option<u64>,
+    /// Other tenants than its own are active: with `admission.short_lane_ms`, a long request
+    /// leaves them a node with a short queue (see `Bar::keeps_lane`).
+    pub lane: bool,
 }
 
 /// What a node must offer to be given the request now: a first token within the budget
-/// (seconds), and no more prompts queued than the limit (seconds), when either is set. A node
-/// with no forecast is taken at its word.
+/// (seconds), and no more prompts queued than the limit (seconds), when either is set; and,
+/// with a lane, that it is not the last node compared with a short queue (`keeps_lane`). A
+/// node with no forecast is taken at its word.
 #[derive(Debug, Clone, Copy, Default)]
 struct Bar {
     budget: Option<f64>,
     queued: Option<f64>,
     /// The longest time per output token (seconds) the request accepts.
     tpot: Option<f64>,
+    /// Seconds of queued prompts under which a node is in the short lane.
+    lane: Option<f64>,
 }
 
 impl Bar {
     fn is_set(&self) -> bool {
-        self.budget.is_some() || self.queued.is_some() || self.tpot.is_some()
+        self.budget.is_some() || self.queued.is_some() || self.tpot.is_some() || self.lane.is_some()
+    }
+
+    /// Whether giving the request `ranked[i]` leaves a node of `ranked` in the lane: a node
+    /// whose queued prompts take at most `lane` seconds, where a short request starts at once.
+    /// A request whose own prompt is that short may take the last one (it leaves the lane as
+    /// short as it found it, give or take its own prefill); a longer one may take a lane node
+    /// only while another remains. This is size-interval assignment (SITA, Harchol-Balter et
+    /// al.) made dynamic: engines prefill first come, first served, so a short prompt behind a
+    /// long one waits the long one's whole prefill, and one node kept free of long prompts
+    /// bounds what the short ones wait while the long ones queue everywhere else.
+    fn keeps_lane(&self, ranked: &[Ranked], i: usize) -> bool {
+        let (Some(lane), Some(r)) = (self.lane, ranked.get(i)) else {
+            return true;
+        };
+        let in_lane = |x: &Ranked| x.queued_seconds.is_some_and(|q| q <= lane);
+        let own = match (r.first_token_seconds, r.queued_seconds) {
+            (Some(f), Some(q)) => f - q,
+            _ => return true,
+        };
+        own <= lane || !in_lane(r) || ranked.iter().enumerate().any(|(j, x)| j != i && in_lane(x))
     }
 
     fn passes(&self, r: &Ranked) -> bool {
@@ -128,7 +154,8 @@ impl Bar {
 
     /// The first of `ranked` that passes.
     fn first(&self, ranked: &[Ranked]) -> Option<usize> {
-        ranked.iter().position(|r| self.passes(r))
+        (0..ranked.len())
+            .find(|&i| ranked.get(i).is_some_and(|r| self.passes(r)) && self.keeps_lane(ranked, i))
     }
 }
 
@@ -194,6 +221,9 @@ pub struct Balancer {
     /// Seconds of queued prompts past which a node takes no request that may wait
     /// (`admission.max_queued_ms`); none when off.
     max_queued_s: Option<f64>,
+    /// Seconds of queued prompts under which a node is kept for short requests while other
+    /// tenants are active (`admission.short_lane_ms`); none when off.
+    short_lane_s: Option<f64>,
 }
 
 /// Placements kept for `take_placements` at most; the glue takes them after every decision.
@@ -233,6 +263,8 @@ impl Balancer {
             placements: None,
             max_queued_s: (cfg.admission.max_queued_ms > 0)
                 .then(|| cfg.admission.max_queued_ms as f64 / 1000.0),
+            short_lane_s: (cfg.admission.short_lane_ms > 0)
+                .then(|| cfg.admission.short_lane_ms as f64 / 1000.0),
         }
     }
 
@@ -513,6 +545,9 @@ impl Balancer {
             budget,
             queued: self.max_queued_s.filter(|_| may_hold && budget.is_none()),
             tpot: terms.tpot_ms.map(|ms| ms as f64 / 1000.0),
+            lane: self
+                .short_lane_s
+                .filter(|_| terms.lane && may_hold && budget.is_none()),
         };
         self.first_asked_ms.get_or_insert(now_ms);
         let growth = self.growth(weight);
@@ -650,7 +685,7 @@ impl Balancer {
                             retry_after_ms: SLOW_DECODE_RETRY_MS,
                         };
                     }
-                    if bar.queued.is_some() {
+                    if bar.queued.is_some() || bar.lane.is_some() {
                         return Outcome::Saturated;
                     }
                     // A budget some node meets, but not first: it goes first.

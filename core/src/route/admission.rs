@@ -1096,6 +1096,66 @@ mod tests {
         assert!(used.iter().all(|&u| u > 0), "{used:?}");
     }
 
+    /// With a lane of 100 ms, a short request goes where its first token comes soonest, even
+    /// where the ranking prefers another node: node 0 prefills and decodes ten times faster but
+    /// has 150 ms of prompts queued, node 1 none. A prompt ten times longer, short on node 0
+    /// but half a second on node 1, starts sooner on node 0 and goes there.
+    #[test]
+    fn a_short_request_goes_where_its_first_token_comes_soonest() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"max_hold_ms":10000,
+                 "admission":{"max_queued_ms":1000,"short_lane_ms":100},
+                 "nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":100000},
+                          {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(22);
+        // Node 0: 150 ms queued at 10,000 tokens/s (3 requests of the 500-token mean).
+        health(
+            &mut b,
+            0,
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":10000,"queue_depth":3,"kv_cache_usage":0"#,
+            0,
+        );
+        health(
+            &mut b,
+            1,
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
+            0,
+        );
+        let short = Weight {
+            prompt_tokens: 50,
+            output_tokens: 450,
+        };
+        let mut ask = |weight: Weight, lane: bool| {
+            let terms = Terms {
+                may_hold: true,
+                lane,
+                ..Terms::default()
+            };
+            match b.route_on(
+                weight,
+                None,
+                &Chain::NONE,
+                0,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => ticket.node,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(ask(short, false), 0, "the ranking prefers the fast node");
+        assert_eq!(ask(short, true), 1, "the lane takes the short request");
+        let longer = Weight {
+            prompt_tokens: 500,
+            ..short
+        };
+        assert_eq!(ask(longer, true), 0);
+    }
+
     /// Another tenant is active while it has a request held or was served within
     /// `ACTIVE_MS`; a tenant is never active for itself.
     #[test]

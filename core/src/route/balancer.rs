@@ -99,13 +99,13 @@ pub struct Terms {
     /// Its output tokens must come at most this many milliseconds apart.
     pub tpot_ms: Option<u64>,
     /// Other tenants than its own are active: with `admission.short_lane_ms`, a long request
-    /// leaves them a node with a short queue (see `Bar::keeps_lane`).
+    /// leaves them a node with a short queue (see `Bar::lane_allows`).
     pub lane: bool,
 }
 
 /// What a node must offer to be given the request now: a first token within the budget
 /// (seconds), and no more prompts queued than the limit (seconds), when either is set; and,
-/// with a lane, that it is not the last node compared with a short queue (`keeps_lane`). A
+/// with a lane, that the lane allows it (`lane_allows`). A
 /// node with no forecast is taken at its word.
 #[derive(Debug, Clone, Copy, Default)]
 struct Bar {
@@ -122,24 +122,31 @@ impl Bar {
         self.budget.is_some() || self.queued.is_some() || self.tpot.is_some() || self.lane.is_some()
     }
 
-    /// Whether giving the request `ranked[i]` leaves a node of `ranked` in the lane: a node
-    /// whose queued prompts take at most `lane` seconds, where a short request starts at once.
-    /// A request whose own prompt is that short may take the last one (it leaves the lane as
-    /// short as it found it, give or take its own prefill); a longer one may take a lane node
-    /// only while another remains. This is size-interval assignment (SITA, Harchol-Balter et
-    /// al.) made dynamic: engines prefill first come, first served, so a short prompt behind a
-    /// long one waits the long one's whole prefill, and one node kept free of long prompts
-    /// bounds what the short ones wait while the long ones queue everywhere else.
-    fn keeps_lane(&self, ranked: &[Ranked], i: usize) -> bool {
-        let (Some(lane), Some(r)) = (self.lane, ranked.get(i)) else {
+    /// With a lane, whether the request is short: its own prompt takes at most the lane to
+    /// prefill on the node of `ranked` that would prefill it fastest. `None` without a lane.
+    fn short(&self, ranked: &[Ranked]) -> Option<bool> {
+        let lane = self.lane?;
+        let own = |x: &Ranked| Some(x.first_token_seconds? - x.queued_seconds?);
+        let fastest = ranked.iter().filter_map(own).reduce(f64::min)?;
+        Some(fastest <= lane)
+    }
+
+    /// Whether a long request may have `ranked[i]`, with a lane: the nodes whose queued prompts
+    /// take at most `lane` seconds, where a short request starts at once. A long request may
+    /// take a node in the lane only while another remains; a short one goes where its first
+    /// token comes soonest (`first`), which is in the lane when the other nodes are busy with
+    /// long prompts (the ranking alone would trade its first token for a faster decode). This
+    /// is size-interval task assignment (SITA, Harchol-Balter, Crovella and Murta, 1999) made
+    /// dynamic: engines prefill first come, first served, so a short prompt behind a long one
+    /// waits the long one's whole prefill, and one node kept free of long prompts bounds what
+    /// the short ones wait while the long ones queue everywhere else.
+    fn lane_allows(&self, ranked: &[Ranked], i: usize) -> bool {
+        let (Some(lane), Some(r), Some(false)) = (self.lane, ranked.get(i), self.short(ranked))
+        else {
             return true;
         };
         let in_lane = |x: &Ranked| x.queued_seconds.is_some_and(|q| q <= lane);
-        let own = match (r.first_token_seconds, r.queued_seconds) {
-            (Some(f), Some(q)) => f - q,
-            _ => return true,
-        };
-        own <= lane || !in_lane(r) || ranked.iter().enumerate().any(|(j, x)| j != i && in_lane(x))
+        !in_lane(r) || ranked.iter().enumerate().any(|(j, x)| j != i && in_lane(x))
     }
 
     fn passes(&self, r: &Ranked) -> bool {
@@ -152,10 +159,22 @@ impl Bar {
             && within(self.tpot, r.tpot_seconds)
     }
 
-    /// The first of `ranked` that passes.
+    /// The first of `ranked` that passes; with a lane, for a short request, the one that
+    /// passes with the soonest first token.
     fn first(&self, ranked: &[Ranked]) -> Option<usize> {
-        (0..ranked.len())
-            .find(|&i| ranked.get(i).is_some_and(|r| self.passes(r)) && self.keeps_lane(ranked, i))
+        let mut passing = (0..ranked.len()).filter(|&i| {
+            ranked.get(i).is_some_and(|r| self.passes(r)) && self.lane_allows(ranked, i)
+        });
+        if self.short(ranked) == Some(true) {
+            let soon = |i: &usize| {
+                ranked
+                    .get(*i)
+                    .and_then(|r| r.first_token_seconds)
+                    .unwrap_or(f64::INFINITY)
+            };
+            return passing.min_by(|a, b| soon(a).total_cmp(&soon(b)));
+        }
+        passing.next()
     }
 }
 
@@ -566,8 +585,12 @@ impl Balancer {
         }
         let chained = self.prefixes.is_some() && !chain.is_empty();
         let held = matches!(&self.prefixes, Some(index) if index.holds_start(&chain.blocks));
+        // A lane is a property of the whole fleet (`Bar::lane_allows`): with one, every node
+        // is compared, and ranked.
+        let lane = bar.lane.is_some();
         let params = Params {
             choices: match &self.routers {
+                _ if lane => 0,
                 Some(r) => r.choices(chained),
                 None => self.params.choices,
             },
@@ -629,12 +652,20 @@ impl Balancer {
                         load_books(books, i, n);
                     }
                 }
+                let compared = Params {
+                    keep: if lane {
+                        count.max(params.keep)
+                    } else {
+                        params.keep
+                    },
+                    ..params
+                };
                 let decision = ranking::compare(
                     self.fleet.nodes_mut(),
                     &ask,
                     mean,
                     now_ms,
-                    &self.params,
+                    &compared,
                     rng,
                     COMPARISON_READS,
                     &mut |i, n| load_books(books, i, n),

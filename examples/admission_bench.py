@@ -45,7 +45,7 @@ import bench  # noqa: E402
 SLO_MS = 2000.0
 TPOT_MS = 100.0
 QUEUED_MS = 500.0
-LANE_MS = 100.0
+LANE_MS = 200.0
 
 
 def runs(slo_ms: float, tpot_ms: float, queued_ms: float, lane_ms: float) -> list[tuple[str, str, list[str]]]:

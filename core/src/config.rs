@@ -189,9 +189,11 @@ pub struct AdmissionConfig {
     /// it, instead of in an engine's first-come queue. 0 (default) holds only for VRAM.
     pub max_queued_ms: u64,
     /// With `max_queued_ms` and more than one tenant active: one node is kept with at most
-    /// this much of prompts queued (milliseconds at its capacity), for the tenants whose
-    /// requests are short. A request whose own prompt takes longer than this to prefill does
-    /// not take the last such node; it waits for another. 0 (default) keeps no node.
+    /// this much of prompts queued (milliseconds at its capacity), for short requests. A
+    /// request whose own prompt takes longer than this to prefill (where it would prefill
+    /// fastest) does not take the last such node: it goes to another within `max_queued_ms`,
+    /// or waits; a shorter one goes where its first token comes soonest. 0 (default) keeps no
+    /// node.
     pub short_lane_ms: u64,
 }
 

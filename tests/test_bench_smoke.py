@@ -50,7 +50,7 @@ def test_admission_benchmark_pipeline_produces_a_well_formed_report():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((ROOT / "results" / name / "admission.json").read_text())
     runs = doc["runs"]
-    assert list(runs) == ["least_request", "shipped", "fifo", "fair", "chat_alone", "priority", "slo",
+    assert list(runs) == ["least_request", "shipped", "fifo", "fair", "lane", "chat_alone", "priority", "slo",
                           "slo_least_request"]
     for run, d in runs.items():
         tenants = d["tenants"]
@@ -62,4 +62,5 @@ def test_admission_benchmark_pipeline_produces_a_well_formed_report():
         if run != "slo":
             assert all(t["refused"] == 0 for t in tenants.values()), (run, tenants)
     report = (ROOT / "results" / name / "admission.md").read_text()
-    assert "docs throughput, fair / fifo" in report and "admitted met both budgets" in report
+    assert "docs throughput, fair / fifo" in report and "docs throughput, lane / fifo" in report
+    assert "admitted met both budgets" in report

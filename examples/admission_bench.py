@@ -172,6 +172,9 @@ def main():
                     help="admission.max_queued_ms of the token-balancer runs, model ms (0: off)")
     ap.add_argument("--lane-ms", type=float, default=LANE_MS,
                     help="admission.short_lane_ms of the lane run, model ms")
+    ap.add_argument("--poller", choices=["vm", "singleton"], default="vm",
+                    help="who polls the nodes: each worker (vm) or the poller service (singleton)")
+    ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
     ap.add_argument("--runs", default="", help="comma-separated subset of the runs")
     ap.add_argument("--name", default="")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
@@ -185,7 +188,8 @@ def main():
         plan = [p for p in plan if p[0] in wanted]
     b = argparse.Namespace(trace="two-tenants", start_s=0.0, duration_s=args.duration_s, rate=args.rate,
                            arrivals="poisson", time_scale=args.time_scale, max_tokens=1024,
-                           max_prompt_tokens=0, requests=0, tenants="", concurrency=1, poller="vm")
+                           max_prompt_tokens=0, requests=0, tenants="", concurrency=args.concurrency,
+                           poller=args.poller)
     if args.smoke:
         b.duration_s, b.time_scale = 12.0, 8.0
     name = args.name or (("smoke-" if args.smoke else "admission-") + time.strftime("%Y%m%d-%H%M%S"))

@@ -99,13 +99,13 @@ pub struct Terms {
     /// Its output tokens must come at most this many milliseconds apart.
     pub tpot_ms: Option<u64>,
     /// Other tenants than its own are active: with `admission.short_lane_ms`, a long request
-    /// leaves them a node with a short queue (see `Bar::lane_allows`).
+    /// leaves them a node with a short queue (see `Bar::in_lane`).
     pub lane: bool,
 }
 
 /// What a node must offer to be given the request now: a first token within the budget
 /// (seconds), and no more prompts queued than the limit (seconds), when either is set; and,
-/// with a lane, that the lane allows it (`lane_allows`). A
+/// with a lane, that the lane allows it (`first`). A
 /// node with no forecast is taken at its word.
 #[derive(Debug, Clone, Copy, Default)]
 struct Bar {
@@ -131,22 +131,18 @@ impl Bar {
         Some(fastest <= lane)
     }
 
-    /// Whether a long request may have `ranked[i]`, with a lane: the nodes whose queued prompts
-    /// take at most `lane` seconds, where a short request starts at once. A long request may
-    /// take a node in the lane only while another remains; a short one goes where its first
-    /// token comes soonest (`first`), which is in the lane when the other nodes are busy with
-    /// long prompts (the ranking alone would trade its first token for a faster decode). This
-    /// is size-interval task assignment (SITA, Harchol-Balter, Crovella and Murta, 1999) made
-    /// dynamic: engines prefill first come, first served, so a short prompt behind a long one
-    /// waits the long one's whole prefill, and one node kept free of long prompts bounds what
-    /// the short ones wait while the long ones queue everywhere else.
-    fn lane_allows(&self, ranked: &[Ranked], i: usize) -> bool {
-        let (Some(lane), Some(r), Some(false)) = (self.lane, ranked.get(i), self.short(ranked))
-        else {
-            return true;
-        };
-        let in_lane = |x: &Ranked| x.queued_seconds.is_some_and(|q| q <= lane);
-        !in_lane(r) || ranked.iter().enumerate().any(|(j, x)| j != i && in_lane(x))
+    /// With a lane, for a long request, whether it may have a node: the nodes whose queued
+    /// prompts take at most `lane` seconds are in the lane, where a short request starts at
+    /// once. A long request may take a node in the lane only while another remains (`lanes`
+    /// counts those of `ranked`); a short one goes where its first token comes soonest
+    /// (`first`), which is in the lane when the other nodes are busy with long prompts (the
+    /// ranking alone would trade its first token for a faster decode). This is size-interval
+    /// task assignment (SITA, Harchol-Balter, Crovella and Murta, 1999) made dynamic: engines
+    /// prefill first come, first served, so a short prompt behind a long one waits the long
+    /// one's whole prefill, and one node kept free of long prompts bounds what the short ones
+    /// wait while the long ones queue everywhere else.
+    fn in_lane(&self, r: &Ranked) -> bool {
+        matches!((self.lane, r.queued_seconds), (Some(l), Some(q)) if q <= l)
     }
 
     fn passes(&self, r: &Ranked) -> bool {
@@ -160,21 +156,24 @@ impl Bar {
     }
 
     /// The first of `ranked` that passes; with a lane, for a short request, the one that
-    /// passes with the soonest first token.
+    /// passes with the soonest first token, and for a long one, the first that passes and
+    /// leaves a node in the lane (see `in_lane`). Linear in `ranked`.
     fn first(&self, ranked: &[Ranked]) -> Option<usize> {
-        let mut passing = (0..ranked.len()).filter(|&i| {
-            ranked.get(i).is_some_and(|r| self.passes(r)) && self.lane_allows(ranked, i)
+        let short = self.short(ranked);
+        let lanes = match short {
+            Some(false) => ranked.iter().filter(|r| self.in_lane(r)).count(),
+            _ => 0,
+        };
+        let mut passing = ranked.iter().enumerate().filter(|(_, r)| {
+            self.passes(r) && (short != Some(false) || !self.in_lane(r) || lanes >= 2)
         });
-        if self.short(ranked) == Some(true) {
-            let soon = |i: &usize| {
-                ranked
-                    .get(*i)
-                    .and_then(|r| r.first_token_seconds)
-                    .unwrap_or(f64::INFINITY)
-            };
-            return passing.min_by(|a, b| soon(a).total_cmp(&soon(b)));
+        if short == Some(true) {
+            let soon = |r: &Ranked| r.first_token_seconds.unwrap_or(f64::INFINITY);
+            return passing
+                .min_by(|(_, a), (_, b)| soon(a).total_cmp(&soon(b)))
+                .map(|(i, _)| i);
         }
-        passing.next()
+        passing.next().map(|(i, _)| i)
     }
 }
 
@@ -585,7 +584,7 @@ impl Balancer {
         }
         let chained = self.prefixes.is_some() && !chain.is_empty();
         let held = matches!(&self.prefixes, Some(index) if index.holds_start(&chain.blocks));
-        // A lane is a property of the whole fleet (`Bar::lane_allows`): with one, every node
+        // A lane is a property of the whole fleet (`Bar::first`): with one, every node
         // is compared, and ranked.
         let lane = bar.lane.is_some();
         let params = Params {

@@ -123,10 +123,9 @@ pub struct HoldQueue<T> {
     bytes: u64,
     /// Virtual token counters: tokens served per tenant (see the module).
     served: HashMap<u64, f64>,
-    /// The tenant served last, whose counter lifts a tenant that starts waiting alone.
-    last_served: Option<u64>,
-    /// The two tenants served last, each with when (latest first): enough to tell whether a
-    /// tenant other than any given one was served recently.
+    /// The two tenants served last, each with when (latest first): the first's counter lifts
+    /// a tenant that starts waiting alone, and the two tell whether a tenant other than any
+    /// given one was served recently.
     recent: [Option<(u64, u64)>; 2],
 }
 
@@ -141,7 +140,6 @@ impl<T> HoldQueue<T> {
             max_hold_ms,
             bytes: 0,
             served: HashMap::new(),
-            last_served: None,
             recent: [None; 2],
         }
     }
@@ -218,7 +216,7 @@ impl<T> HoldQueue<T> {
                 .iter()
                 .map(|h| self.counter(h.claim.tenant))
                 .reduce(f64::min)
-                .or_else(|| self.last_served.map(|t| self.counter(t)));
+                .or_else(|| self.recent[0].map(|(t, _)| self.counter(t)));
             if let Some(floor) = floor {
                 let own = self.counter(tenant);
                 if floor > own {
@@ -239,7 +237,6 @@ impl<T> HoldQueue<T> {
         }
         let c = self.counter(tenant) + tokens as f64;
         self.set_counter(tenant, c);
-        self.last_served = Some(tenant);
         match self.recent {
             [Some((t, _)), _] if t == tenant => {}
             [latest, _] => self.recent = [None, latest],
@@ -1025,22 +1022,29 @@ mod tests {
         ));
     }
 
+    /// `nodes` nodes of 100,000 KV tokens, every node compared, 1 s of queued prompts allowed
+    /// and a lane of 100 ms.
+    fn lane_balancer(nodes: usize) -> Balancer {
+        let nodes: Vec<String> = (1..=nodes)
+            .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000","kv_cache_tokens":100000}}"#))
+            .collect();
+        let cfg = format!(
+            r#"{{"health_cluster":"h","choices":0,"max_hold_ms":10000,
+                "admission":{{"max_queued_ms":1000,"short_lane_ms":100}},
+                "nodes":[{}]}}"#,
+            nodes.join(",")
+        );
+        Balancer::new(&Config::parse(cfg.as_bytes()).unwrap())
+    }
+
     /// Three idle nodes prefilling 1,000 tokens a second, 1 s of queued prompts allowed, a
     /// lane of 100 ms: while another tenant is active, long prompts (0.5 s each) fill two
     /// nodes and never the third, and wait once the two are full; a short one (50 ms) still
     /// starts at once on the third. With no other tenant active the third takes long ones too.
     #[test]
     fn long_prompts_leave_a_short_lane_while_other_tenants_are_active() {
-        let cfg = Config::parse(
-            br#"{"health_cluster":"h","choices":0,"max_hold_ms":10000,
-                 "admission":{"max_queued_ms":1000,"short_lane_ms":100},
-                 "nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":100000},
-                          {"address":"10.0.0.2:8000","kv_cache_tokens":100000},
-                          {"address":"10.0.0.3:8000","kv_cache_tokens":100000}]}"#,
-        )
-        .unwrap();
         let fresh = || {
-            let mut b = Balancer::new(&cfg);
+            let mut b = lane_balancer(3);
             for node in 0..3 {
                 health(
                     &mut b,
@@ -1102,14 +1106,7 @@ mod tests {
     /// but half a second on node 1, starts sooner on node 0 and goes there.
     #[test]
     fn a_short_request_goes_where_its_first_token_comes_soonest() {
-        let cfg = Config::parse(
-            br#"{"health_cluster":"h","choices":0,"max_hold_ms":10000,
-                 "admission":{"max_queued_ms":1000,"short_lane_ms":100},
-                 "nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":100000},
-                          {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
-        )
-        .unwrap();
-        let mut b = Balancer::new(&cfg);
+        let mut b = lane_balancer(2);
         let mut rng = SplitMix64::new(22);
         // Node 0: 150 ms queued at 10,000 tokens/s (3 requests of the 500-token mean).
         health(

@@ -105,8 +105,8 @@ pub struct Terms {
 
 /// What a node must offer to be given the request now: a first token within the budget
 /// (seconds), and no more prompts queued than the limit (seconds), when either is set; and,
-/// with a lane, that the lane allows it (`first`). A
-/// node with no forecast is taken at its word.
+/// with a lane, that the lane allows it (`first`). A node with no forecast is taken at its
+/// word.
 #[derive(Debug, Clone, Copy, Default)]
 struct Bar {
     budget: Option<f64>,
@@ -131,16 +131,8 @@ impl Bar {
         Some(fastest <= lane)
     }
 
-    /// With a lane, for a long request, whether it may have a node: the nodes whose queued
-    /// prompts take at most `lane` seconds are in the lane, where a short request starts at
-    /// once. A long request may take a node in the lane only while another remains (`lanes`
-    /// counts those of `ranked`); a short one goes where its first token comes soonest
-    /// (`first`), which is in the lane when the other nodes are busy with long prompts (the
-    /// ranking alone would trade its first token for a faster decode). This is size-interval
-    /// task assignment (SITA, Harchol-Balter, Crovella and Murta, 1999) made dynamic: engines
-    /// prefill first come, first served, so a short prompt behind a long one waits the long
-    /// one's whole prefill, and one node kept free of long prompts bounds what the short ones
-    /// wait while the long ones queue everywhere else.
+    /// With a lane, whether node `r` is in it: its queued prompts take at most the lane's
+    /// seconds, so a short request starts there at once.
     fn in_lane(&self, r: &Ranked) -> bool {
         matches!((self.lane, r.queued_seconds), (Some(l), Some(q)) if q <= l)
     }
@@ -155,9 +147,15 @@ impl Bar {
             && within(self.tpot, r.tpot_seconds)
     }
 
-    /// The first of `ranked` that passes; with a lane, for a short request, the one that
-    /// passes with the soonest first token, and for a long one, the first that passes and
-    /// leaves a node in the lane (see `in_lane`). Linear in `ranked`.
+    /// The first of `ranked` that passes. With a lane, a long request may take a node in the
+    /// lane (`in_lane`) only while another remains, and a short one goes to the node that
+    /// passes with the soonest first token, which is in the lane when the other nodes are
+    /// busy with long prompts (the ranking alone would trade its first token for a faster
+    /// decode). This is size-interval task assignment (SITA, Harchol-Balter, Crovella and
+    /// Murta, 1999) made dynamic: engines prefill first come, first served, so a short prompt
+    /// behind a long one waits the long one's whole prefill, and one node kept free of long
+    /// prompts bounds what the short ones wait while the long ones queue everywhere else.
+    /// Linear in `ranked`.
     fn first(&self, ranked: &[Ranked]) -> Option<usize> {
         let short = self.short(ranked);
         let lanes = match short {

@@ -263,6 +263,14 @@ impl PrefixIndex {
         chain.first().is_some_and(|b| self.blocks.contains_key(b))
     }
 
+    /// How many nodes are believed to hold the first block of `chain`.
+    pub fn holders_of_start(&self, chain: &[u64]) -> usize {
+        chain
+            .first()
+            .and_then(|b| self.blocks.get(b))
+            .map_or(0, |h| h.count as usize)
+    }
+
     /// Leading blocks of `chain` node `node` is believed to hold.
     pub fn matched(&self, node: usize, chain: &[u64]) -> usize {
         let id = node as u32;

@@ -594,16 +594,25 @@ impl Balancer {
             ..self.params
         };
         let prefix = match &self.prefixes {
-            Some(index) if !chain.is_empty() => Some(Prefix {
-                index,
-                chain,
-                // A prefix some node already holds is priced where it is; the preference is
-                // for where a new one goes, and for the client's hints.
-                preferred: chain
-                    .key()
-                    .filter(|_| chain.hint.is_some() || !held)
-                    .and_then(|k| self.pool.preferred(k)),
-            }),
+            Some(index) if !chain.is_empty() => {
+                // The node every router prefers for the prompt's key (see `choice`): where a
+                // new prefix goes, and where a known one is presumed to be held as well.
+                let home = chain.key().and_then(|k| self.pool.preferred(k));
+                Some(Prefix {
+                    index,
+                    chain,
+                    preferred: home.filter(|_| chain.hint.is_some() || !held),
+                    // Not once the home is known to hold it and so are half the nodes: a
+                    // hot prefix must not have one node compared on every request.
+                    presumed: home
+                        .filter(|_| held)
+                        .map(|i| (i, index.longest(&chain.blocks).0))
+                        .filter(|&(i, depth)| {
+                            index.matched(i, &chain.blocks) < depth
+                                || 2 * index.holders_of_start(&chain.blocks) < self.pool.len()
+                        }),
+                })
+            }
             _ => None,
         };
         let ask = Ask {

@@ -81,10 +81,26 @@
 //! sequence shares are free memory to the engine and a hit takes them back, which the filter
 //! cannot tell apart from blocks running sequences share.
 //!
-//! Agreement on new prefixes: a prompt whose opening no node holds, or one with a client's
-//! hint, prefers one node chosen by weighted rendezvous hashing (`Prefix::preferred`), whose
-//! time is let off by `PREFERENCE` (10%): independent routers put the same new prefix on the
-//! same node when the costs are close, and the cost model still overrules when they are not.
+//! Agreement between routers that never talk (Envoy replicas): a prompt whose opening no node
+//! holds, or one with a client's hint, prefers one node chosen by weighted rendezvous hashing
+//! of its key (`Prefix::preferred`), whose time is let off by `PREFERENCE` (10%): independent
+//! routers put the same new prefix on the same node when the costs are close, and the cost
+//! model still overrules when they are not. Once a router knows the prefix somewhere (it sent
+//! it there, perhaps because the preferred node was loaded at the time), the preferred node
+//! stays its home: it is presumed to hold the prefix as deep as the longest run the router
+//! knows on any node (`Prefix::presumed`), since the other routers put it there first, and it
+//! is compared on every such request. A router that spilled thus goes back once the home is
+//! the cheaper again, and the replicas' caches converge instead of splitting a tenant's prefix
+//! over every node each of them spilled to. One router gains as well near saturation: its
+//! tenants return home after a spill instead of drifting over the fleet and churning every
+//! cache (docs/BENCHMARKS.md, "Replicas that agree"). The home is no longer special once the
+//! router knows it holds the prefix and at least half the nodes do too: a hot prefix held
+//! everywhere is priced the same everywhere, and a node compared on every request of it would
+//! take more than its share. Where it is wrong: a prefix the home never got (every router
+//! spilled it) or evicted costs one full prefill there, after which the presumption is true;
+//! a key shared by prompts whose deeper blocks differ (one system prompt opening many
+//! conversations) credits the home with the depth of this router's conversation, not only the
+//! shared opening.
 //!
 //! Forecasts for admission (`route::admission`), beside the ordering key: the time to the
 //! request's first token (`first_token`: the prompts queued at the node and its own uncached
@@ -208,6 +224,11 @@ pub struct Prefix<'a> {
     /// node is known to hold, or one with a client's hint. A prefix already held somewhere is
     /// priced where it is held: preferring one node for it would pull a hot prefix there.
     pub preferred: Option<usize>,
+    /// For a prefix some node is known to hold: its home, the node its key prefers (as
+    /// `preferred`), and the depth in blocks of the longest run known on any node, which the
+    /// home is presumed to hold: other routers put the prefix there first (see the module).
+    /// `None` once the home is known to hold that much and half the nodes hold the prefix.
+    pub presumed: Option<(usize, usize)>,
 }
 
 /// Nodes of the longest match that join the drawn candidates.
@@ -215,14 +236,15 @@ pub const LONGEST_JOINERS: usize = 2;
 
 impl<'a> Prefix<'a> {
     /// The nodes a decision compares before any drawn at random (see `candidates::sample`):
-    /// the preferred node first, which takes the place of one random draw (a prefix-keyed
-    /// draw: for a prompt nobody shares it is as random as any draw), then the nodes believed
-    /// to hold the longest leading run of the prompt, which are compared besides the draws
-    /// (power-of-two choices must not hide the node that holds the prefix). Each comes with
-    /// whether it adds to the number of nodes compared.
+    /// the preferred node or the presumed home first, which takes the place of one random
+    /// draw (a prefix-keyed draw: for a prompt nobody shares it is as random as any draw), then
+    /// the nodes believed to hold the longest leading run of the prompt, which are compared
+    /// besides the draws (power-of-two choices must not hide the node that holds the prefix).
+    /// Each comes with whether it adds to the number of nodes compared.
     pub fn joiners(self) -> impl Iterator<Item = (usize, bool)> + 'a {
         let (_, longest) = self.index.longest(&self.chain.blocks);
         self.preferred
+            .or(self.presumed.map(|(i, _)| i))
             .map(|i| (i, false))
             .into_iter()
             .chain(longest.take(LONGEST_JOINERS).map(|i| (i, true)))
@@ -230,8 +252,11 @@ impl<'a> Prefix<'a> {
 
     /// Prompt tokens node `node` is believed to hold of a prompt of `prompt_tokens`.
     pub fn cached(&self, node: usize, prompt_tokens: u64) -> u64 {
-        self.chain
-            .cached(self.index.matched(node, &self.chain.blocks), prompt_tokens)
+        let mut matched = self.index.matched(node, &self.chain.blocks);
+        if let Some((_, depth)) = self.presumed.filter(|&(i, _)| i == node) {
+            matched = matched.max(depth);
+        }
+        self.chain.cached(matched, prompt_tokens)
     }
 }
 

@@ -189,6 +189,46 @@ fn independent_balancers_agree_where_a_new_prefix_goes() {
     assert!(homes.iter().filter(|&&h| h > 0).count() >= 6, "{homes:?}");
 }
 
+/// A replica that spilled a tenant's first request, because the node the prefix key prefers
+/// was loaded then, goes back to that node once it is free: the other replicas put the prefix
+/// there, so it is presumed to hold what this replica's own node holds. Without the
+/// presumption the node this replica sent it to, with a queue shorter than the prefill saved,
+/// keeps the tenant, and the replicas' caches stay split.
+#[test]
+fn a_replica_that_spilled_a_prefix_returns_to_the_preferred_node() {
+    let sys = system(7, 16_000);
+    let ask = |q: &str| prompt(&sys, q, 50);
+    // Where every replica puts the tenant when the fleet is idle.
+    let mut rng = SplitMix64::new(5);
+    let preferred = routed_to(&go(
+        &mut idle_fleet(4, r#","choices":0"#),
+        &ask("q"),
+        10,
+        &mut rng,
+    ))
+    .unwrap();
+    let report = |load: u32, q: u32| {
+        format!(
+            r#"{{"tokens_per_sec_load":{load},"tokens_per_sec_capacity":1000,"queue_depth":{q}}}"#
+        )
+    };
+    let mut b = idle_fleet(4, r#","choices":0"#);
+    b.on_health(preferred, Some(report(1000, 4).as_bytes()), 10)
+        .unwrap();
+    let spilled = routed(&go(&mut b, &ask("first"), 10, &mut rng)).unwrap();
+    assert_ne!(spilled.node, preferred, "the preferred node is loaded");
+    finish(&mut b, &spilled, 50);
+    // The preferred node is idle again; the spill target reports a short queue, costing less
+    // than the 4k-token prefill it holds.
+    b.on_health(preferred, Some(report(0, 0).as_bytes()), 20)
+        .unwrap();
+    b.on_health(spilled.node, Some(report(300, 0).as_bytes()), 20)
+        .unwrap();
+    let t = routed(&go(&mut b, &ask("second"), 20, &mut rng)).unwrap();
+    assert_eq!(t.node, preferred);
+    assert!(t.cached > 3900, "priced as cached there: {}", t.cached);
+}
+
 /// The balancer with every node's books emptied by a new report (its index kept).
 fn idle_again(mut b: Balancer) -> Balancer {
     for i in 0..b.nodes().len() {

@@ -58,6 +58,7 @@ def runs(slo_ms: float, tpot_ms: float, queued_ms: float, lane_ms: float) -> lis
         "adm_fifo": {"admission": {**bench.VARIANTS["tb_fifo"]["admission"], **limit}},
         "adm_fair": {"admission": {**limit}},
         "adm_lane": {"admission": {**limit, "short_lane_ms": lane_ms}},
+        "adm_lane_previous": {"admission": {**limit, "short_lane_ms": lane_ms}},
         "adm_priority": {"admission": {**bench.VARIANTS["tb_priority"]["admission"], **limit}},
     })
     priority = ["--objective", "chat=interactive", "--objective", "docs=bulk"]
@@ -67,6 +68,8 @@ def runs(slo_ms: float, tpot_ms: float, queued_ms: float, lane_ms: float) -> lis
             ("fifo", "adm_fifo", []),
             ("fair", "adm_fair", []),
             ("lane", "adm_lane", []),
+            # The same on another build of the filter (--previous-wasm).
+            ("lane_previous", "adm_lane_previous", []),
             ("chat_alone", "adm_fair", ["--only-tenant", "chat"]),
             ("priority", "adm_priority", priority),
             ("slo", "adm_fair", budget),
@@ -133,12 +136,12 @@ def verdicts(rows: dict[str, dict], slo_ms: float, tpot_ms: float) -> str:
 
     out = []
     alone = get("chat_alone", "chat", "ttft_p99")
-    for run in ("least_request", "shipped", "fifo", "fair", "lane"):
+    for run in ("least_request", "shipped", "fifo", "fair", "lane", "lane_previous"):
         x = get(run, "chat", "ttft_p99")
         if x is not None and alone:
             out.append(f"- chat p99 TTFT with docs' bursts / alone, {run}: {x / alone:.2f}x (target <= 2x)")
     fifo = get("fifo", "docs", "tokens_per_s")
-    for run in ("fair", "lane"):
+    for run in ("fair", "lane", "lane_previous"):
         x = get(run, "docs", "tokens_per_s")
         if x and fifo:
             out.append(f"- docs throughput, {run} / fifo: {x / fifo:.2f} (target >= 0.90)")
@@ -178,14 +181,24 @@ def main():
     ap.add_argument("--runs", default="", help="comma-separated subset of the runs")
     ap.add_argument("--name", default="")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
+    ap.add_argument("--previous-wasm", type=Path, default=None,
+                    help="another build of token_balancer.wasm for the lane_previous run")
     args = ap.parse_args()
     plan = runs(args.slo_ms, args.tpot_ms, args.queued_ms, args.lane_ms)
+    if args.previous_wasm:
+        if not args.previous_wasm.is_file():
+            ap.error(f"--previous-wasm {args.previous_wasm}: no such file")
+        bench.PREVIOUS_WASM = args.previous_wasm.resolve()
+    elif not args.runs:
+        plan = [p for p in plan if p[0] != "lane_previous"]
     if args.runs:
         wanted = set(args.runs.split(","))
         unknown = wanted - {r for r, _, _ in plan}
         if unknown:
             ap.error(f"unknown runs {sorted(unknown)}; known: {[r for r, _, _ in plan]}")
         plan = [p for p in plan if p[0] in wanted]
+    if any(p[0] == "lane_previous" for p in plan) and not args.previous_wasm:
+        ap.error("run lane_previous needs --previous-wasm")
     b = argparse.Namespace(trace="two-tenants", start_s=0.0, duration_s=args.duration_s, rate=args.rate,
                            arrivals="poisson", time_scale=args.time_scale, max_tokens=1024,
                            max_prompt_tokens=0, requests=0, tenants="", concurrency=args.concurrency,
@@ -211,7 +224,7 @@ def main():
               f"({time.monotonic() - t0:.0f}s)", flush=True)
     md = table(rows) + "\n\n" + verdicts(rows, args.slo_ms, args.tpot_ms)
     (out_dir / "admission.md").write_text(md + "\n")
-    (out_dir / "admission.json").write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1))
+    (out_dir / "admission.json").write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1, default=str))
     print("\n" + md + f"\n\nresults in {out_dir}")
     return 0
 

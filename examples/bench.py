@@ -129,7 +129,8 @@ def envoy_for(policy: str, nodes: list[str], poller: str = "vm", time_scale: flo
     # And a variant's quiet period, scaled as the tick is (so the tick itself stays the tick).
     if "quiet_poll_ms" in plugin:
         plugin["quiet_poll_ms"] = max(10, round(plugin["quiet_poll_ms"] / time_scale))
-    wasm = PREVIOUS_WASM if policy == "tb_previous" else None
+    # `tb_previous`, and any variant named `..._previous`, runs on the other build.
+    wasm = PREVIOUS_WASM if policy.endswith("_previous") else None
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm, poller=poller)
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())

@@ -334,6 +334,24 @@ impl NodeState {
         self.kv_cache_tokens
     }
 
+    /// The node's KV-cache size in tokens, the one place it is resolved: the size `report`
+    /// publishes (an engine's cache geometry) is exact; else its VRAM total at
+    /// `kv_bytes_per_token`, as the VRAM check counts it; else the configured size.
+    pub fn cache_tokens(&self, report: &Report, kv_bytes_per_token: u64) -> Option<f64> {
+        let positive = |t: &f64| t.is_finite() && *t > 0.0;
+        report
+            .kv_cache_tokens
+            .filter(positive)
+            .or_else(|| {
+                report
+                    .vram_total_bytes
+                    .map(|b| b / kv_bytes_per_token.max(1) as f64)
+                    .filter(positive)
+            })
+            .or(self.kv_cache_tokens.map(|k| k as f64))
+            .filter(positive)
+    }
+
     /// Tokens per second the node serves at most: the configured capacity, else the one
     /// `report` gives, else `assumed`, the fleet's figure for nodes that report none (see
     /// `choice::AssumedCapacity`). The one place a node's capacity is resolved.
@@ -597,6 +615,30 @@ mod tests {
     use crate::ingest::engine::{self, FormatError};
     use crate::route::balancer::Balancer;
     use crate::route::testing::*;
+
+    /// A node's cache size: the engine's geometry first, then the VRAM total at the
+    /// configured bytes a token, then the configured size; nothing unusable counts.
+    #[test]
+    fn the_cache_size_is_resolved_in_one_order() {
+        let report = |tokens: Option<f64>, vram: Option<f64>| Report {
+            kv_cache_tokens: tokens,
+            vram_total_bytes: vram,
+            ..rep(0.0, None)
+        };
+        let configured = NodeState::new("10.0.0.1:80", None, Some(300));
+        let bare = NodeState::new("10.0.0.1:80", None, None);
+        let cases = [
+            (&configured, report(Some(100.0), Some(4000.0)), Some(100.0)),
+            (&configured, report(None, Some(4000.0)), Some(200.0)),
+            (&configured, report(None, None), Some(300.0)),
+            (&configured, report(Some(0.0), Some(f64::NAN)), Some(300.0)),
+            (&bare, report(None, Some(4000.0)), Some(200.0)),
+            (&bare, report(Some(-1.0), None), None),
+        ];
+        for (i, (n, r, want)) in cases.into_iter().enumerate() {
+            assert_eq!(n.cache_tokens(&r, 20), want, "case {i}");
+        }
+    }
 
     fn w(p: u64, o: u64) -> Weight {
         Weight {

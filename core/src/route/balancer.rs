@@ -318,19 +318,18 @@ impl Balancer {
         self.prefixes.as_ref().map(|_| self.block_chars)
     }
 
-    /// Node `node`'s cache, as the prefix index sizes it: its reported or configured KV
-    /// cache in blocks of about `block_chars / 4` tokens (the estimate's characters a token).
+    /// Node `node`'s cache, as the prefix index sizes it: its KV cache (`cache_tokens`:
+    /// published, from its VRAM total, or configured) in blocks of about `block_chars / 4`
+    /// tokens (the estimate's characters a token).
     fn size_prefixes(&mut self, node: usize) {
         let (Some(ix), Some(n)) = (self.prefixes.as_mut(), self.fleet.nodes().get(node)) else {
             return;
         };
-        let tokens = n
-            .report_taken()
-            .and_then(|(r, _)| r.kv_cache_tokens)
-            .filter(|t| t.is_finite() && *t > 0.0)
-            .map(|t| t as u64)
-            .or(n.kv_cache_tokens());
-        if let Some(t) = tokens {
+        let tokens = match n.report_taken() {
+            Some((r, _)) => n.cache_tokens(&r, self.params.kv_bytes_per_token),
+            None => n.kv_cache_tokens().map(|k| k as f64),
+        };
+        if let Some(t) = tokens.map(|t| t as u64) {
             let per_block = (self.block_chars as u64 / 4).max(1);
             ix.set_capacity(node, usize::try_from(t / per_block).unwrap_or(usize::MAX));
         }

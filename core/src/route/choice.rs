@@ -169,15 +169,10 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
         return Some((used + extra * p.kv_bytes_per_token as f64) / total);
     }
     let usage = r.kv_cache_usage?;
-    // The size the engine publishes (its cache geometry) is exact; the configured one is the
-    // operator's fallback for engines that publish none.
-    match r
-        .kv_cache_tokens
-        .or(node.kv_cache_tokens().map(|k| k as f64))
-    {
-        Some(k) if k > 0.0 => Some(usage + extra / k),
+    match node.cache_tokens(r, p.kv_bytes_per_token) {
+        Some(k) => Some(usage + extra / k),
         // Without the cache size the request cannot be sized: only a full cache is known.
-        _ => Some(usage),
+        None => Some(usage),
     }
 }
 

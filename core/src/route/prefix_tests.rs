@@ -277,6 +277,27 @@ fn a_prompt_cache_key_is_an_affinity_hint() {
     assert!(distinct.len() >= 4, "{distinct:?}");
 }
 
+/// A node that reports its VRAM in bytes (the seed format has no cache geometry) is believed
+/// to hold no more prompt blocks than its cache has room for, at `kv_bytes_per_token`: a small
+/// node forgets old prefixes as its engine does, instead of being priced for a default size
+/// several times its own.
+#[test]
+fn a_node_reporting_vram_bytes_sizes_its_share_of_the_index() {
+    // 1 byte a token, 6,400 tokens of cache: 100 blocks of 64 tokens (256 characters).
+    let mut b = idle_fleet(1, r#","choices":0,"kv_bytes_per_token":1"#);
+    let body = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"vram_used_bytes":0,"vram_total_bytes":6400}"#;
+    b.on_health(0, Some(body), 5).unwrap();
+    let mut rng = SplitMix64::new(2);
+    for tenant in 0..10 {
+        // About 32 blocks each: 320 blocks sent in all.
+        let sys = system(200 + tenant, 8_000);
+        let t = routed(&go(&mut b, &prompt(&sys, "q", 10), 10, &mut rng)).unwrap();
+        finish(&mut b, &t, 10);
+    }
+    let held = b.prefixes().unwrap().held_by(0);
+    assert!((90..=100).contains(&held), "{held} blocks believed held");
+}
+
 /// A slot given to another address holds no prefix: the new node is not priced as holding
 /// what the old one held.
 #[test]

@@ -105,6 +105,7 @@ def test_an_allowed_source_gets_the_explanation_and_the_access_log_has_every_dec
                 assert c[1].startswith("predicted_ms=") and float(c[1].split("=")[1]) > 0, value
                 assert c[2].startswith("kv=") and 0 <= float(c[2].split("=")[1]) <= 1, value
                 assert c[3].startswith("cached=") and int(c[3].split("=")[1]) >= 0, value
+                assert c[4].startswith("first_token_ms=") and float(c[4].split("=")[1]) > 0, value
             # The debug header tells the same decision, briefly: the explanation holds it.
             assert f"; {r.headers[DEBUG]}; weight_tokens=" in value, (value, r.headers[DEBUG])
             wait_until(lambda: envoy.counter("token_balancer.explain.granted") == 1, 5,

@@ -149,6 +149,9 @@ impl Decision {
                             None => out.push_str("unknown"),
                         }
                         let _ = write!(out, " cached={}", n.cached);
+                        if let Some(t) = n.first_token_seconds {
+                            let _ = write!(out, " first_token_ms={:.1}", t * 1000.0);
+                        }
                     }
                 }
             }
@@ -381,7 +384,7 @@ mod tests {
             "decision=routed; why=shortest_predicted_time; model=llama-3-8b; \
              node=10.0.0.1:8000,[fd00::2]:8000; prompt_tokens=812; cached_tokens=512; output_tokens=214; \
              output_cap=1024; predicted_ms=41.7; inflight=3; held_ms=350; weight_tokens=1026; \
-             choices=16; candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
+             choices=16; candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0 first_token_ms=20.0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
         );
         let over = routed(true, None).render(full, Asked::default());
         assert!(

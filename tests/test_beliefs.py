@@ -15,6 +15,7 @@ TICK_MS = 100
 NODE_FIELDS = {"address", "slot", "member", "ejected", "failures_in_row", "telemetry", "report",
                "in_flight", "models", "predicted_typical"}
 REPORT_FIELDS = {"age_ms", "fresh", "load_tokens_per_sec", "capacity_tokens_per_sec",
+                 "sustained_tokens_per_sec", "forecast_tokens_per_sec",
                  "capacity_used_tokens_per_sec", "kv_cache_usage", "kv_cache_tokens",
                  "vram_used_bytes", "vram_total_bytes", "queue_depth", "running_requests"}
 IN_FLIGHT_FIELDS = {"requests", "tokens", "sent_since_report_requests", "sent_since_report_tokens",

@@ -203,6 +203,7 @@ pub fn health_json(data: &[u8]) {
         queue_depth,
         running_requests,
         kv_cache_tokens,
+        sustained_tokens_per_sec,
     } = r;
     assert!(sane(load_tokens_per_sec), "load {load_tokens_per_sec}");
     for (name, v) in [
@@ -213,6 +214,7 @@ pub fn health_json(data: &[u8]) {
         ("queue_depth", queue_depth),
         ("running_requests", running_requests),
         ("kv_cache_tokens", kv_cache_tokens),
+        ("sustained", sustained_tokens_per_sec),
     ] {
         if let Some(x) = v {
             assert!(sane(x), "{name} {x}");

@@ -359,6 +359,17 @@ impl NodeState {
         self.known_capacity(report).unwrap_or(assumed)
     }
 
+    /// Tokens per second the first-token forecast drains queued prompts at: the configured
+    /// capacity, else the rate the node was seen to sustain (learned from an engine's counters
+    /// over windows of seconds, see `ingest::rates`), else the capacity the choice ranks with.
+    /// A capacity learned from an engine is a peak over half-second windows, which for an
+    /// engine that counts a prompt when it is done (llama.cpp) is many times what it serves.
+    pub fn forecast_rate(&self, report: &Report, assumed: f64) -> f64 {
+        self.capacity_override
+            .or(report.sustained_tokens_per_sec)
+            .unwrap_or_else(|| self.capacity(report, assumed))
+    }
+
     /// The capacity configured or reported, without the fleet's assumption.
     pub fn known_capacity(&self, report: &Report) -> Option<f64> {
         self.capacity_override.or(report.capacity_tokens_per_sec)
@@ -902,6 +913,7 @@ mod tests {
             Report {
                 load_tokens_per_sec: 0.0,
                 capacity_tokens_per_sec: None,
+                sustained_tokens_per_sec: None,
                 vram_used_bytes: None,
                 vram_total_bytes: None,
                 kv_cache_usage: Some(0.4375),

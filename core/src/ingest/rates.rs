@@ -43,6 +43,15 @@
 //! assumed as fast as the best known one and gets traffic to learn from, instead of being
 //! starved at a tiny learned figure, and an idle fleet never ranks on a zero capacity.
 //!
+//! Sustained rate. The same counters over windows of at least `SUSTAINED_WINDOW_MS` (5 s),
+//! with the same gated peak: what the node was seen to serve over seconds. An engine that
+//! counts a prompt when its prefill is done (llama.cpp) moves its counter in lumps, and over
+//! half a second a lump reads as many times the node's throughput: on two llama.cpp servers the
+//! half-second peak was 1,600 to 2,800 tokens/s, the 5-s one 185 to 300. The capacity above
+//! keeps the half-second peak, as the ranking is tuned with it (a change of the ranking's
+//! capacity was not shown to route better); the first-token forecast, which admission holds
+//! budgets against, drains at the sustained rate (`NodeState::forecast_rate`).
+//!
 //! KV. The report carries the engine's use fraction, or tokens in use over the cache size, and
 //! the cache size from the engine's geometry (`Report::kv_cache_tokens`); when the engine
 //! publishes no geometry, a configured `kv_cache_tokens` sizes it, as it does for the seed
@@ -57,6 +66,8 @@ pub const MIN_WINDOW_MS: u64 = 500;
 pub const PEAK_HALF_LIFE_S: f64 = 120.0;
 /// A learned peak below this (tokens/s) is not believed as a capacity.
 pub const LEARNED_CAPACITY_FLOOR: f64 = 10.0;
+/// Shortest window the sustained rate is measured over (see the module).
+pub const SUSTAINED_WINDOW_MS: u64 = 5_000;
 
 /// What one scrape did to the rate.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -91,6 +102,10 @@ pub struct Tracker {
     peak: Option<f64>,
     last_poll_ms: Option<u64>,
     last_step: Option<Step>,
+    /// The sustained rate's peak, decaying as `peak` does.
+    sustained: Option<f64>,
+    /// Where the sustained rate's window started: when, and the tokens counted by then.
+    window: Option<(u64, f64)>,
 }
 
 impl Tracker {
@@ -102,6 +117,11 @@ impl Tracker {
     /// The learned capacity, when the peak is high enough to be one.
     pub fn learned_capacity(&self) -> Option<f64> {
         self.peak.filter(|p| *p >= LEARNED_CAPACITY_FLOOR)
+    }
+
+    /// The learned sustained rate, when its peak is high enough to be one.
+    pub fn sustained(&self) -> Option<f64> {
+        self.sustained.filter(|p| *p >= LEARNED_CAPACITY_FLOOR)
     }
 
     /// What the last scrape did to the rate.
@@ -130,6 +150,7 @@ impl Tracker {
         Report {
             load_tokens_per_sec: self.rate.unwrap_or(0.0),
             capacity_tokens_per_sec: self.learned_capacity(),
+            sustained_tokens_per_sec: self.sustained(),
             vram_used_bytes: None,
             vram_total_bytes: None,
             kv_cache_usage: kv_usage,
@@ -198,12 +219,31 @@ impl Tracker {
         self.last_poll_ms = Some(now_ms);
         let saturated = s.waiting.map_or(true, |w| w > 0.0);
         if saturated {
-            if let Some(p) = self.peak.as_mut() {
-                *p *= 0.5f64.powf(dt_s / PEAK_HALF_LIFE_S);
+            let decay = 0.5f64.powf(dt_s / PEAK_HALF_LIFE_S);
+            for p in [&mut self.peak, &mut self.sustained].into_iter().flatten() {
+                *p *= decay;
             }
         }
         if let Step::Measured(r) = step {
             self.peak = Some(self.peak.map_or(r, |p| p.max(r)));
+        }
+        let total = match (s.prompt_tokens, s.generation_tokens) {
+            (None, None) => None,
+            (p, g) => Some(p.map_or(0.0, |c| c.total) + g.map_or(0.0, |c| c.total)),
+        };
+        match (step, self.window, total) {
+            (Step::Measured(_), Some((at, before)), Some(now_total))
+                if now_ms.saturating_sub(at) >= SUSTAINED_WINDOW_MS =>
+            {
+                let r = (now_total - before) * 1000.0 / now_ms.saturating_sub(at) as f64;
+                if r.is_finite() && (0.0..ABSURD).contains(&r) {
+                    self.sustained = Some(self.sustained.map_or(r, |p| p.max(r)));
+                }
+                self.window = Some((now_ms, now_total));
+            }
+            (Step::Measured(_) | Step::TooSoon, Some(_), _) => {}
+            // A new baseline (or none) starts the window again.
+            _ => self.window = total.map(|t| (now_ms, t)),
         }
     }
 }
@@ -396,6 +436,7 @@ mod tests {
             Report {
                 load_tokens_per_sec: 0.0,
                 capacity_tokens_per_sec: None,
+                sustained_tokens_per_sec: None,
                 vram_used_bytes: None,
                 vram_total_bytes: None,
                 kv_cache_usage: Some(0.7),
@@ -440,6 +481,46 @@ mod tests {
         at += 1000;
         let r = t.observe(&idle(p + 9000.0), at, None);
         assert_eq!(r.capacity_tokens_per_sec, Some(9000.0));
+    }
+
+    /// An engine that counts a prompt when it is done (llama.cpp) moves its counter in lumps:
+    /// 2,000 tokens in one half-second poll every 5 s is 4,000 tokens/s over that poll and 400
+    /// over the seconds it took. The capacity peak takes the first; the sustained rate, over
+    /// windows of `SUSTAINED_WINDOW_MS` or more, the second, and a reset starts its window again.
+    #[test]
+    fn a_lumpy_counter_sustains_what_it_serves_over_seconds() {
+        let mut t = Tracker::default();
+        let mut total = 0.0;
+        let mut r = t.observe(&counters(0.0, 0.0), 0, None);
+        for at in (500..=30_000).step_by(500) {
+            if at % 5_000 == 0 {
+                total += 2000.0;
+            }
+            r = t.observe(&counters(total, 0.0), at, None);
+        }
+        assert_eq!(r.capacity_tokens_per_sec, Some(4000.0));
+        assert_eq!(r.sustained_tokens_per_sec, Some(400.0));
+        // Not before a whole window has passed.
+        let mut fresh = Tracker::default();
+        fresh.observe(&counters(0.0, 0.0), 0, None);
+        let r = fresh.observe(&counters(2000.0, 0.0), 4_500, None);
+        assert_eq!(
+            (
+                r.capacity_tokens_per_sec.is_some(),
+                r.sustained_tokens_per_sec
+            ),
+            (true, None)
+        );
+        let r = fresh.observe(&counters(2000.0, 0.0), 5_000, None);
+        assert_eq!(r.sustained_tokens_per_sec, Some(400.0));
+        // A restarted engine (its counter went down) is no rate: the window starts again.
+        fresh.observe(&counters(10.0, 0.0), 5_500, None);
+        let r = fresh.observe(&counters(100_010.0, 0.0), 9_000, None);
+        assert_eq!(
+            r.sustained_tokens_per_sec,
+            Some(400.0),
+            "a window of 3.5 s measures nothing"
+        );
     }
 
     #[test]

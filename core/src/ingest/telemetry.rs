@@ -17,6 +17,10 @@ pub struct Report {
     pub load_tokens_per_sec: f64,
     /// Tokens per second the node can sustain, when it says.
     pub capacity_tokens_per_sec: Option<f64>,
+    /// Tokens per second the node was seen to serve over windows of several seconds, learned
+    /// from an engine's counters (`rates`); what the first-token forecast drains queued
+    /// prompts at. None in the seed format, whose capacity is the node's own word.
+    pub sustained_tokens_per_sec: Option<f64>,
     /// KV-cache/VRAM in use, bytes, with the total.
     pub vram_used_bytes: Option<f64>,
     pub vram_total_bytes: Option<f64>,
@@ -123,6 +127,7 @@ pub fn parse_health(body: &[u8]) -> Result<Report, ReportError> {
     Ok(Report {
         load_tokens_per_sec,
         capacity_tokens_per_sec: capacity,
+        sustained_tokens_per_sec: None,
         vram_used_bytes: vram_used,
         vram_total_bytes: vram_total,
         kv_cache_usage: optional(obj, "kv_cache_usage").filter(|u| *u <= 1.0),

@@ -130,6 +130,8 @@ fn node(
             "load_tokens_per_sec": num(r.load_tokens_per_sec),
             "capacity_tokens_per_sec": opt(r.capacity_tokens_per_sec),
             "capacity_used_tokens_per_sec": num(n.capacity(&r, fleet.assumed_capacity)),
+            "sustained_tokens_per_sec": opt(r.sustained_tokens_per_sec),
+            "forecast_tokens_per_sec": num(n.forecast_rate(&r, fleet.assumed_capacity)),
             "kv_cache_usage": opt(r.kv_cache_usage),
             "kv_cache_tokens": opt(r.kv_cache_tokens),
             "vram_used_bytes": opt(r.vram_used_bytes),

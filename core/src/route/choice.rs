@@ -348,8 +348,10 @@ pub fn evaluate(
     let work = weight.total().saturating_sub(cached) as f64;
     let mut seconds = (backlog + work) / spare;
     let queued = reported_queue.max(books.prefill_tokens as f64);
-    let first_token_seconds = first_token(queued, weight.prompt_tokens.saturating_sub(cached), c);
-    let queued_seconds = first_token(queued, 0, c);
+    let rate = n.forecast_rate(r, fleet.assumed_capacity);
+    let first_token_seconds =
+        first_token(queued, weight.prompt_tokens.saturating_sub(cached), rate);
+    let queued_seconds = first_token(queued, 0, rate);
     // Measured against the node's report time: the report is fresh, so this is recent too.
     let since = n
         .reported_at()
@@ -680,6 +682,48 @@ mod tests {
             run(&[frac(0.95, None)], w(1, 0), 2000),
             Decision::AllOverCeiling(_)
         ));
+    }
+
+    /// The first-token forecast drains the queue at the rate the node was seen to sustain over
+    /// seconds when an engine's counters taught one, not at the half-second peak the ranking
+    /// uses (which a lumpy counter inflates); a configured capacity is the operator's word for
+    /// both. The ranking's key is the same with or without the sustained rate.
+    #[test]
+    fn the_forecast_drains_at_the_sustained_rate() {
+        let fleet = FleetWide {
+            assumed_capacity: 1000.0,
+            mean_request_tokens: 500.0,
+        };
+        let ask = Ask {
+            weight: w(400, 0),
+            growth: Growth {
+                own: 0,
+                margin_per_sqrt: 0.0,
+                per_running: 0.0,
+            },
+            model: None,
+            named: false,
+            prefix: None,
+        };
+        let report = |sustained: Option<f64>| Report {
+            load_tokens_per_sec: 0.0,
+            capacity_tokens_per_sec: Some(4000.0),
+            sustained_tokens_per_sec: sustained,
+            queue_depth: Some(2.0),
+            ..Report::default()
+        };
+        let eval = |n: &NodeState, r: &Report| evaluate(0, n, r, &ask, &fleet, &P).0;
+        let peak_only = eval(&node(Some(report(None))), &report(None));
+        let sustained = eval(&node(Some(report(Some(400.0)))), &report(Some(400.0)));
+        // 2 x 500 queued and 400 of its own: 0.35 s at 4000 tokens/s, 3.5 s at 400.
+        let near = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+        assert!(near(peak_only.first_token_seconds, 0.35), "{peak_only:?}");
+        assert!(near(sustained.first_token_seconds, 3.5), "{sustained:?}");
+        assert!(near(sustained.queued_seconds, 2.5), "{sustained:?}");
+        assert_eq!(peak_only.seconds, sustained.seconds);
+        let operator = configured(Some(report(Some(400.0))), Some(1000.0), None);
+        let said = eval(&operator, &report(Some(400.0)));
+        assert!(near(said.first_token_seconds, 1.4), "{said:?}");
     }
 
     /// Sequences another router sent grow too: a node reporting 40 running sequences and 60%

@@ -60,7 +60,10 @@ pub struct Snapshot {
     pub nodes: Vec<NodeView>,
 }
 
-const MAGIC: &[u8; 4] = b"TBF1";
+const MAGIC: &[u8; 4] = b"TBF2";
+/// Snapshots of builds before a report's eighth figure (the sustained rate): read alike, since
+/// they never set its bit. An older reader refuses the new magic rather than misread it.
+const MAGIC_BEFORE_SUSTAINED: &[u8; 4] = b"TBF1";
 const HAS_REPORT: u8 = 1;
 const EJECTED: u8 = 2;
 const MEMBER: u8 = 4;
@@ -145,7 +148,7 @@ fn put_strs(out: &mut Vec<u8>, list: &[String]) {
 }
 
 /// The report's optional figures, in the order of their bits in the mask.
-fn optionals(r: &Report) -> [Option<f64>; 7] {
+fn optionals(r: &Report) -> [Option<f64>; 8] {
     [
         r.capacity_tokens_per_sec,
         r.vram_used_bytes,
@@ -154,6 +157,7 @@ fn optionals(r: &Report) -> [Option<f64>; 7] {
         r.kv_cache_tokens,
         r.queue_depth,
         r.running_requests,
+        r.sustained_tokens_per_sec,
     ]
 }
 
@@ -215,7 +219,8 @@ impl Snapshot {
 
     fn read(bytes: &[u8]) -> Option<Snapshot> {
         let mut r = Reader::new(bytes);
-        if r.take(4)? != MAGIC {
+        let magic = r.take(4)?;
+        if magic != MAGIC && magic != MAGIC_BEFORE_SUSTAINED {
             return None;
         }
         let count = r.u32()? as usize;
@@ -232,17 +237,18 @@ impl Snapshot {
                 let at = r.u64()?;
                 let load = r.f64()?;
                 let mask = r.u8()?;
-                let mut o = [None; 7];
+                let mut o = [None; 8];
                 for (i, figure) in o.iter_mut().enumerate() {
                     if mask & (1 << i) != 0 {
                         *figure = Some(r.f64()?);
                     }
                 }
-                let [capacity, used, total, usage, kv_tokens, queue, running] = o;
+                let [capacity, used, total, usage, kv_tokens, queue, running, sustained] = o;
                 Some((
                     Report {
                         load_tokens_per_sec: load,
                         capacity_tokens_per_sec: capacity,
+                        sustained_tokens_per_sec: sustained,
                         vram_used_bytes: used,
                         vram_total_bytes: total,
                         kv_cache_usage: usage,
@@ -378,6 +384,7 @@ mod tests {
                         Report {
                             load_tokens_per_sec: 12.5,
                             capacity_tokens_per_sec: Some(1000.0),
+                            sustained_tokens_per_sec: Some(400.0),
                             kv_cache_usage: Some(0.25),
                             running_requests: Some(3.0),
                             ..Report::default()
@@ -407,9 +414,17 @@ mod tests {
         let mut long = bytes.clone();
         long.push(0);
         assert_eq!(Snapshot::decode(&long), Err(Malformed));
-        assert_eq!(Snapshot::decode(b"TBF2\0\0\0\0"), Err(Malformed));
+        assert_eq!(Snapshot::decode(b"TBF3\0\0\0\0"), Err(Malformed));
         // A count the bytes cannot hold allocates nothing.
-        assert_eq!(Snapshot::decode(b"TBF1\xff\xff\xff\xff"), Err(Malformed));
+        assert_eq!(Snapshot::decode(b"TBF2\xff\xff\xff\xff"), Err(Malformed));
+        // A snapshot of a build before the sustained rate (which never set its bit) reads.
+        let mut older = snap.clone();
+        if let Some((r, _)) = older.nodes.first_mut().and_then(|n| n.report.as_mut()) {
+            r.sustained_tokens_per_sec = None;
+        }
+        let mut old_bytes = older.encode();
+        old_bytes[..4].copy_from_slice(b"TBF1");
+        assert_eq!(Snapshot::decode(&old_bytes), Ok(older));
     }
 
     fn fleet(n: usize) -> Snapshot {

@@ -154,7 +154,9 @@ def main():
                 for f in futures:
                     f.result()
             beliefs = json.loads(request(envoy.port, "GET", BELIEFS).body)
-            capacities = {names.get(n["address"], n["address"]): (n.get("report") or {}).get("capacity_used_tokens_per_sec")
+            capacities = {names.get(n["address"], n["address"]):
+                          {k: (n.get("report") or {}).get(k)
+                           for k in ("capacity_used_tokens_per_sec", "forecast_tokens_per_sec")}
                           for n in beliefs.get("nodes", [])}
         finally:
             envoy.stop()
@@ -174,8 +176,11 @@ def main():
             continue
         print(f"| {name} | {s['requests']} | {s['p10']:.2f} / {s['p50']:.2f} / {s['p90']:.2f} | "
               f"{100 * s['within_1_5x']:.0f}% | {100 * s['within_2x']:.0f}% |")
-    print("\ncapacity the filter ranked each node with at the end (tokens/s): "
-          + ", ".join(f"{k} {v:.0f}" if v else f"{k} none" for k, v in capacities.items()))
+    def rate(v):
+        return "none" if v is None else f"{v:.0f}"
+    print("\nat the end, tokens/s each node was ranked with / its forecast drained at: "
+          + ", ".join(f"{k} {rate(v['capacity_used_tokens_per_sec'])} / {rate(v['forecast_tokens_per_sec'])}"
+                      for k, v in capacities.items()))
     print(f"\nresults in {out_dir}")
 
 

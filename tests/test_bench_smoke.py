@@ -1,5 +1,6 @@
-"""A seconds-long run of the benchmark pipeline (examples/bench.py --smoke): every policy runs,
-and the report is produced and well formed. The full benchmark is a command, not a test."""
+"""A seconds-long run of the benchmark pipelines (examples/bench.py --smoke, admission_bench.py
+--smoke, forecast_check.py with a few requests): every policy runs, and the report is produced
+and well formed. The full benchmarks are commands, not tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+import real_engines
 from harness import ROOT
 
 POLICIES = ["round_robin", "least_request", "cswrr_orca", "naive_seed", "token_balancer"]
@@ -64,3 +66,25 @@ def test_admission_benchmark_pipeline_produces_a_well_formed_report():
     report = (ROOT / "results" / name / "admission.md").read_text()
     assert "docs throughput, fair / fifo" in report and "docs throughput, lane / fifo" in report
     assert "admitted met both budgets" in report
+
+
+def test_forecast_check_against_real_engines_produces_a_well_formed_report():
+    """examples/forecast_check.py with a few requests: every request streamed through Envoy to a
+    real llama.cpp server, its forecast read from the explanation, and each node's ranking
+    capacity and forecast rate taken from the beliefs."""
+    real_engines.require()
+    name = "ci-forecast-smoke"
+    r = subprocess.run([sys.executable, str(ROOT / "examples/forecast_check.py"), "--requests", "6",
+                        "--max-words", "200", "--name", name],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((ROOT / "results" / name / "forecast.json").read_text())
+    assert len(doc["rows"]) == 6
+    for row in doc["rows"]:
+        assert row["status"] == 200 and row["node"] in ("big", "small"), row
+        assert row["forecast_ms"] > 0 and row["observed_ms"] > 0, row
+    assert doc["summary"]["all"]["requests"] == 6
+    assert set(doc["capacity_tokens_per_sec"]) == {"big", "small"}
+    for rates in doc["capacity_tokens_per_sec"].values():
+        assert rates["capacity_used_tokens_per_sec"] > 0 and rates["forecast_tokens_per_sec"] > 0, rates
+    assert "| all | 6 |" in r.stdout

@@ -43,14 +43,19 @@
 //! assumed as fast as the best known one and gets traffic to learn from, instead of being
 //! starved at a tiny learned figure, and an idle fleet never ranks on a zero capacity.
 //!
-//! Sustained rate. The same counters over windows of at least `SUSTAINED_WINDOW_MS` (5 s),
-//! with the same gated peak: what the node was seen to serve over seconds. An engine that
+//! Sustained rate. The same counters over windows of at least `SUSTAINED_WINDOW_MS` (5 s) of
+//! work, with the same gated peak: what the node was seen to serve over seconds. An engine that
 //! counts a prompt when its prefill is done (llama.cpp) moves its counter in lumps, and over
 //! half a second a lump reads as many times the node's throughput: on two llama.cpp servers the
 //! half-second peak was 1,600 to 2,800 tokens/s, the 5-s one 185 to 300. The capacity above
 //! keeps the half-second peak, as the ranking is tuned with it (a change of the ranking's
 //! capacity was not shown to route better); the first-token forecast, which admission holds
-//! budgets against, drains at the sustained rate (`NodeState::forecast_rate`).
+//! budgets against, drains at the sustained rate (`NodeState::forecast_rate`). The window is
+//! 5 s of the node at work (requests running or waiting at either end of a poll interval), not
+//! of the clock: idle moments would make the rate a measure of the traffic, not of the node.
+//! Where it errs: a window spent decoding a few streams counts few tokens, so the figure is a
+//! peak over windows, and until 5 s of work have passed the forecast drains at the capacity
+//! the choice ranks with.
 //!
 //! KV. The report carries the engine's use fraction, or tokens in use over the cache size, and
 //! the cache size from the engine's geometry (`Report::kv_cache_tokens`); when the engine
@@ -66,7 +71,7 @@ pub const MIN_WINDOW_MS: u64 = 500;
 pub const PEAK_HALF_LIFE_S: f64 = 120.0;
 /// A learned peak below this (tokens/s) is not believed as a capacity.
 pub const LEARNED_CAPACITY_FLOOR: f64 = 10.0;
-/// Shortest window the sustained rate is measured over (see the module).
+/// Milliseconds of work the sustained rate is measured over (see the module).
 pub const SUSTAINED_WINDOW_MS: u64 = 5_000;
 
 /// What one scrape did to the rate.
@@ -104,8 +109,9 @@ pub struct Tracker {
     last_step: Option<Step>,
     /// The sustained rate's peak, decaying as `peak` does.
     sustained: Option<f64>,
-    /// Where the sustained rate's window started: when, and the tokens counted by then.
-    window: Option<(u64, f64)>,
+    /// The sustained rate's window: the tokens counted when it started, the milliseconds
+    /// since in which the node had work, and whether it had work at the last scrape.
+    window: Option<(f64, u64, bool)>,
 }
 
 impl Tracker {
@@ -231,19 +237,32 @@ impl Tracker {
             (None, None) => None,
             (p, g) => Some(p.map_or(0.0, |c| c.total) + g.map_or(0.0, |c| c.total)),
         };
+        // Work at this scrape: requests running or waiting (a node that does not say counts
+        // as busy, as for the peak's decay). An interval counts as busy when either end is.
+        let busy = match (s.running, s.waiting) {
+            (None, None) => true,
+            (r, w) => r.unwrap_or(0.0) + w.unwrap_or(0.0) > 0.0,
+        };
+        let dt_ms = (dt_s * 1000.0) as u64;
         match (step, self.window, total) {
-            (Step::Measured(_), Some((at, before)), Some(now_total))
-                if now_ms.saturating_sub(at) >= SUSTAINED_WINDOW_MS =>
-            {
-                let r = (now_total - before) * 1000.0 / now_ms.saturating_sub(at) as f64;
-                if r.is_finite() && (0.0..ABSURD).contains(&r) {
-                    self.sustained = Some(self.sustained.map_or(r, |p| p.max(r)));
+            (
+                Step::Measured(_) | Step::TooSoon,
+                Some((before, busy_ms, was_busy)),
+                Some(now_total),
+            ) => {
+                let busy_ms = busy_ms + if busy || was_busy { dt_ms } else { 0 };
+                if busy_ms >= SUSTAINED_WINDOW_MS {
+                    let r = (now_total - before) * 1000.0 / busy_ms as f64;
+                    if r.is_finite() && (0.0..ABSURD).contains(&r) {
+                        self.sustained = Some(self.sustained.map_or(r, |p| p.max(r)));
+                    }
+                    self.window = Some((now_total, 0, busy));
+                } else {
+                    self.window = Some((before, busy_ms, busy));
                 }
-                self.window = Some((now_ms, now_total));
             }
-            (Step::Measured(_) | Step::TooSoon, Some(_), _) => {}
             // A new baseline (or none) starts the window again.
-            _ => self.window = total.map(|t| (now_ms, t)),
+            _ => self.window = total.map(|t| (t, 0, busy)),
         }
     }
 }
@@ -521,6 +540,24 @@ mod tests {
             Some(400.0),
             "a window of 3.5 s measures nothing"
         );
+    }
+
+    /// Idle time is not in the window: a node that served 1,000 tokens in 2 s of work, then
+    /// sat idle for 10 s, then served 1,500 in 3 s sustains 500 tokens/s, not 2,500 over 15 s.
+    #[test]
+    fn the_window_is_time_at_work() {
+        let mut t = Tracker::default();
+        let at = |p: f64, running: f64| Scrape {
+            running: Some(running),
+            ..counters(p, 0.0)
+        };
+        t.observe(&at(0.0, 1.0), 0, None);
+        t.observe(&at(1000.0, 0.0), 2_000, None);
+        let r = t.observe(&at(1000.0, 0.0), 12_000, None);
+        assert_eq!(r.sustained_tokens_per_sec, None, "2 s of work so far");
+        t.observe(&at(1000.0, 1.0), 12_500, None);
+        let r = t.observe(&at(2500.0, 1.0), 15_000, None);
+        assert_eq!(r.sustained_tokens_per_sec, Some(500.0));
     }
 
     #[test]

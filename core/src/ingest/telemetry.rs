@@ -17,7 +17,7 @@ pub struct Report {
     pub load_tokens_per_sec: f64,
     /// Tokens per second the node can sustain, when it says.
     pub capacity_tokens_per_sec: Option<f64>,
-    /// Tokens per second the node was seen to serve over windows of several seconds, learned
+    /// Tokens per second the node was seen to serve over seconds of work, learned
     /// from an engine's counters (`rates`); what the first-token forecast drains queued
     /// prompts at. None in the seed format, whose capacity is the node's own word.
     pub sustained_tokens_per_sec: Option<f64>,

@@ -47,7 +47,7 @@
 //! work, with the same gated peak: what the node was seen to serve over seconds. An engine that
 //! counts a prompt when its prefill is done (llama.cpp) moves its counter in lumps, and over
 //! half a second a lump reads as many times the node's throughput: on two llama.cpp servers the
-//! half-second peak was 1,600 to 2,800 tokens/s, the 5-s one 185 to 300. The capacity above
+//! half-second peak was 1,500 to 3,000 tokens/s, the 5-s one 120 to 330. The capacity above
 //! keeps the half-second peak, as the ranking is tuned with it (a change of the ranking's
 //! capacity was not shown to route better); the first-token forecast, which admission holds
 //! budgets against, drains at the sustained rate (`NodeState::forecast_rate`). The window is

@@ -104,7 +104,9 @@
 //!
 //! Forecasts for admission (`route::admission`), beside the ordering key: the time to the
 //! request's first token (`first_token`: the prompts queued at the node and its own uncached
-//! prompt, at the node's capacity), the part of it that is already queued, and the node's time
+//! prompt, at `NodeState::forecast_rate`: the configured capacity, else the rate the node was
+//! seen to sustain over seconds of work, else the ranking's), the part of it that is already
+//! queued, and the node's time
 //! per output token as measured from the streams this filter saw complete there. A request's
 //! budgets are compared with them; the ranking never is.
 //!

@@ -66,15 +66,23 @@ def forecast_ms(explanation: str) -> tuple[str, float | None]:
     return first[0], ms
 
 
-def one(port: int, body: dict, timeout: float = 300.0) -> dict:
-    """Streams one completion; the time to its first content chunk and the explanation."""
+def one(port: int, body: dict, budget_ms: float | None = None, timeout: float = 300.0) -> dict:
+    """Streams one completion; the time to its first content chunk and the explanation (with a
+    time-to-first-token budget, also whether it was refused and when the refusal came)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     started = time.monotonic()
+    headers = {"content-type": "application/json", EXPLAIN: "1"}
+    if budget_ms:
+        headers["x-slo-ttft-ms"] = str(int(budget_ms))
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"content-type": "application/json", EXPLAIN: "1"})
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
         r = conn.getresponse()
         explanation = r.getheader(EXPLAIN, "")
+        if r.status == 429:
+            r.read()
+            return {"status": 429, "explanation": explanation, "ttft_ms": None,
+                    "retry_after": r.getheader("retry-after"),
+                    "answered_ms": (time.monotonic() - started) * 1000.0}
         first = None
         buf = b""
         while True:
@@ -113,6 +121,9 @@ def main():
     ap.add_argument("--min-words", type=int, default=20)
     ap.add_argument("--max-words", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--slo-ttft-ms", type=float, default=0.0,
+                    help="send every request with this time-to-first-token budget (x-slo-ttft-ms): "
+                         "the filter refuses (429) what no node's forecast meets")
     ap.add_argument("--wasm", type=Path, default=None,
                     help="another build of token_balancer.wasm (default: the one cargo built)")
     ap.add_argument("--name", default="forecast-check")
@@ -139,11 +150,12 @@ def main():
             lock = threading.Lock()
 
             def send(words: int):
-                r = one(envoy.port, chat(prompt(rng, words), max_tokens=8, stream=True))
+                r = one(envoy.port, chat(prompt(rng, words), max_tokens=8, stream=True), args.slo_ttft_ms)
                 node, fc = forecast_ms(r["explanation"])
                 with lock:
                     rows.append({"words": words, "status": r["status"], "node": names.get(node, node),
-                                 "forecast_ms": fc, "observed_ms": r["ttft_ms"]})
+                                 "forecast_ms": fc, "observed_ms": r["ttft_ms"],
+                                 "retry_after": r.get("retry_after"), "answered_ms": r.get("answered_ms")})
 
             with ThreadPoolExecutor(args.concurrency) as pool:
                 futures = []
@@ -181,6 +193,20 @@ def main():
     print("\nat the end, tokens/s each node was ranked with / its forecast drained at: "
           + ", ".join(f"{k} {rate(v['capacity_used_tokens_per_sec'])} / {rate(v['forecast_tokens_per_sec'])}"
                       for k, v in capacities.items()))
+    if args.slo_ttft_ms:
+        admitted = [r for r in rows if r["status"] == 200 and r["observed_ms"]]
+        met = sum(1 for r in admitted if r["observed_ms"] <= args.slo_ttft_ms)
+        refused = [r for r in rows if r["status"] == 429]
+        told = sum(1 for r in refused if r["retry_after"])
+        slowest = max((r["answered_ms"] for r in refused), default=0.0)
+        share = f"{100 * met / len(admitted):.1f}%" if admitted else "-"
+        report["budget"] = {"ms": args.slo_ttft_ms, "admitted": len(admitted), "met": met,
+                            "refused": len(refused), "with_retry_after": told, "slowest_refusal_ms": slowest}
+        (out_dir / "forecast.json").write_text(json.dumps({"args": vars(args), "rows": rows, "summary": report,
+                                                           "capacity_tokens_per_sec": capacities},
+                                                          indent=1, default=str))
+        print(f"\nbudget {args.slo_ttft_ms:.0f} ms to the first token: {share} of {len(admitted)} admitted met it; "
+              f"{len(refused)} refused, {told} with Retry-After, slowest refusal {slowest:.1f} ms")
     print(f"\nresults in {out_dir}")
 
 

@@ -596,7 +596,7 @@ impl Balancer {
             Some(index) if !chain.is_empty() => {
                 // The node every router prefers for the prompt's key (see `choice`): where a
                 // new prefix goes, and where a known one is presumed to be held as well.
-                let home = chain.key().and_then(|k| self.pool.preferred(k));
+                let home = chain.key().and_then(|k| self.pool.home(k));
                 Some(Prefix {
                     index,
                     chain,

@@ -19,6 +19,8 @@
 //! chosen; a node that became a candidate since the last rebuild is only missed until the next
 //! one.
 
+use std::collections::HashMap;
+
 use crate::config::Rule;
 use crate::fleet::node::NodeState;
 use crate::ingest::prompt::{finish, hash_str};
@@ -45,7 +47,14 @@ pub struct Pool {
     /// The earliest moment a member's report goes stale: the set changes then.
     valid_until: u64,
     dirty: bool,
+    /// `preferred` of the keys asked since the last rebuild, at most `HOMES_REMEMBERED`: a
+    /// decision asks for its prompt's key every time, and the answer is a pass over the
+    /// members that only a rebuild can change.
+    homes: HashMap<u64, Option<usize>>,
 }
+
+/// Keys whose preferred member the pool remembers between rebuilds (about 24 bytes each).
+pub const HOMES_REMEMBERED: usize = 1024;
 
 impl Pool {
     /// The set may have changed: rebuild before the next draw.
@@ -104,6 +113,21 @@ impl Pool {
         self.built_at = Some(now_ms);
         self.valid_until = valid_until;
         self.dirty = false;
+        self.homes.clear();
+    }
+
+    /// `preferred`, remembered until the pool is rebuilt: the same answer, without the pass
+    /// over the members for a key already asked.
+    pub fn home(&mut self, key: u64) -> Option<usize> {
+        if let Some(&home) = self.homes.get(&key) {
+            return home;
+        }
+        let home = self.preferred(key);
+        if self.homes.len() >= HOMES_REMEMBERED {
+            self.homes.clear();
+        }
+        self.homes.insert(key, home);
+        home
     }
 
     /// How many nodes are candidates.
@@ -337,6 +361,22 @@ mod tests {
                 assert_ne!(now, 3);
             }
         }
+        // The remembered answer is the same, and a rebuild forgets it: node 3 back, its keys
+        // go back to it.
+        for &k in keys.iter().take(200) {
+            assert_eq!(pool.home(k), pool.preferred(k));
+            assert_eq!(pool.home(k), pool.preferred(k), "asked again");
+        }
+        pool.invalidate();
+        pool.refresh(&fleet(4), 0, P.stale_after_ms);
+        for (&k, &was) in keys.iter().zip(&before).take(200) {
+            assert_eq!(pool.home(k), Some(was));
+        }
+        // Remembering is bounded.
+        for &k in &keys {
+            pool.home(k);
+        }
+        assert!(pool.homes.len() <= HOMES_REMEMBERED);
     }
 
     #[test]

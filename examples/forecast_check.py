@@ -3,11 +3,13 @@
 of real llama.cpp `llama-server` processes (CPU, SmolLM2-135M, built and fetched once by
 scripts/llama-server.sh), sent streamed chat completions of varied prompt lengths, a few at a
 time; for each, the forecast of its time to first token on the node chosen (`first_token_ms`
-in the request's explanation: the prompts queued there and its own, at the node's capacity)
-beside the time its first token took.
+in the request's explanation: the prompts queued there and its own, at the rate the node was
+seen to sustain) beside the time its first token took.
 
-    .venv/bin/python examples/forecast_check.py                 # the documented run
-    .venv/bin/python examples/forecast_check.py --requests 12   # a quick look
+    .venv/bin/python examples/forecast_check.py                       # the documented run
+    .venv/bin/python examples/forecast_check.py --requests 12         # a quick look
+    .venv/bin/python examples/forecast_check.py --slo-ttft-ms 3000    # with a budget on each request
+    .venv/bin/python examples/forecast_check.py --wasm old.wasm       # another build
 
 The forecast is what a time-to-first-token budget (`x-slo-ttft-ms`) is held against, so its
 errors are what admission gets wrong: observed / forecast above 1 admits requests that will
@@ -115,7 +117,7 @@ def summary(rows: list[dict]) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=3, help="requests in flight at most")
     ap.add_argument("--gap-ms", type=float, default=400.0, help="mean gap between arrivals (exponential)")
     ap.add_argument("--min-words", type=int, default=20)
@@ -149,8 +151,8 @@ def main():
             rows: list[dict] = []
             lock = threading.Lock()
 
-            def send(words: int):
-                r = one(envoy.port, chat(prompt(rng, words), max_tokens=8, stream=True), args.slo_ttft_ms)
+            def send(words: int, text: str):
+                r = one(envoy.port, chat(text, max_tokens=8, stream=True), args.slo_ttft_ms)
                 node, fc = forecast_ms(r["explanation"])
                 with lock:
                     rows.append({"words": words, "status": r["status"], "node": names.get(node, node),
@@ -161,7 +163,8 @@ def main():
                 futures = []
                 for _ in range(args.requests):
                     words = int(args.min_words * (args.max_words / args.min_words) ** rng.random())
-                    futures.append(pool.submit(send, words))
+                    # Drawn here, not in the workers, so that a seed always sends the same prompts.
+                    futures.append(pool.submit(send, words, prompt(rng, words)))
                     time.sleep(rng.expovariate(1000.0 / args.gap_ms))
                 for f in futures:
                     f.result()

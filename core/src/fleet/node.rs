@@ -336,18 +336,19 @@ impl NodeState {
 
     /// The node's KV-cache size in tokens, the one place it is resolved: the size `report`
     /// publishes (an engine's cache geometry) is exact; else its VRAM total at
-    /// `kv_bytes_per_token`, as the VRAM check counts it; else the configured size.
-    pub fn cache_tokens(&self, report: &Report, kv_bytes_per_token: u64) -> Option<f64> {
+    /// `kv_bytes_per_token`, as the VRAM check counts it; else (or without a report) the
+    /// configured size.
+    pub fn cache_tokens(&self, report: Option<&Report>, kv_bytes_per_token: u64) -> Option<f64> {
         let positive = |t: &f64| t.is_finite() && *t > 0.0;
-        report
-            .kv_cache_tokens
-            .filter(positive)
-            .or_else(|| {
-                report
-                    .vram_total_bytes
-                    .map(|b| b / kv_bytes_per_token.max(1) as f64)
-                    .filter(positive)
-            })
+        let published = report.and_then(|r| r.kv_cache_tokens.filter(positive));
+        let from_vram = || {
+            report
+                .and_then(|r| r.vram_total_bytes)
+                .map(|b| b / kv_bytes_per_token.max(1) as f64)
+                .filter(positive)
+        };
+        published
+            .or_else(from_vram)
             .or(self.kv_cache_tokens.map(|k| k as f64))
             .filter(positive)
     }
@@ -647,7 +648,7 @@ mod tests {
             (&bare, report(Some(-1.0), None), None),
         ];
         for (i, (n, r, want)) in cases.into_iter().enumerate() {
-            assert_eq!(n.cache_tokens(&r, 20), want, "case {i}");
+            assert_eq!(n.cache_tokens(Some(&r), 20), want, "case {i}");
         }
     }
 

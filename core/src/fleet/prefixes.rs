@@ -258,12 +258,7 @@ impl PrefixIndex {
         }
     }
 
-    /// Whether some node is believed to hold the first block of `chain`.
-    pub fn holds_start(&self, chain: &[u64]) -> bool {
-        chain.first().is_some_and(|b| self.blocks.contains_key(b))
-    }
-
-    /// How many nodes are believed to hold the first block of `chain`.
+    /// How many nodes are believed to hold the first block of `chain` (none: a new prefix).
     pub fn holders_of_start(&self, chain: &[u64]) -> usize {
         chain
             .first()

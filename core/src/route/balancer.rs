@@ -325,11 +325,11 @@ impl Balancer {
         let (Some(ix), Some(n)) = (self.prefixes.as_mut(), self.fleet.nodes().get(node)) else {
             return;
         };
-        let tokens = match n.report_taken() {
-            Some((r, _)) => n.cache_tokens(&r, self.params.kv_bytes_per_token),
-            None => n.kv_cache_tokens().map(|k| k as f64),
-        };
-        if let Some(t) = tokens.map(|t| t as u64) {
+        let report = n.report_taken().map(|(r, _)| r);
+        if let Some(t) = n
+            .cache_tokens(report.as_ref(), self.params.kv_bytes_per_token)
+            .map(|t| t as u64)
+        {
             let per_block = (self.block_chars as u64 / 4).max(1);
             ix.set_capacity(node, usize::try_from(t / per_block).unwrap_or(usize::MAX));
         }
@@ -580,7 +580,11 @@ impl Balancer {
             }
         }
         let chained = self.prefixes.is_some() && !chain.is_empty();
-        let held = matches!(&self.prefixes, Some(index) if index.holds_start(&chain.blocks));
+        let holders = self
+            .prefixes
+            .as_ref()
+            .map_or(0, |index| index.holders_of_start(&chain.blocks));
+        let held = holders > 0;
         // A lane is a property of the whole fleet (`Bar::first`): with one, every node
         // is compared, and ranked.
         let lane = bar.lane.is_some();
@@ -607,8 +611,7 @@ impl Balancer {
                         .filter(|_| held)
                         .map(|i| (i, index.longest(&chain.blocks).0))
                         .filter(|&(i, depth)| {
-                            index.matched(i, &chain.blocks) < depth
-                                || 2 * index.holders_of_start(&chain.blocks) < self.pool.len()
+                            index.matched(i, &chain.blocks) < depth || 2 * holders < self.pool.len()
                         }),
                 })
             }

@@ -171,7 +171,7 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
         return Some((used + extra * p.kv_bytes_per_token as f64) / total);
     }
     let usage = r.kv_cache_usage?;
-    match node.cache_tokens(r, p.kv_bytes_per_token) {
+    match node.cache_tokens(Some(r), p.kv_bytes_per_token) {
         Some(k) => Some(usage + extra / k),
         // Without the cache size the request cannot be sized: only a full cache is known.
         None => Some(usage),

@@ -32,7 +32,7 @@ use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
-use crate::route::choice::{Ask, AssumedCapacity, Growth, Params, Prefix, Ranked};
+use crate::route::choice::{self, Ask, AssumedCapacity, Growth, Params, Prefix, Ranked};
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 use crate::route::routers::{self, Routers};
@@ -199,6 +199,10 @@ fn too_late(ranked: &[Ranked], budget: f64) -> Option<Outcome> {
         retry_after_ms: ((soonest - budget).max(0.0) * 1000.0).ceil() as u64,
     })
 }
+
+/// Most routers assumed to share the fleet when counting their dispatches since a report
+/// (`room_now`): a share below 1/16 reads as 16.
+const MAX_ROUTERS: f64 = 16.0;
 
 #[derive(Debug, Clone)]
 pub struct Balancer {
@@ -684,7 +688,8 @@ impl Balancer {
                         if may_hold
                             && r.first()
                                 .and_then(|x| x.kv_fraction)
-                                .is_some_and(|f| f > self.hold_kv_ceiling) =>
+                                .is_some_and(|f| f > self.hold_kv_ceiling)
+                            && !self.room_now(r.first().map(|x| x.node), &ask, now_ms) =>
                     {
                         // Held, unless even the node with the most room would start it
                         // too late: waiting for room only adds to that.
@@ -775,6 +780,22 @@ impl Balancer {
             compared: ranked.into_boxed_slice(),
             choices: u8::try_from(params.choices).unwrap_or(u8::MAX),
         }
+    }
+
+    /// Whether node `node` shows room for the request now (`choice::room_now`), which
+    /// holding asks before holding a request that the VRAM check passes nowhere. Only once
+    /// this router knows its share of the fleet's requests (`routers`): the others' dispatches
+    /// since the last report are counted at that share.
+    fn room_now(&self, node: Option<usize>, ask: &Ask, now_ms: u64) -> bool {
+        let Some(share) = self.routers.as_ref().and_then(Routers::share) else {
+            return false;
+        };
+        let routers = (1.0 / share.max(1.0 / MAX_ROUTERS)).min(MAX_ROUTERS);
+        node.and_then(|i| self.fleet.nodes().get(i))
+            .is_some_and(|n| {
+                n.fresh_report(now_ms, self.params.stale_after_ms)
+                    .is_some_and(|r| choice::room_now(n, r, ask, routers, &self.params))
+            })
     }
 
     /// How long the fresh nodes together take to serve `tokens` of work at their capacities,
@@ -1292,6 +1313,68 @@ mod tests {
                 (0, 0, 0)
             );
         }
+    }
+
+    /// A node whose VRAM check fails only on the growth reserved for its sequences in flight is
+    /// not a reason to hold a request while it shows room for it now (half that growth
+    /// counted) and nothing waiting: the request goes there at once (over the ceiling, and
+    /// counted so). Once its engine reports a queue, or its KV in use leaves no room, it is held.
+    #[test]
+    fn a_node_with_room_now_and_no_queue_is_not_waited_for() {
+        let mut b = Balancer::new(&cfg(
+            1,
+            r#","kv_bytes_per_token":1,"max_hold_ms":10000,"default_max_tokens":1000"#,
+        ));
+        let report = |used: u64, waiting: u64| {
+            format!(
+                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"vram_used_bytes":{used},"vram_total_bytes":10000,"queue_depth":{waiting},"running_requests":8}}"#
+            )
+        };
+        b.on_health(0, Some(report(2000, 0).as_bytes()), 0).unwrap();
+        let mut rng = SplitMix64::new(1);
+        let long_answer = Weight {
+            prompt_tokens: 100,
+            output_tokens: 1000,
+        };
+        // Eight streams of 100 prompt tokens booked at their cap of 1000 output tokens each:
+        // 8,800 tokens reserved beside 2,000 in use, over the 0.9 ceiling for any request.
+        for _ in 0..8 {
+            let routed = b.route(
+                long_answer,
+                None,
+                &Chain::NONE,
+                1,
+                &mut rng,
+                false,
+                &mut OwnBooks,
+            );
+            assert!(matches!(routed, Outcome::Routed { .. }));
+        }
+        // The next report shows their prompts in the cache and nothing waiting.
+        b.on_health(0, Some(report(2800, 0).as_bytes()), 2).unwrap();
+        let ask = |b: &mut Balancer, rng: &mut SplitMix64| {
+            b.route(long_answer, None, &Chain::NONE, 3, rng, true, &mut OwnBooks)
+        };
+        assert!(matches!(
+            ask(&mut b, &mut rng),
+            Outcome::Routed {
+                over_ceiling: true,
+                ..
+            }
+        ));
+        // The engine now queues: the cache is full enough that it waits, so holding is right.
+        b.on_health(0, Some(report(2800, 1).as_bytes()), 4).unwrap();
+        assert!(matches!(ask(&mut b, &mut rng), Outcome::Saturated));
+        // No queue, but no room for the request's own prompt and output beside what is in use.
+        b.on_health(0, Some(report(8500, 0).as_bytes()), 6).unwrap();
+        assert!(matches!(ask(&mut b, &mut rng), Outcome::Saturated));
+        // Room for the request beside what is in use, but not beside half the output still to
+        // come of the nine streams (4,000 + 4,500 + 1,100 of 10,000).
+        b.on_health(0, Some(report(4000, 0).as_bytes()), 8).unwrap();
+        assert!(matches!(ask(&mut b, &mut rng), Outcome::Saturated));
+        b.on_health(0, Some(report(3000, 0).as_bytes()), 10)
+            .unwrap();
+        assert!(matches!(ask(&mut b, &mut rng), Outcome::Routed { .. }));
     }
 
     /// A cold start: before any node has reported, a request that may be held waits for the

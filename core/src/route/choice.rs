@@ -178,6 +178,35 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
     }
 }
 
+/// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
+/// its engine, and under the ceiling its KV in use, the prompts sent there since the report,
+/// half the output its sequences in flight still have to generate, and this request's prompt
+/// and expected output. `routers` is how many routers send to the fleet as this one sees it
+/// (the inverse of its share of the requests the engines report): the others are assumed to
+/// have sent as much as this one since the report.
+///
+/// The VRAM check reserves that output in full, as if every sequence reached its end before
+/// any other ended and freed its context: right for a cohort that started together (a
+/// burst), but on a node decoding many streams at every stage of their answers the ends free
+/// as much as the others grow, and the cache never holds the sum (in the simulator, decode-
+/// heavy traffic held every request for `max_hold_ms` while the nodes' caches stayed half
+/// empty). With the remaining outputs spread evenly, the most the cache rises is half the sum
+/// (when the ends free only what they grew; any context they free lowers it). An engine with
+/// a queue is the sign of a full cache. Holding asks this before holding a request that the
+/// VRAM check passes nowhere; with room, the request goes at once, over the ceiling, and is
+/// counted so (see `balancer`).
+pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, routers: f64, p: &Params) -> bool {
+    let books = n.books();
+    let growth = (books.growth_tokens as f64)
+        .max(r.running_requests.unwrap_or(0.0) * ask.growth.per_running);
+    let sent_since = books.unreflected_prompt_tokens as f64 * routers.max(1.0);
+    let extra = ((sent_since + growth / 2.0) as u64)
+        .saturating_add(ask.weight.prompt_tokens)
+        .saturating_add(ask.growth.own);
+    r.queue_depth.unwrap_or(0.0) < 1.0
+        && kv_fraction(n, r, extra, p).is_some_and(|f| f <= p.vram_ceiling)
+}
+
 /// The KV growth to reserve: this request's expected output, and the margin for the
 /// uncertainty of the output of everything in flight on a node.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -48,7 +48,11 @@
 //! is there. Before enough outputs are learned, each request books its cap instead.
 //! When every fresh node would overflow, the decision says so (`AllOverCeiling`, least overflow
 //! first): the caller either holds the request until a node has room (`admission`, when
-//! `max_hold_ms` is set) or sends it to the one that overflows least.
+//! `max_hold_ms` is set) or sends it to the one that overflows least. The growth reserved is
+//! the sum of every sequence's output still to come, each as if at its end before any other
+//! ended: safe, and tight for a cohort that started together, but a node decoding many streams
+//! at every stage never holds it, so holding first asks whether the least-full node shows room
+//! now (`room_now`: half that growth, nothing queued at its engine) and sends it there if so.
 //!
 //! Which nodes are compared: by default two, drawn in proportion to their capacity
 //! (`candidates::sample`, power-of-two choices; `candidates` says why). Every Envoy worker and every Envoy replica ranks

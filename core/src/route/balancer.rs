@@ -219,9 +219,11 @@ pub struct Balancer {
     outputs: OutputModel,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
-    /// How many routers share the fleet, with `choices: "auto"`: it decides each request's
-    /// number of candidates (see `routers`).
-    routers: Option<Routers>,
+    /// How many routers share the fleet, as this one can tell (see `routers`): with
+    /// `choices: "auto"` it decides each request's number of candidates (`auto_choices`), and
+    /// holding counts the others' dispatches with it (`room_now`).
+    routers: Routers,
+    auto_choices: bool,
     /// The model names the fleet serves by name (see `names`).
     named: Named,
     /// Where the prompts routed so far are believed cached (see `prefixes`); `None` with
@@ -273,7 +275,8 @@ impl Balancer {
             next_refresh: 0,
             outputs: OutputModel::default(),
             pool: Pool::default(),
-            routers: (cfg.choices == Choices::Auto).then(Routers::default),
+            routers: Routers::default(),
+            auto_choices: cfg.choices == Choices::Auto,
             named: Named::default(),
             prefixes: cfg
                 .prefix
@@ -575,13 +578,12 @@ impl Balancer {
         // Only in a fleet with nodes that serve any name does it matter whether some node
         // names the model (see `models`); the names are gathered when they change.
         let named = model.is_some_and(|m| self.named.named(self.fleet.nodes(), m));
-        if self.params.choices > 0 || self.prefixes.is_some() || self.routers.is_some() {
-            let rebuilt = self
-                .pool
-                .refresh(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
-            if let Some(r) = self.routers.as_mut().filter(|_| rebuilt) {
-                r.observe(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
-            }
+        let rebuilt = self
+            .pool
+            .refresh(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
+        if rebuilt {
+            self.routers
+                .observe(self.fleet.nodes(), now_ms, self.params.stale_after_ms);
         }
         let chained = self.prefixes.is_some() && !chain.is_empty();
         let holders = self
@@ -593,10 +595,12 @@ impl Balancer {
         // is compared, and ranked.
         let lane = bar.lane.is_some();
         let params = Params {
-            choices: match &self.routers {
-                _ if lane => 0,
-                Some(r) => r.choices(chained),
-                None => self.params.choices,
+            choices: if lane {
+                0
+            } else if self.auto_choices {
+                self.routers.choices(chained)
+            } else {
+                self.params.choices
             },
             ..self.params
         };
@@ -760,8 +764,8 @@ impl Balancer {
         books.booked(first.node, &Change::dispatch(&ticket));
         if let Some(ix) = self.prefixes.as_mut() {
             // The share of reuse counts the prompts routed, not every attempt of a held one.
-            if let Some(r) = self.routers.as_mut().filter(|_| chained) {
-                r.reuse_seen(held);
+            if chained {
+                self.routers.reuse_seen(held);
             }
             ix.record(first.node, &chain.blocks);
             if let Some(kept) = self.placements.as_mut() {
@@ -784,10 +788,11 @@ impl Balancer {
 
     /// Whether node `node` shows room for the request now (`choice::room_now`), which
     /// holding asks before holding a request that the VRAM check passes nowhere. Only once
-    /// this router knows its share of the fleet's requests (`routers`): the others' dispatches
-    /// since the last report are counted at that share.
+    /// this router knows its share of the fleet's requests (`routers`: the engines report
+    /// running and queued counts): the others' dispatches since the last report are counted
+    /// at that share.
     fn room_now(&self, node: Option<usize>, ask: &Ask, now_ms: u64) -> bool {
-        let Some(share) = self.routers.as_ref().and_then(Routers::share) else {
+        let Some(share) = self.routers.share() else {
             return false;
         };
         let routers = (1.0 / share.max(1.0 / MAX_ROUTERS)).min(MAX_ROUTERS);
@@ -1321,9 +1326,18 @@ mod tests {
     /// counted so). Once its engine reports a queue, or its KV in use leaves no room, it is held.
     #[test]
     fn a_node_with_room_now_and_no_queue_is_not_waited_for() {
+        // Whatever the number of candidates: the routers' count is kept either way.
+        for choices in ["", r#","choices":2"#, r#","choices":0"#] {
+            room_now_case(choices);
+        }
+    }
+
+    fn room_now_case(choices: &str) {
         let mut b = Balancer::new(&cfg(
             1,
-            r#","kv_bytes_per_token":1,"max_hold_ms":10000,"default_max_tokens":1000"#,
+            &format!(
+                r#","kv_bytes_per_token":1,"max_hold_ms":10000,"default_max_tokens":1000{choices}"#
+            ),
         ));
         let report = |used: u64, waiting: u64| {
             format!(

@@ -88,3 +88,24 @@ def test_forecast_check_against_real_engines_produces_a_well_formed_report():
     for rates in doc["capacity_tokens_per_sec"].values():
         assert rates["capacity_used_tokens_per_sec"] > 0 and rates["forecast_tokens_per_sec"] > 0, rates
     assert "| all | 6 |" in r.stdout
+
+
+def test_simulator_grid_compares_policies_in_every_cell():
+    """examples/sim_grid.py on two cells of ten simulated seconds: each cell's policies are
+    read from the simulator's table, and the report names every policy compared."""
+    name = "ci-sim-grid"
+    r = subprocess.run([sys.executable, str(ROOT / "examples/sim_grid.py"), "--workloads", "decode",
+                        "--arrivals", "poisson", "--loads", "0.8", "--replicas", "1",
+                        "--fleets", "a100,l4:2;mixed:4", "--duration-s", "10", "--name", name],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = ROOT / "results" / name
+    grid = json.loads((out / "grid.json").read_text())
+    assert len(grid["cells"]) == 2
+    for cell in grid["cells"]:
+        assert set(cell["rows"]) == {"tb", "least-request", "gateway"}, cell
+        for row in cell["rows"].values():
+            assert 0 < row["ttft_p50"] <= row["ttft_p99"], cell
+            assert isinstance(row["overflows"], int)
+    report = (out / "grid.md").read_text()
+    assert "| least-request | up to 0.8 | 2 |" in report and "| gateway | up to 0.8 | 2 |" in report

@@ -182,6 +182,19 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
     }
 }
 
+/// Output the sequences report `r` counts running still have to generate: half a mean output
+/// each (`Growth::per_running`), whichever router sent them.
+fn reported_growth(r: &Report, growth: &Growth) -> f64 {
+    r.running_requests.unwrap_or(0.0) * growth.per_running
+}
+
+/// The KV growth still to come on node `n`: what this router's books reserve for its requests
+/// in flight there, or the reported estimate when larger (other routers' requests are in no
+/// book of this one).
+fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
+    (n.books().growth_tokens as f64).max(reported_growth(r, growth))
+}
+
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
 /// its engine, and under the ceiling its KV in use, the prompts sent there since the report,
 /// half the output its sequences in flight still have to generate, and this request's prompt
@@ -200,11 +213,8 @@ fn kv_fraction(node: &NodeState, r: &Report, extra_tokens: u64, p: &Params) -> O
 /// VRAM check passes nowhere; with room, the request goes at once, over the ceiling, and is
 /// counted so (see `balancer`).
 pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, routers: f64, p: &Params) -> bool {
-    let books = n.books();
-    let growth = (books.growth_tokens as f64)
-        .max(r.running_requests.unwrap_or(0.0) * ask.growth.per_running);
-    let sent_since = books.unreflected_prompt_tokens as f64 * routers.max(1.0);
-    let extra = ((sent_since + growth / 2.0) as u64)
+    let sent_since = n.books().unreflected_prompt_tokens as f64 * routers.max(1.0);
+    let extra = ((sent_since + still_to_come(n, r, &ask.growth) / 2.0) as u64)
         .saturating_add(ask.weight.prompt_tokens)
         .saturating_add(ask.growth.own);
     r.queue_depth.unwrap_or(0.0) < 1.0
@@ -362,9 +372,9 @@ pub fn evaluate(
     // request: decode tokens take an iteration's budget before any prefill, so a node busy
     // decoding many sequences starts a new prompt late. (This router's books are not used
     // here: one long stream of its own is one token an iteration, not work ahead.) For the
-    // KV the cache must still hold, the larger of books and estimate stands.
-    let reported_growth = r.running_requests.unwrap_or(0.0) * growth.per_running;
-    let still_to_come = (books.growth_tokens as f64).max(reported_growth);
+    // KV the cache must still hold, the larger of books and estimate stands (`still_to_come`).
+    let reported_growth = reported_growth(r, &growth);
+    let still_to_come = still_to_come(n, r, &growth);
     // Work queued ahead: what the report shows waiting plus what was sent since, or the
     // prompts this router sent there that have not had their first token, whichever is more.
     // An engine may admit a burst to its running batch at once and prefill it in order

@@ -59,6 +59,7 @@ def runs(slo_ms: float, tpot_ms: float, queued_ms: float, lane_ms: float) -> lis
         "adm_fair": {"admission": {**limit}},
         "adm_lane": {"admission": {**limit, "short_lane_ms": lane_ms}},
         "adm_lane_previous": {"admission": {**limit, "short_lane_ms": lane_ms}},
+        "adm_fair_previous": {"admission": {**limit}},
         "adm_priority": {"admission": {**bench.VARIANTS["tb_priority"]["admission"], **limit}},
     })
     priority = ["--objective", "chat=interactive", "--objective", "docs=bulk"]
@@ -73,6 +74,8 @@ def runs(slo_ms: float, tpot_ms: float, queued_ms: float, lane_ms: float) -> lis
             ("chat_alone", "adm_fair", ["--only-tenant", "chat"]),
             ("priority", "adm_priority", priority),
             ("slo", "adm_fair", budget),
+            # The same on another build of the filter (--previous-wasm).
+            ("slo_previous", "adm_fair_previous", budget),
             ("slo_least_request", "least_request", budget)]
 
 
@@ -148,7 +151,7 @@ def verdicts(rows: dict[str, dict], slo_ms: float, tpot_ms: float) -> str:
     hi, lo = get("priority", "chat", "ttft_p99"), get("priority", "docs", "ttft_p99")
     if hi is not None and lo:
         out.append(f"- priority run, p99 TTFT of priority 100 / priority 0: {hi / lo:.2f} (target <= 0.25)")
-    for run in ("slo", "slo_least_request"):
+    for run in ("slo", "slo_previous", "slo_least_request"):
         d = rows.get(run)
         if not d:
             continue
@@ -182,7 +185,7 @@ def main():
     ap.add_argument("--name", default="")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of everything, for CI")
     ap.add_argument("--previous-wasm", type=Path, default=None,
-                    help="another build of token_balancer.wasm for the lane_previous run")
+                    help="another build of token_balancer.wasm for the lane_previous and slo_previous runs")
     args = ap.parse_args()
     plan = runs(args.slo_ms, args.tpot_ms, args.queued_ms, args.lane_ms)
     if args.previous_wasm:
@@ -190,15 +193,16 @@ def main():
             ap.error(f"--previous-wasm {args.previous_wasm}: no such file")
         bench.PREVIOUS_WASM = args.previous_wasm.resolve()
     elif not args.runs:
-        plan = [p for p in plan if p[0] != "lane_previous"]
+        plan = [p for p in plan if not p[0].endswith("_previous")]
     if args.runs:
         wanted = set(args.runs.split(","))
         unknown = wanted - {r for r, _, _ in plan}
         if unknown:
             ap.error(f"unknown runs {sorted(unknown)}; known: {[r for r, _, _ in plan]}")
         plan = [p for p in plan if p[0] in wanted]
-    if any(p[0] == "lane_previous" for p in plan) and not args.previous_wasm:
-        ap.error("run lane_previous needs --previous-wasm")
+    previous = [p[0] for p in plan if p[0].endswith("_previous")]
+    if previous and not args.previous_wasm:
+        ap.error(f"run {previous[0]} needs --previous-wasm")
     b = argparse.Namespace(trace="two-tenants", start_s=0.0, duration_s=args.duration_s, rate=args.rate,
                            arrivals="poisson", time_scale=args.time_scale, max_tokens=1024,
                            max_prompt_tokens=0, requests=0, tenants="", concurrency=args.concurrency,

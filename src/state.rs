@@ -172,7 +172,7 @@ impl<H: Host> State<H> {
                     cached_tokens: ticket.cached,
                     output_cap: cap.output_tokens,
                     predicted_seconds,
-                    inflight_before,
+                    inflight_before: u64::from(inflight_before),
                     over_ceiling,
                     compared,
                     choices: usize::from(choices),

@@ -325,6 +325,7 @@ mod tests {
                         first_token_seconds: Some(0.02),
                         queued_seconds: Some(0.01),
                         tpot_seconds: None,
+                        prefill_room_seconds: None,
                     },
                     Ranked {
                         node: 1,
@@ -334,6 +335,7 @@ mod tests {
                         first_token_seconds: None,
                         queued_seconds: None,
                         tpot_seconds: None,
+                        prefill_room_seconds: None,
                     },
                 ]
                 .into(),

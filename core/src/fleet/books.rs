@@ -261,6 +261,7 @@ mod tests {
             },
             reserved_output: reserved,
             cached: 0,
+            tpot_ms: None,
         }
     }
 

@@ -67,6 +67,9 @@ pub struct Ticket {
     /// Prompt tokens the node is believed to hold in its prefix cache (see
     /// `fleet::prefixes`): work it will not do, though their KV is still counted.
     pub cached: u64,
+    /// The request's time-per-output-token budget (ms), held on its node while it runs
+    /// (`NodeState::tightest_budget_ms`).
+    pub tpot_ms: Option<u32>,
 }
 
 impl Ticket {
@@ -127,6 +130,9 @@ pub struct NodeState {
     /// Time per output token of the streams this filter saw complete there: a moving mean
     /// (seconds) and when it last moved (ms).
     tpot: Option<(f64, u64)>,
+    /// The time-per-output-token budgets (ms) of this router's requests in flight there,
+    /// lowest first.
+    budgets: Vec<u32>,
 }
 
 /// Weight of the newest stream in a node's time per output token.
@@ -195,6 +201,7 @@ impl NodeState {
             transition: None,
             member: true,
             tpot: None,
+            budgets: Vec::new(),
         }
     }
 
@@ -208,6 +215,12 @@ impl NodeState {
             None => seconds,
         };
         self.tpot = Some((mean, now_ms));
+    }
+
+    /// The lowest time-per-output-token budget (ms) among this router's requests in flight
+    /// there: the stream a new request's prefill must not slow past its budget.
+    pub fn tightest_budget_ms(&self) -> Option<u64> {
+        self.budgets.first().map(|&ms| u64::from(ms))
     }
 
     /// The node's time per output token (seconds), if a stream completed there since
@@ -599,9 +612,18 @@ impl NodeState {
             weight,
             reserved_output,
             cached,
+            tpot_ms: None,
         };
         self.books = self.books.apply(&Change::dispatch(&ticket));
         ticket
+    }
+
+    /// Holds `ticket`'s time-per-token budget on the node until its release.
+    pub fn hold_budget(&mut self, ticket: &Ticket) {
+        if let (Some(ms), true) = (ticket.tpot_ms, ticket.tenant == self.books.tenant) {
+            let at = self.budgets.partition_point(|&b| b <= ms);
+            self.budgets.insert(at, ms);
+        }
     }
 
     /// The request's stream has delivered `before` output tokens so far and now `after`:
@@ -617,6 +639,12 @@ impl NodeState {
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
         if ticket.tenant == self.books.tenant {
             self.books = self.books.apply(&Change::release(ticket, received));
+            if let Some(at) = ticket
+                .tpot_ms
+                .and_then(|ms| self.budgets.iter().position(|&b| b == ms))
+            {
+                self.budgets.remove(at);
+            }
         }
     }
 }
@@ -764,6 +792,37 @@ mod tests {
         n.accept_report(report(6.0), 300);
         assert_eq!(n.failures_in_row(), 0);
         assert_eq!(n.reported_at(), Some(300));
+    }
+
+    /// The tightest budget is the lowest held; a release takes its own budget off, once;
+    /// a ticket of another tenant of the slot takes nothing off.
+    #[test]
+    fn the_tightest_time_per_token_budget_follows_the_streams_in_flight() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        let book = |n: &mut NodeState, ms: Option<u32>| {
+            let t = Ticket {
+                tpot_ms: ms,
+                ..n.dispatch(0, w(10, 10), 10)
+            };
+            n.hold_budget(&t);
+            t
+        };
+        let none = book(&mut n, None);
+        assert_eq!(n.tightest_budget_ms(), None);
+        let a = book(&mut n, Some(50));
+        let b = book(&mut n, Some(30));
+        let c = book(&mut n, Some(30));
+        assert_eq!(n.tightest_budget_ms(), Some(30));
+        n.release(&b, 10);
+        assert_eq!(n.tightest_budget_ms(), Some(30), "c still runs at 30");
+        let stranger = Ticket { tenant: 1, ..c };
+        n.release(&stranger, 10);
+        assert_eq!(n.tightest_budget_ms(), Some(30));
+        n.release(&c, 10);
+        n.release(&none, 10);
+        assert_eq!(n.tightest_budget_ms(), Some(50));
+        n.release(&a, 10);
+        assert_eq!(n.tightest_budget_ms(), None);
     }
 
     #[test]

@@ -1218,6 +1218,7 @@ mod tests {
             weight: w(0),
             reserved_output: 0,
             cached: 0,
+            tpot_ms: None,
         };
         let (t0, t1) = (ticket(0), ticket(1));
         b.observe_tpot(&t0, 0.080, 0);
@@ -1264,6 +1265,110 @@ mod tests {
                 .map(|t| (t * 10_000.0).round()),
             Some(232.0)
         );
+    }
+
+    /// A stream in flight with a budget of 30 ms a token, on a node that decodes at 20 ms,
+    /// leaves 10 ms a token of room: over its 200 tokens still to come, 2 s of prefill at the
+    /// node's 10,000 tokens/s. A prompt that takes longer than that to reach its first token
+    /// there goes elsewhere, waits, or is told to come back; one that fits goes; once the
+    /// stream ends, the room is back.
+    #[test]
+    fn streams_with_a_time_per_token_budget_keep_long_prefills_off_their_node() {
+        use crate::fleet::node::Ticket;
+        let cfg = |nodes: &str| {
+            Config::parse(
+                format!(r#"{{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[{nodes}]}}"#)
+                    .as_bytes(),
+            )
+            .unwrap()
+        };
+        let fast = r#"{"address":"10.0.0.1:8000","kv_cache_tokens":100000}"#;
+        let slow = r#"{"address":"10.0.0.2:8000","kv_cache_tokens":100000}"#;
+        let idle = |b: &mut Balancer, node: usize, cap: u32| {
+            let fields = format!(
+                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
+            );
+            health(b, node, &fields, 0);
+            let t = Ticket {
+                node,
+                tenant: 0,
+                generation: b.generation(),
+                epoch: 0,
+                weight: w(0),
+                reserved_output: 0,
+                cached: 0,
+                tpot_ms: None,
+            };
+            b.observe_tpot(&t, 0.020, 0);
+        };
+        let mut rng = SplitMix64::new(7);
+        let mut go = |b: &mut Balancer, prompt: u64, terms: Terms| {
+            let weight = Weight {
+                prompt_tokens: prompt,
+                output_tokens: 200,
+            };
+            b.route_on(
+                weight,
+                None,
+                &Chain::NONE,
+                10,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            )
+        };
+        let node = |o: &Outcome| match o {
+            Outcome::Routed { ticket, .. } => Some(ticket.node),
+            _ => None,
+        };
+        let budget = Terms {
+            tpot_ms: Some(30),
+            ..Terms::default()
+        };
+        let wait = Terms {
+            may_hold: true,
+            ..Terms::default()
+        };
+
+        // Two nodes: the long prompt goes to the slow one rather than stall the stream.
+        let mut b = Balancer::new(&cfg(&format!("{fast},{slow}")));
+        idle(&mut b, 0, 10_000);
+        idle(&mut b, 1, 1_000);
+        let stream = go(&mut b, 100, budget);
+        assert_eq!(node(&stream), Some(0));
+        assert_eq!(b.nodes()[0].tightest_budget_ms(), Some(30));
+        // 300 tokens in flight and 15,000 of its own: 1.53 s of prefill, within the room.
+        let fits = go(&mut b, 15_000, Terms::default());
+        assert_eq!(node(&fits), Some(0));
+        if let Outcome::Routed { ticket, .. } = fits {
+            b.release(&ticket, 0);
+        }
+        // 25,000: 2.53 s, past it.
+        assert_eq!(node(&go(&mut b, 25_000, Terms::default())), Some(1));
+
+        // One node: the long prompt waits, or with a budget of its own is told to come back,
+        // or, with neither, goes anyway (there is nowhere to protect the stream from it).
+        let mut b = Balancer::new(&cfg(fast));
+        idle(&mut b, 0, 10_000);
+        let Outcome::Routed { ticket, .. } = go(&mut b, 100, budget) else {
+            panic!("the stream is routed");
+        };
+        assert_eq!(go(&mut b, 25_000, wait), Outcome::Saturated);
+        let ttft = Terms {
+            ttft_left_ms: Some(60_000),
+            ..wait
+        };
+        assert_eq!(
+            go(&mut b, 25_000, ttft),
+            Outcome::TooLate {
+                retry_after_ms: 1000
+            }
+        );
+        assert_eq!(node(&go(&mut b, 25_000, Terms::default())), Some(0));
+        // The stream ends: its budget no longer holds the node.
+        b.release(&ticket, 200);
+        assert_eq!(b.nodes()[0].tightest_budget_ms(), None);
+        assert_eq!(node(&go(&mut b, 25_000, wait)), Some(0));
     }
 
     /// A full queue makes room for a higher priority by shedding the lowest, the latest of

@@ -61,8 +61,9 @@ pub enum Outcome {
         predicted_seconds: f64,
         /// Every fresh node would overflow its VRAM; this is the least bad.
         over_ceiling: bool,
-        /// Requests this filter had in flight on the chosen node before this one (visibility).
-        inflight_before: u64,
+        /// Requests this filter had in flight on the chosen node before this one (visibility;
+        /// `u32::MAX` for more).
+        inflight_before: u32,
         /// The nodes of the routing header, in its order, as they were weighed (visibility).
         compared: Box<[Ranked]>,
         /// Candidates the choice drew for this request (0: every node), as `choices` and
@@ -115,11 +116,18 @@ struct Bar {
     tpot: Option<f64>,
     /// Seconds of queued prompts under which a node is in the short lane.
     lane: Option<f64>,
+    /// Streams in flight have time-per-token budgets: a node takes no more prefill than they
+    /// can absorb within them (`Ranked::prefill_room_seconds`).
+    protect: bool,
 }
 
 impl Bar {
     fn is_set(&self) -> bool {
-        self.budget.is_some() || self.queued.is_some() || self.tpot.is_some() || self.lane.is_some()
+        self.budget.is_some()
+            || self.queued.is_some()
+            || self.tpot.is_some()
+            || self.lane.is_some()
+            || self.protect
     }
 
     /// With a lane, whether the request is short: its own prompt takes at most the lane to
@@ -145,6 +153,7 @@ impl Bar {
         within(self.budget, r.first_token_seconds)
             && within(self.queued, r.queued_seconds)
             && within(self.tpot, r.tpot_seconds)
+            && (!self.protect || within(r.prefill_room_seconds, r.first_token_seconds))
     }
 
     /// The first of `ranked` that passes. With a lane, a long request may take a node in the
@@ -246,6 +255,10 @@ pub struct Balancer {
     /// Seconds of queued prompts under which a node is kept for short requests while other
     /// tenants are active (`admission.short_lane_ms`); none when off.
     short_lane_s: Option<f64>,
+    /// Requests this balancer routed with a time-per-token budget that have not ended: while
+    /// there are any, every request's prefill is kept from the nodes whose streams it would
+    /// slow past their budgets (`Bar::protect`).
+    budgets_held: u64,
 }
 
 /// Placements kept for `take_placements` at most; the glue takes them after every decision.
@@ -288,6 +301,7 @@ impl Balancer {
                 .then(|| cfg.admission.max_queued_ms as f64 / 1000.0),
             short_lane_s: (cfg.admission.short_lane_ms > 0)
                 .then(|| cfg.admission.short_lane_ms as f64 / 1000.0),
+            budgets_held: 0,
         }
     }
 
@@ -570,6 +584,7 @@ impl Balancer {
             lane: self
                 .short_lane_s
                 .filter(|_| terms.lane && may_hold && budget.is_none()),
+            protect: self.budgets_held > 0,
         };
         self.first_asked_ms.get_or_insert(now_ms);
         let growth = self.growth(weight);
@@ -733,6 +748,23 @@ impl Balancer {
                             retry_after_ms: SLOW_DECODE_RETRY_MS,
                         };
                     }
+                    // Only the budgets of the streams in flight stop it: a request with a
+                    // budget of its own is told to come back (they end in seconds); one that
+                    // may wait, waits for them; any other goes as ranked.
+                    let unprotected = Bar {
+                        protect: false,
+                        ..bar
+                    };
+                    if bar.protect && unprotected.first(&ranked).is_some() {
+                        if budget.is_some() || bar.tpot.is_some() {
+                            return Outcome::TooLate {
+                                retry_after_ms: SLOW_DECODE_RETRY_MS,
+                            };
+                        }
+                        if may_hold {
+                            return Outcome::Saturated;
+                        }
+                    }
                     if bar.queued.is_some() || bar.lane.is_some() {
                         return Outcome::Saturated;
                     }
@@ -756,11 +788,17 @@ impl Balancer {
         let Some(state) = self.fleet.nodes_mut().get_mut(first.node) else {
             return Outcome::NoFreshNodes;
         };
-        let inflight_before = state.books().inflight_requests;
+        let inflight_before = u32::try_from(state.books().inflight_requests).unwrap_or(u32::MAX);
         let ticket = Ticket {
             generation: self.generation,
+            // Budgets are at most an hour (`ingest::claim`).
+            tpot_ms: terms.tpot_ms.and_then(|ms| u32::try_from(ms).ok()),
             ..state.dispatch_cached(first.node, weight, growth.own, first.cached)
         };
+        if ticket.tpot_ms.is_some() {
+            state.hold_budget(&ticket);
+            self.budgets_held = self.budgets_held.saturating_add(1);
+        }
         books.booked(first.node, &Change::dispatch(&ticket));
         if let Some(ix) = self.prefixes.as_mut() {
             // The share of reuse counts the prompts routed, not every attempt of a held one.
@@ -844,6 +882,9 @@ impl Balancer {
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
         if let Some(state) = self.issued(ticket) {
             state.release(ticket, received);
+            if ticket.tpot_ms.is_some() {
+                self.budgets_held = self.budgets_held.saturating_sub(1);
+            }
         }
     }
 

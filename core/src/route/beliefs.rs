@@ -176,6 +176,7 @@ fn node(
             "sent_since_report_prompt_tokens": books.unreflected_prompt_tokens,
             "kv_growth_to_come_tokens": books.growth_tokens,
             "prefill_to_come_tokens": books.prefill_tokens,
+            "tightest_tpot_budget_ms": n.tightest_budget_ms(),
         }),
     );
     out.insert(

@@ -163,6 +163,10 @@ pub struct Ranked {
     /// The time per output token of the streams this filter saw complete there recently
     /// (`TPOT_MEMORY` reports' worth), seconds.
     pub tpot_seconds: Option<f64>,
+    /// How much prefill, in seconds at the node's rate, the streams in flight there can take
+    /// before the tightest time-per-token budget among them is passed (`prefill_room`); none
+    /// when no stream there has a budget or the node's time per token is not known.
+    pub prefill_room_seconds: Option<f64>,
 }
 
 /// How many stale-after periods a node's observed time per output token is believed.
@@ -403,6 +407,7 @@ pub fn evaluate(
         .unwrap_or(0)
         .saturating_sub(TPOT_MEMORY.saturating_mul(p.stale_after_ms));
     let tpot_seconds = n.tpot_since(since);
+    let prefill_room_seconds = prefill_room(n, tpot_seconds);
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;
     }
@@ -425,8 +430,26 @@ pub fn evaluate(
         first_token_seconds,
         queued_seconds,
         tpot_seconds,
+        prefill_room_seconds,
     };
     (ranked, matches!(kv, Some(f) if f > p.vram_ceiling))
+}
+
+/// The prefill node `n` can take, in seconds at its rate, before a stream in flight there
+/// passes the tightest time-per-output-token budget among them (`tpot` is the node's time per
+/// token as streams completed there recently). An engine that batches continuously runs each
+/// prefill chunk in an iteration every decoding stream waits for: `P` seconds of prefill
+/// spread over a stream's next `r` tokens add about `P / r` to its time per token, so with a
+/// budget `b` the node takes `(b - tpot) * r` seconds of prefill, `r` being the output the
+/// requests in flight there are still expected to generate, on average (this router's books).
+/// Admission checked each request's budget against the node as it was when it came in; the
+/// requests sent after it are what slow it (Sarathi-Serve, OSDI'24, measures the same stall
+/// from the other side: prefill chunks sized to a decode-latency target).
+fn prefill_room(n: &NodeState, tpot: Option<f64>) -> Option<f64> {
+    let budget = n.tightest_budget_ms()? as f64 / 1000.0;
+    let books = n.books();
+    let remaining = books.growth_tokens as f64 / books.inflight_requests.max(1) as f64;
+    Some(((budget - tpot?) * remaining).max(0.0))
 }
 
 /// Forecast of a request's time to first token on a node: the prompts queued ahead of it and

@@ -222,6 +222,7 @@ fn gateway_profile<'a>(
                 first_token_seconds: None,
                 queued_seconds: None,
                 tpot_seconds: None,
+                prefill_room_seconds: None,
             };
             (ranked, rng.next_u64())
         })
@@ -272,6 +273,7 @@ fn rank(
                     first_token_seconds: None,
                     queued_seconds: None,
                     tpot_seconds: None,
+                    prefill_room_seconds: None,
                 };
                 (ranked, rng.next_u64())
             })

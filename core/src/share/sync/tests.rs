@@ -73,6 +73,7 @@ fn ticket(node: usize, address: &str) -> Ticket {
         },
         reserved_output: 60,
         cached: 0,
+        tpot_ms: None,
         // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
         generation: 0,
     }

@@ -41,6 +41,10 @@ use token_balancer_core::share::Change;
 /// write is two host calls, and per token that would be most of a stream's cost.
 const SHARED_PROGRESS_STEP: u64 = 16;
 
+/// Output tokens a stream delivers between two measures of its node's pace (the time per
+/// token it decodes at now): enough for a millisecond clock to tell 20 ms a token from 30.
+const PACE_STEP: u64 = 8;
+
 pub struct Request<H: Host> {
     context_id: u32,
     host: H,
@@ -66,6 +70,8 @@ pub struct Request<H: Host> {
     shared_received: u64,
     /// When the first output token was seen (for the node's time per output token).
     first_token_ms: Option<u64>,
+    /// When the stream's pace was last measured, and its output count then (see `progress`).
+    paced: Option<(u64, u64)>,
     /// The response was a 200 and its body reached its end: a complete sample of output
     /// length.
     status_ok: bool,
@@ -90,6 +96,7 @@ impl<H: Host> Request<H> {
             meter: OutputMeter::new(),
             shared_received: 0,
             first_token_ms: None,
+            paced: None,
             status_ok: false,
             completed: false,
         }
@@ -507,8 +514,19 @@ impl<H: Host> Request<H> {
             }
             // The first token: the prompt is prefilled, and the node's queue is shorter by it.
             if before == 0 {
-                self.first_token_ms = Some(self.host.now_ms());
+                let now = self.host.now_ms();
+                self.first_token_ms = Some(now);
+                self.paced = Some((now, received));
                 admit_held(&self.state, self.context_id);
+            } else if let Some((since, from)) = self.paced {
+                // Every `PACE_STEP` tokens, the pace the node decodes at now.
+                let tokens = received.saturating_sub(from);
+                if tokens >= PACE_STEP {
+                    let now = self.host.now_ms();
+                    let seconds = now.saturating_sub(since) as f64 / 1000.0 / tokens as f64;
+                    self.paced = Some((now, received));
+                    self.with(|s| s.balancer.observe_pace(ticket, seconds, now));
+                }
             }
         }
     }

@@ -201,6 +201,55 @@ fn a_time_per_token_budget_avoids_a_node_seen_decoding_slowly() {
     assert_eq!((picks(&slow), picks(other)), (1, 8));
 }
 
+/// Node A is configured ten times faster than B, so it ranks first. A stream running there
+/// delivers its tokens 100 ms apart: before any stream there has completed, that pace keeps a
+/// request that accepts 50 ms a token off A.
+#[test]
+fn a_time_per_token_budget_avoids_a_node_whose_running_streams_decode_slowly() {
+    let json = format!(
+        r#"{{"nodes":[{{"address":"{A}","capacity_tokens_per_sec":10000}},{{"address":"{B}","capacity_tokens_per_sec":1000}}],"health_cluster":"gpu_health","models_poll_ms":0,"choices":0}}"#
+    );
+    let (host, root) = reported(&json, IDLE);
+    let (mut req, _) = post_with(&host, &root, 2, BODY, &[]);
+    assert!(host.request_header_of(2, ROUTING).unwrap().starts_with(A));
+    respond(&host, &mut req, 2, "200");
+    let event = b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n".to_vec();
+    let deliver = |req: &mut crate::request::Request<crate::fake::FakeHost>| {
+        host.stream(2).response_body = event.clone();
+        host.enter(2);
+        assert_eq!(
+            req.on_http_response_body(event.len(), false),
+            Action::Continue
+        );
+        host.advance(100);
+    };
+    // The first token: no pace yet, and A is still taken at its word.
+    deliver(&mut req);
+    let budget = [("x-slo-tpot-ms", "50")];
+    let (mut r, _) = post_with(&host, &root, 3, BODY, &budget);
+    assert!(host.request_header_of(3, ROUTING).unwrap().starts_with(A));
+    end(&host, &mut r, 3);
+    // Eight more, 100 ms apart: A decodes at 100 ms a token now.
+    for _ in 0..8 {
+        deliver(&mut req);
+    }
+    for id in 4..8 {
+        let (mut r, action) = post_with(&host, &root, id, BODY, &budget);
+        assert_eq!(action, Action::Continue);
+        let chosen = host.request_header_of(id, ROUTING).unwrap();
+        assert!(
+            chosen.starts_with(B),
+            "{chosen} beside a stream at 100 ms a token"
+        );
+        end(&host, &mut r, id);
+    }
+    // Without a budget, A is still the first.
+    let (mut r, _) = post_with(&host, &root, 8, BODY, &[]);
+    assert!(host.request_header_of(8, ROUTING).unwrap().starts_with(A));
+    end(&host, &mut r, 8);
+    end(&host, &mut req, 2);
+}
+
 #[test]
 fn a_full_queue_sheds_a_lower_priority_for_a_higher_one() {
     let json = config(

@@ -130,6 +130,13 @@ pub struct NodeState {
     /// Time per output token of the streams this filter saw complete there: a moving mean
     /// (seconds) and when it last moved (ms).
     tpot: Option<(f64, u64)>,
+    /// The same, of the streams whose prompt alone is a long context there (`is_long`): each
+    /// decode iteration reads the whole batch's context, so such a stream decodes slower than
+    /// the short ones beside it, by its own context.
+    tpot_long: Option<(f64, u64)>,
+    /// The pace its streams decode at now, measured while they run (`observe_pace`): a moving
+    /// mean (seconds a token) and when it last moved (ms).
+    pace: Option<(f64, u64)>,
     /// The time-per-output-token budgets (ms) of this router's requests in flight there,
     /// lowest first.
     budgets: Vec<u32>,
@@ -137,6 +144,11 @@ pub struct NodeState {
 
 /// Weight of the newest stream in a node's time per output token.
 const TPOT_ALPHA: f64 = 0.2;
+
+/// Share of a node's KV cache a prompt takes alone to be a long context there: on an L4-like
+/// node a prompt of 6,000 tokens (30% of its cache) adds about 10 ms to every decode
+/// iteration, one of 300 tokens nothing measurable.
+const LONG_CONTEXT_SHARE: f64 = 0.1;
 
 /// A change of a node's health, for the stats and the log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,20 +213,53 @@ impl NodeState {
             transition: None,
             member: true,
             tpot: None,
+            tpot_long: None,
+            pace: None,
             budgets: Vec::new(),
         }
     }
 
-    /// A stream completed on the node at `seconds` per output token (after its first).
-    pub fn observe_tpot(&mut self, seconds: f64, now_ms: u64) {
+    /// A stream completed on the node at `seconds` per output token (after its first); `long`:
+    /// its prompt was a long context there (`is_long`).
+    pub fn observe_tpot(&mut self, seconds: f64, long: bool, now_ms: u64) {
         if !(seconds.is_finite() && seconds >= 0.0) {
             return;
         }
-        let mean = match self.tpot {
+        let moved = |figure: Option<(f64, u64)>| {
+            let mean = match figure {
+                Some((m, _)) => m + TPOT_ALPHA * (seconds - m),
+                None => seconds,
+            };
+            Some((mean, now_ms))
+        };
+        self.tpot = moved(self.tpot);
+        if long {
+            self.tpot_long = moved(self.tpot_long);
+        }
+    }
+
+    /// A stream running there delivered its last tokens at `seconds` a token.
+    pub fn observe_pace(&mut self, seconds: f64, now_ms: u64) {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return;
+        }
+        let mean = match self.pace {
             Some((m, _)) => m + TPOT_ALPHA * (seconds - m),
             None => seconds,
         };
-        self.tpot = Some((mean, now_ms));
+        self.pace = Some((mean, now_ms));
+    }
+
+    /// The pace the node's streams decode at now (seconds a token), if one was measured since
+    /// `since_ms`.
+    pub fn pace_since(&self, since_ms: u64) -> Option<f64> {
+        self.pace.filter(|(_, at)| *at >= since_ms).map(|(m, _)| m)
+    }
+
+    /// Whether a prompt of `prompt_tokens` is a long context on the node: at least
+    /// `LONG_CONTEXT_SHARE` of its KV cache (`cache_tokens`), when that is known.
+    pub fn is_long(&self, prompt_tokens: u64, cache_tokens: Option<f64>) -> bool {
+        cache_tokens.is_some_and(|c| prompt_tokens as f64 >= LONG_CONTEXT_SHARE * c)
     }
 
     /// The lowest time-per-output-token budget (ms) among this router's requests in flight
@@ -227,6 +272,20 @@ impl NodeState {
     /// `since_ms`: an older figure says nothing of the batch it runs now.
     pub fn tpot_since(&self, since_ms: u64) -> Option<f64> {
         self.tpot.filter(|(_, at)| *at >= since_ms).map(|(m, _)| m)
+    }
+
+    /// The time per output token a stream with a prompt of this kind (`long`) can expect
+    /// there: the node's recent figure (`tpot_since`), and for a long context the slower of
+    /// that and its long contexts' own, however old (what a long context costs a node's
+    /// decoding is the node's, not its batch's of the moment, and such streams end there
+    /// seldom).
+    pub fn tpot_for(&self, long: bool, since_ms: u64) -> Option<f64> {
+        let all = self.tpot_since(since_ms);
+        let own = self.tpot_long.filter(|_| long).map(|(m, _)| m);
+        match (all, own) {
+            (Some(a), Some(o)) => Some(a.max(o)),
+            (a, o) => a.or(o),
+        }
     }
 
     /// Sets the hysteresis: ejected after `unhealthy_after` failed polls in a row, readmitted
@@ -565,6 +624,11 @@ impl NodeState {
         self.report.as_ref().map(|(_, at)| *at)
     }
 
+    /// The node's last report, whatever its age.
+    pub fn last_report(&self) -> Option<&Report> {
+        self.report.as_ref().map(|(r, _)| r)
+    }
+
     /// The report epoch: grows with every report taken (and when the report is forgotten).
     pub fn epoch(&self) -> u64 {
         self.books.epoch
@@ -792,6 +856,44 @@ mod tests {
         n.accept_report(report(6.0), 300);
         assert_eq!(n.failures_in_row(), 0);
         assert_eq!(n.reported_at(), Some(300));
+    }
+
+    /// A prompt of a tenth of the cache or more is a long context; long contexts keep their
+    /// own time per token, which judges a long prompt (the slower of it and the node's, however
+    /// old) and never a short one; the pace of the streams running there is believed while
+    /// recent.
+    #[test]
+    fn long_contexts_and_running_streams_give_their_own_time_per_token() {
+        let ms = |t: Option<f64>| t.map(|t| (t * 1000.0).round());
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        assert!(n.is_long(2_000, Some(20_000.0)));
+        assert!(!n.is_long(1_999, Some(20_000.0)));
+        assert!(
+            !n.is_long(1_000_000, None),
+            "a cache of unknown size: nothing is long"
+        );
+        n.observe_tpot(0.020, false, 0);
+        assert_eq!(
+            ms(n.tpot_for(true, 0)),
+            Some(20.0),
+            "no long context seen yet"
+        );
+        n.observe_tpot(0.035, true, 10);
+        // The node's figure moves by a fifth (20 -> 23 ms); the long contexts' is 35.
+        assert_eq!(ms(n.tpot_for(false, 0)), Some(23.0));
+        assert_eq!(ms(n.tpot_for(true, 0)), Some(35.0));
+        assert_eq!(ms(n.tpot_for(false, 11)), None, "the node's figure is old");
+        assert_eq!(
+            ms(n.tpot_for(true, 11)),
+            Some(35.0),
+            "the long contexts' is not"
+        );
+
+        assert_eq!(n.pace_since(0), None);
+        n.observe_pace(0.030, 100);
+        n.observe_pace(0.040, 200);
+        assert_eq!(ms(n.pace_since(150)), Some(32.0));
+        assert_eq!(ms(n.pace_since(201)), None);
     }
 
     /// The tightest budget is the lowest held; a release takes its own budget off, once;

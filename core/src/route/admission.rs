@@ -1371,6 +1371,75 @@ mod tests {
         assert_eq!(node(&go(&mut b, 25_000, wait)), Some(0));
     }
 
+    /// Long contexts (a tenth of the cache or more) decoded at 40 ms a token on node 0, short
+    /// streams at 20: a long prompt that accepts 30 ms a token goes to node 1, a short one
+    /// stays on node 0, however long ago the long contexts completed.
+    #[test]
+    fn a_long_prompt_is_judged_by_the_long_contexts_time_per_token() {
+        use crate::fleet::node::Ticket;
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[
+                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000},
+                 {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(5);
+        let idle = |b: &mut Balancer, node: usize, cap: u32, now: u64| {
+            let fields = format!(
+                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
+            );
+            health(b, node, &fields, now);
+        };
+        idle(&mut b, 0, 10_000, 0);
+        idle(&mut b, 1, 5_000, 0);
+        let generation = b.generation();
+        let ticket = |prompt| Ticket {
+            node: 0,
+            tenant: 0,
+            generation,
+            epoch: 0,
+            weight: w(prompt),
+            reserved_output: 0,
+            cached: 0,
+            tpot_ms: None,
+        };
+        b.observe_tpot(&ticket(20_000), 0.040, 0);
+        // The node's figure: 40, then a fifth of the way to 20 five times (26.6 ms).
+        for _ in 0..5 {
+            b.observe_tpot(&ticket(100), 0.020, 0);
+        }
+        let mut go = |b: &mut Balancer, prompt: u64, now: u64| {
+            let terms = Terms {
+                tpot_ms: Some(30),
+                ..Terms::default()
+            };
+            match b.route_on(
+                w(prompt),
+                None,
+                &Chain::NONE,
+                now,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => {
+                    b.release(&ticket, 0);
+                    Some(ticket.node)
+                }
+                _ => None,
+            }
+        };
+        assert_eq!(go(&mut b, 100, 10), Some(0));
+        assert_eq!(go(&mut b, 9_999, 10), Some(0));
+        assert_eq!(go(&mut b, 10_000, 10), Some(1));
+        // Later, with fresh reports: the short streams' figure is forgotten, the long ones' not.
+        idle(&mut b, 0, 10_000, 20_000);
+        idle(&mut b, 1, 5_000, 20_000);
+        assert_eq!(go(&mut b, 100, 20_001), Some(0));
+        assert_eq!(go(&mut b, 10_000, 20_001), Some(1));
+    }
+
     /// A full queue makes room for a higher priority by shedding the lowest, the latest of
     /// them first; an equal or lower priority finds it full.
     #[test]

@@ -518,8 +518,19 @@ impl Balancer {
     /// A stream of `ticket` completed at `seconds` per output token (after its first). A
     /// ticket this balancer did not issue changes nothing.
     pub fn observe_tpot(&mut self, ticket: &Ticket, seconds: f64, now_ms: u64) {
+        let bytes = self.params.kv_bytes_per_token;
         if let Some(state) = self.issued(ticket) {
-            state.observe_tpot(seconds, now_ms);
+            let cache = state.cache_tokens(state.last_report(), bytes);
+            let long = state.is_long(ticket.weight.prompt_tokens, cache);
+            state.observe_tpot(seconds, long, now_ms);
+        }
+    }
+
+    /// The stream of `ticket` delivered its last tokens at `seconds` a token: the pace its
+    /// node decodes at now. A ticket this balancer did not issue changes nothing.
+    pub fn observe_pace(&mut self, ticket: &Ticket, seconds: f64, now_ms: u64) {
+        if let Some(state) = self.issued(ticket) {
+            state.observe_pace(seconds, now_ms);
         }
     }
 

@@ -406,8 +406,24 @@ pub fn evaluate(
         .reported_at()
         .unwrap_or(0)
         .saturating_sub(TPOT_MEMORY.saturating_mul(p.stale_after_ms));
-    let tpot_seconds = n.tpot_since(since);
-    let prefill_room_seconds = prefill_room(n, tpot_seconds);
+    // A long context decodes slower than the short streams beside it: by its own context.
+    let long = n.is_long(
+        weight.prompt_tokens,
+        n.cache_tokens(Some(r), p.kv_bytes_per_token),
+    );
+    // The pace its streams decode at now, when some ran within the last stale-after period:
+    // what the long contexts admitted since the last stream completed have made of it.
+    let pace = n.pace_since(
+        n.reported_at()
+            .unwrap_or(0)
+            .saturating_sub(p.stale_after_ms),
+    );
+    let slower = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    let tpot_seconds = slower(n.tpot_for(long, since), pace);
+    let prefill_room_seconds = prefill_room(n, pace.or(n.tpot_since(since)));
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;
     }

@@ -55,6 +55,14 @@ def run_cell(sim: Path, fleet: str, nodes: int, workload: str, arrivals: str, lo
     return rows
 
 
+def same(a: dict, b: dict) -> bool:
+    """Two cells' figures are the same (a cell with no completed request has NaN percentiles in
+    both builds: the same, not a change)."""
+    def eq(x, y):
+        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+    return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
+
+
 def ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else None
 
@@ -130,7 +138,7 @@ def main() -> int:
             s["cells"] += 1
             s["ours"] += a["overflows"]
             s["theirs"] += b["overflows"]
-            if a != b:
+            if not same(a, b):
                 s["changed"] += 1
                 if rt and re_:
                     s["ttft"].append(math.log(rt))

@@ -13,7 +13,7 @@ from harness import (ENVOY_YAML, Envoy, MockCluster, chat, envoy_config, free_po
 
 TICK_MS = 100
 NODE_FIELDS = {"address", "slot", "member", "ejected", "failures_in_row", "telemetry", "report",
-               "in_flight", "models", "predicted_typical"}
+               "in_flight", "models", "time_per_token", "predicted_typical"}
 REPORT_FIELDS = {"age_ms", "fresh", "load_tokens_per_sec", "capacity_tokens_per_sec",
                  "sustained_tokens_per_sec", "forecast_tokens_per_sec",
                  "capacity_used_tokens_per_sec", "kv_cache_usage", "kv_cache_tokens",

@@ -137,9 +137,9 @@ pub struct NodeState {
     /// The pace its streams decode at now, measured while they run (`observe_pace`): a moving
     /// mean (seconds a token) and when it last moved (ms).
     pace: Option<(f64, u64)>,
-    /// The time-per-output-token budgets (ms) of this router's requests in flight there,
-    /// lowest first.
-    budgets: Vec<u32>,
+    /// The time-per-output-token budgets (ms) of this router's requests in flight there, each
+    /// with the request's expected output (tokens), lowest budget first.
+    budgets: Vec<(u32, u32)>,
 }
 
 /// Weight of the newest stream in a node's time per output token.
@@ -250,6 +250,13 @@ impl NodeState {
         self.pace = Some((mean, now_ms));
     }
 
+    /// The figures a time-per-token budget is compared with, each as (seconds a token, when
+    /// it last moved, ms): the streams completed there, the long contexts among them, and the
+    /// pace of the ones running (for the beliefs).
+    pub fn decoding(&self) -> [Option<(f64, u64)>; 3] {
+        [self.tpot, self.tpot_long, self.pace]
+    }
+
     /// The pace the node's streams decode at now (seconds a token), if one was measured since
     /// `since_ms`.
     pub fn pace_since(&self, since_ms: u64) -> Option<f64> {
@@ -265,7 +272,12 @@ impl NodeState {
     /// The lowest time-per-output-token budget (ms) among this router's requests in flight
     /// there: the stream a new request's prefill must not slow past its budget.
     pub fn tightest_budget_ms(&self) -> Option<u64> {
-        self.budgets.first().map(|&ms| u64::from(ms))
+        self.budgets.first().map(|&(ms, _)| u64::from(ms))
+    }
+
+    /// The budgets held there (`hold_budget`): (ms a token, expected output tokens).
+    pub fn budgets(&self) -> &[(u32, u32)] {
+        &self.budgets
     }
 
     /// The node's time per output token (seconds), if a stream completed there since
@@ -685,8 +697,9 @@ impl NodeState {
     /// Holds `ticket`'s time-per-token budget on the node until its release.
     pub fn hold_budget(&mut self, ticket: &Ticket) {
         if let (Some(ms), true) = (ticket.tpot_ms, ticket.tenant == self.books.tenant) {
-            let at = self.budgets.partition_point(|&b| b <= ms);
-            self.budgets.insert(at, ms);
+            let output = u32::try_from(ticket.weight.output_tokens).unwrap_or(u32::MAX);
+            let at = self.budgets.partition_point(|&(b, _)| b <= ms);
+            self.budgets.insert(at, (ms, output));
         }
     }
 
@@ -703,9 +716,10 @@ impl NodeState {
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
         if ticket.tenant == self.books.tenant {
             self.books = self.books.apply(&Change::release(ticket, received));
+            let output = u32::try_from(ticket.weight.output_tokens).unwrap_or(u32::MAX);
             if let Some(at) = ticket
                 .tpot_ms
-                .and_then(|ms| self.budgets.iter().position(|&b| b == ms))
+                .and_then(|ms| self.budgets.iter().position(|&b| b == (ms, output)))
             {
                 self.budgets.remove(at);
             }

@@ -188,6 +188,20 @@ fn node(
             "any_name": models.any_name(),
         }),
     );
+    let figure = |f: Option<(f64, u64)>| {
+        f.map_or(Value::Null, |(seconds, at)| {
+            json!({"ms": num(seconds * 1000.0), "age_ms": now_ms.saturating_sub(at)})
+        })
+    };
+    let [completed, long, pace] = n.decoding();
+    out.insert(
+        "time_per_token".into(),
+        json!({
+            "completed": figure(completed),
+            "long_contexts": figure(long),
+            "running_pace": figure(pace),
+        }),
+    );
     out.insert("predicted_typical".into(), predicted.unwrap_or(Value::Null));
     Value::Object(out)
 }

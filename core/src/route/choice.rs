@@ -452,20 +452,22 @@ pub fn evaluate(
 }
 
 /// The prefill node `n` can take, in seconds at its rate, before a stream in flight there
-/// passes the tightest time-per-output-token budget among them (`tpot` is the node's time per
-/// token as streams completed there recently). An engine that batches continuously runs each
-/// prefill chunk in an iteration every decoding stream waits for: `P` seconds of prefill
-/// spread over a stream's next `r` tokens add about `P / r` to its time per token, so with a
-/// budget `b` the node takes `(b - tpot) * r` seconds of prefill, `r` being the output the
-/// requests in flight there are still expected to generate, on average (this router's books).
-/// Admission checked each request's budget against the node as it was when it came in; the
-/// requests sent after it are what slow it (Sarathi-Serve, OSDI'24, measures the same stall
-/// from the other side: prefill chunks sized to a decode-latency target).
+/// passes its time-per-output-token budget (`tpot` is the time per token the node decodes at).
+/// An engine that batches continuously runs each prefill chunk in an iteration every decoding
+/// stream waits for: `P` seconds of prefill while a stream of `N` tokens runs add about `P` to
+/// its time and `P / N` to its time per token, so a stream with budget `b` lets the node take
+/// `(b - tpot) * N` seconds of prefill, `N` being its expected output (learned per prompt size,
+/// see `outputs`): the short answers are the ones a prefill slows most. The least of that over
+/// the streams with a budget there is the node's room. Admission checked each request's budget
+/// against the node as it was when it came in; the requests sent after it are what slow it
+/// (Sarathi-Serve, OSDI'24, measures the same stall from the other side: prefill chunks sized
+/// to a decode-latency target).
 fn prefill_room(n: &NodeState, tpot: Option<f64>) -> Option<f64> {
-    let budget = n.tightest_budget_ms()? as f64 / 1000.0;
-    let books = n.books();
-    let remaining = books.growth_tokens as f64 / books.inflight_requests.max(1) as f64;
-    Some(((budget - tpot?) * remaining).max(0.0))
+    let tpot = tpot?;
+    n.budgets()
+        .iter()
+        .map(|&(ms, output)| ((f64::from(ms) / 1000.0 - tpot) * f64::from(output)).max(0.0))
+        .reduce(f64::min)
 }
 
 /// Forecast of a request's time to first token on a node: the prompts queued ahead of it and
@@ -714,6 +716,35 @@ mod tests {
         assert!((kv - 0.7625).abs() < 1e-3, "{kv}");
         // sd 300: 0.5 + (1800 + 600 * sqrt(17)) / 10000 = 0.93, over the ceiling.
         assert!(matches!(decide_with(600.0), Decision::AllOverCeiling(_)));
+    }
+
+    /// Each stream with a budget leaves `(budget - time per token) x its expected output` of
+    /// prefill; the node's room is the least of them, none without a budget or a time per token.
+    #[test]
+    fn the_prefill_room_is_the_least_any_budgeted_stream_leaves() {
+        use crate::fleet::node::Ticket;
+        let mut n = node(Some(rep(0.0, None)));
+        let hold = |n: &mut NodeState, ms: u32, output: u64| {
+            let t = Ticket {
+                tpot_ms: Some(ms),
+                ..n.dispatch(0, w(100, output), output)
+            };
+            n.hold_budget(&t);
+            t
+        };
+        assert_eq!(prefill_room(&n, Some(0.020)), None);
+        let long = hold(&mut n, 30, 200);
+        let room = |n: &NodeState, t| prefill_room(n, t).map(|s| (s * 1000.0).round());
+        assert_eq!(room(&n, Some(0.020)), Some(2000.0));
+        assert_eq!(room(&n, None), None);
+        // A short answer with a looser budget binds harder: 30 ms of slack over 20 tokens.
+        let short = hold(&mut n, 50, 20);
+        assert_eq!(room(&n, Some(0.020)), Some(600.0));
+        // Past a budget already: no room at all.
+        assert_eq!(room(&n, Some(0.040)), Some(0.0));
+        n.release(&short, 20);
+        n.release(&long, 200);
+        assert_eq!(room(&n, Some(0.020)), None);
     }
 
     #[test]

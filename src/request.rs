@@ -519,9 +519,14 @@ impl<H: Host> Request<H> {
                 self.paced = Some((now, received));
                 admit_held(&self.state, self.context_id);
             } else if let Some((since, from)) = self.paced {
-                // Every `PACE_STEP` tokens, the pace the node decodes at now.
+                // Every `PACE_STEP` tokens, the pace the node decodes at now, while budgets are
+                // in use (a clock read each time).
                 let tokens = received.saturating_sub(from);
-                if tokens >= PACE_STEP {
+                let wanted = || {
+                    self.with(|s| s.balancer.paces_wanted(since))
+                        .unwrap_or(false)
+                };
+                if tokens >= PACE_STEP && wanted() {
                     let now = self.host.now_ms();
                     let seconds = now.saturating_sub(since) as f64 / 1000.0 / tokens as f64;
                     self.paced = Some((now, received));

@@ -1440,6 +1440,53 @@ mod tests {
         assert_eq!(go(&mut b, 10_000, 20_001), Some(1));
     }
 
+    /// Running streams' pace is measured only while requests with a time-per-token budget are
+    /// routed: none before the first, while one runs, and for `PACE_MEMORY` stale-after
+    /// periods (2 s each here) after the last.
+    #[test]
+    fn the_pace_is_wanted_only_while_budgets_are_in_use() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","stale_after_ms":2000,"nodes":[
+                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(3);
+        health(
+            &mut b,
+            0,
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
+            0,
+        );
+        assert!(!b.paces_wanted(10));
+        let mut go = |b: &mut Balancer, tpot_ms| {
+            let terms = Terms {
+                tpot_ms,
+                ..Terms::default()
+            };
+            match b.route_on(
+                w(10),
+                None,
+                &Chain::NONE,
+                10,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => ticket,
+                other => panic!("{other:?}"),
+            }
+        };
+        let plain = go(&mut b, None);
+        assert!(!b.paces_wanted(10), "no budget in use");
+        b.release(&plain, 0);
+        let budgeted = go(&mut b, Some(50));
+        assert!(b.paces_wanted(10_000_000), "a budgeted stream runs");
+        b.release(&budgeted, 0);
+        assert!(b.paces_wanted(60_010));
+        assert!(!b.paces_wanted(60_011));
+    }
+
     /// A full queue makes room for a higher priority by shedding the lowest, the latest of
     /// them first; an equal or lower priority finds it full.
     #[test]

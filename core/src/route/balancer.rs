@@ -259,10 +259,16 @@ pub struct Balancer {
     /// there are any, every request's prefill is kept from the nodes whose streams it would
     /// slow past their budgets (`Bar::protect`).
     budgets_held: u64,
+    /// When this balancer last routed a request with a time-per-token budget.
+    budget_routed_ms: Option<u64>,
 }
 
 /// Placements kept for `take_placements` at most; the glue takes them after every decision.
 const MAX_PLACEMENTS: usize = 64;
+
+/// Stale-after periods after the last request with a time-per-token budget during which the
+/// pace of running streams is still measured (`Balancer::paces_wanted`).
+const PACE_MEMORY: u64 = 30;
 
 impl Balancer {
     pub fn new(cfg: &Config) -> Self {
@@ -302,6 +308,7 @@ impl Balancer {
             short_lane_s: (cfg.admission.short_lane_ms > 0)
                 .then(|| cfg.admission.short_lane_ms as f64 / 1000.0),
             budgets_held: 0,
+            budget_routed_ms: None,
         }
     }
 
@@ -524,6 +531,18 @@ impl Balancer {
             let long = state.is_long(ticket.weight.prompt_tokens, cache);
             state.observe_tpot(seconds, long, now_ms);
         }
+    }
+
+    /// Whether the pace of running streams is worth measuring at `now_ms` (`observe_pace`):
+    /// only a time-per-token budget reads it, so only while this balancer routes requests with
+    /// one (within `PACE_MEMORY` stale-after periods of the last), sparing every other stream
+    /// a clock read every few tokens.
+    pub fn paces_wanted(&self, now_ms: u64) -> bool {
+        let memory = PACE_MEMORY.saturating_mul(self.params.stale_after_ms);
+        self.budgets_held > 0
+            || self
+                .budget_routed_ms
+                .is_some_and(|at| now_ms.saturating_sub(at) <= memory)
     }
 
     /// The stream of `ticket` delivered its last tokens at `seconds` a token: the pace its
@@ -809,6 +828,7 @@ impl Balancer {
         if ticket.tpot_ms.is_some() {
             state.hold_budget(&ticket);
             self.budgets_held = self.budgets_held.saturating_add(1);
+            self.budget_routed_ms = Some(now_ms);
         }
         books.booked(first.node, &Change::dispatch(&ticket));
         if let Some(ix) = self.prefixes.as_mut() {

@@ -160,12 +160,14 @@ pub struct Ranked {
     pub first_token_seconds: Option<f64>,
     /// The part of it that is prompts already queued there (see `route::admission`).
     pub queued_seconds: Option<f64>,
-    /// The time per output token of the streams this filter saw complete there recently
-    /// (`TPOT_MEMORY` reports' worth), seconds.
+    /// The time per output token the request can expect there, seconds: the slower of the
+    /// streams this filter saw complete there recently (`TPOT_MEMORY` reports' worth; for a
+    /// long context, also its long contexts' figure, see `NodeState::tpot_for`) and the pace
+    /// of the ones running there now.
     pub tpot_seconds: Option<f64>,
     /// How much prefill, in seconds at the node's rate, the streams in flight there can take
-    /// before the tightest time-per-token budget among them is passed (`prefill_room`); none
-    /// when no stream there has a budget or the node's time per token is not known.
+    /// before one of them passes its time-per-token budget (`prefill_room`); none when no
+    /// stream there has a budget or the node's time per token is not known.
     pub prefill_room_seconds: Option<f64>,
 }
 

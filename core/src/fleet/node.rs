@@ -145,6 +145,14 @@ pub struct NodeState {
 /// Weight of the newest stream in a node's time per output token.
 const TPOT_ALPHA: f64 = 0.2;
 
+/// The slower of two times per token, either of which may be unknown.
+pub fn slower(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Share of a node's KV cache a prompt takes alone to be a long context there: on an L4-like
 /// node a prompt of 6,000 tokens (30% of its cache) adds about 10 ms to every decode
 /// iteration, one of 300 tokens nothing measurable.
@@ -294,10 +302,7 @@ impl NodeState {
     pub fn tpot_for(&self, long: bool, since_ms: u64) -> Option<f64> {
         let all = self.tpot_since(since_ms);
         let own = self.tpot_long.filter(|_| long).map(|(m, _)| m);
-        match (all, own) {
-            (Some(a), Some(o)) => Some(a.max(o)),
-            (a, o) => a.or(o),
-        }
+        slower(all, own)
     }
 
     /// Sets the hysteresis: ejected after `unhealthy_after` failed polls in a row, readmitted

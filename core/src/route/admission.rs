@@ -459,6 +459,43 @@ mod tests {
         b.on_health(node, Some(body.as_bytes()), now_ms).unwrap();
     }
 
+    /// A balancer of `nodes` nodes (at most two) with 100,000 tokens of cache each, every node
+    /// compared, reports stale after 2 s: the fleet of the time-per-token tests.
+    fn budget_fleet(nodes: usize) -> Balancer {
+        let all = [
+            r#"{"address":"10.0.0.1:8000","kv_cache_tokens":100000}"#,
+            r#"{"address":"10.0.0.2:8000","kv_cache_tokens":100000}"#,
+        ];
+        let json = format!(
+            r#"{{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[{}]}}"#,
+            all[..nodes].join(",")
+        );
+        Balancer::new(&Config::parse(json.as_bytes()).unwrap())
+    }
+
+    /// Node `node` reports no load, `cap` tokens/s of capacity and an empty cache at `now_ms`.
+    fn idle(b: &mut Balancer, node: usize, cap: u32, now_ms: u64) {
+        let fields = format!(
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
+        );
+        health(b, node, &fields, now_ms);
+    }
+
+    /// A stream of a `prompt`-token prompt completed on node `node` at `seconds` a token.
+    fn completed(b: &mut Balancer, node: usize, prompt: u64, seconds: f64, now_ms: u64) {
+        let ticket = crate::fleet::node::Ticket {
+            node,
+            tenant: 0,
+            generation: b.generation(),
+            epoch: 0,
+            weight: w(prompt),
+            reserved_output: 0,
+            cached: 0,
+            tpot_ms: None,
+        };
+        b.observe_tpot(&ticket, seconds, now_ms);
+    }
+
     impl<T> HoldQueue<T> {
         /// `push` of a request with no claims, giving back the payload when not held.
         fn put(
@@ -1192,37 +1229,13 @@ mod tests {
     /// slow figure is older than `TPOT_MEMORY` reports' worth it no longer counts.
     #[test]
     fn a_time_per_token_budget_avoids_the_nodes_that_decode_slower() {
-        use crate::fleet::node::Ticket;
-        let cfg = Config::parse(
-            br#"{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[
-                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000},
-                 {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
-        )
-        .unwrap();
-        let mut b = Balancer::new(&cfg);
+        let mut b = budget_fleet(2);
         let mut rng = SplitMix64::new(18);
-        let idle = |b: &mut Balancer, node: usize, cap: u32, now: u64| {
-            let fields = format!(
-                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
-            );
-            health(b, node, &fields, now);
-        };
         // Node 0 is the faster by capacity: it ranks first.
         idle(&mut b, 0, 10_000, 0);
         idle(&mut b, 1, 1_000, 0);
-        let ticket = |node| Ticket {
-            node,
-            tenant: 0,
-            generation: b.generation(),
-            epoch: 0,
-            weight: w(0),
-            reserved_output: 0,
-            cached: 0,
-            tpot_ms: None,
-        };
-        let (t0, t1) = (ticket(0), ticket(1));
-        b.observe_tpot(&t0, 0.080, 0);
-        b.observe_tpot(&t1, 0.020, 0);
+        completed(&mut b, 0, 0, 0.080, 0);
+        completed(&mut b, 1, 0, 0.020, 0);
         let mut go = |b: &mut Balancer, tpot: Option<u64>, now: u64| {
             let terms = Terms {
                 tpot_ms: tpot,
@@ -1257,8 +1270,8 @@ mod tests {
         idle(&mut b, 1, 1_000, 10_001);
         assert_eq!(go(&mut b, Some(10), 10_002), Ok(0));
         // A new stream's figure moves the mean by a fifth, not replaces it: 20, 24, 23.2 ms.
-        b.observe_tpot(&t1, 0.040, 10_002);
-        b.observe_tpot(&t1, 0.020, 10_003);
+        completed(&mut b, 1, 0, 0.040, 10_002);
+        completed(&mut b, 1, 0, 0.020, 10_003);
         assert_eq!(
             b.nodes()[1]
                 .tpot_since(10_000)
@@ -1274,32 +1287,10 @@ mod tests {
     /// stream ends, the room is back.
     #[test]
     fn streams_with_a_time_per_token_budget_keep_long_prefills_off_their_node() {
-        use crate::fleet::node::Ticket;
-        let cfg = |nodes: &str| {
-            Config::parse(
-                format!(r#"{{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[{nodes}]}}"#)
-                    .as_bytes(),
-            )
-            .unwrap()
-        };
-        let fast = r#"{"address":"10.0.0.1:8000","kv_cache_tokens":100000}"#;
-        let slow = r#"{"address":"10.0.0.2:8000","kv_cache_tokens":100000}"#;
-        let idle = |b: &mut Balancer, node: usize, cap: u32| {
-            let fields = format!(
-                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
-            );
-            health(b, node, &fields, 0);
-            let t = Ticket {
-                node,
-                tenant: 0,
-                generation: b.generation(),
-                epoch: 0,
-                weight: w(0),
-                reserved_output: 0,
-                cached: 0,
-                tpot_ms: None,
-            };
-            b.observe_tpot(&t, 0.020, 0);
+        // Idle, and seen decoding at 20 ms a token.
+        let decoding = |b: &mut Balancer, node: usize, cap: u32| {
+            idle(b, node, cap, 0);
+            completed(b, node, 0, 0.020, 0);
         };
         let mut rng = SplitMix64::new(7);
         let mut go = |b: &mut Balancer, prompt: u64, terms: Terms| {
@@ -1331,9 +1322,9 @@ mod tests {
         };
 
         // Two nodes: the long prompt goes to the slow one rather than stall the stream.
-        let mut b = Balancer::new(&cfg(&format!("{fast},{slow}")));
-        idle(&mut b, 0, 10_000);
-        idle(&mut b, 1, 1_000);
+        let mut b = budget_fleet(2);
+        decoding(&mut b, 0, 10_000);
+        decoding(&mut b, 1, 1_000);
         let stream = go(&mut b, 100, budget);
         assert_eq!(node(&stream), Some(0));
         assert_eq!(b.nodes()[0].tightest_budget_ms(), Some(30));
@@ -1348,8 +1339,8 @@ mod tests {
 
         // One node: the long prompt waits, or with a budget of its own is told to come back,
         // or, with neither, goes anyway (there is nowhere to protect the stream from it).
-        let mut b = Balancer::new(&cfg(fast));
-        idle(&mut b, 0, 10_000);
+        let mut b = budget_fleet(1);
+        decoding(&mut b, 0, 10_000);
         let Outcome::Routed { ticket, .. } = go(&mut b, 100, budget) else {
             panic!("the stream is routed");
         };
@@ -1376,38 +1367,14 @@ mod tests {
     /// stays on node 0, however long ago the long contexts completed.
     #[test]
     fn a_long_prompt_is_judged_by_the_long_contexts_time_per_token() {
-        use crate::fleet::node::Ticket;
-        let cfg = Config::parse(
-            br#"{"health_cluster":"h","choices":0,"stale_after_ms":2000,"nodes":[
-                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000},
-                 {"address":"10.0.0.2:8000","kv_cache_tokens":100000}]}"#,
-        )
-        .unwrap();
-        let mut b = Balancer::new(&cfg);
+        let mut b = budget_fleet(2);
         let mut rng = SplitMix64::new(5);
-        let idle = |b: &mut Balancer, node: usize, cap: u32, now: u64| {
-            let fields = format!(
-                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":{cap},"kv_cache_usage":0"#
-            );
-            health(b, node, &fields, now);
-        };
         idle(&mut b, 0, 10_000, 0);
         idle(&mut b, 1, 5_000, 0);
-        let generation = b.generation();
-        let ticket = |prompt| Ticket {
-            node: 0,
-            tenant: 0,
-            generation,
-            epoch: 0,
-            weight: w(prompt),
-            reserved_output: 0,
-            cached: 0,
-            tpot_ms: None,
-        };
-        b.observe_tpot(&ticket(20_000), 0.040, 0);
+        completed(&mut b, 0, 20_000, 0.040, 0);
         // The node's figure: 40, then a fifth of the way to 20 five times (26.6 ms).
         for _ in 0..5 {
-            b.observe_tpot(&ticket(100), 0.020, 0);
+            completed(&mut b, 0, 100, 0.020, 0);
         }
         let mut go = |b: &mut Balancer, prompt: u64, now: u64| {
             let terms = Terms {
@@ -1445,19 +1412,9 @@ mod tests {
     /// periods (2 s each here) after the last.
     #[test]
     fn the_pace_is_wanted_only_while_budgets_are_in_use() {
-        let cfg = Config::parse(
-            br#"{"health_cluster":"h","stale_after_ms":2000,"nodes":[
-                 {"address":"10.0.0.1:8000","kv_cache_tokens":100000}]}"#,
-        )
-        .unwrap();
-        let mut b = Balancer::new(&cfg);
+        let mut b = budget_fleet(1);
         let mut rng = SplitMix64::new(3);
-        health(
-            &mut b,
-            0,
-            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
-            0,
-        );
+        idle(&mut b, 0, 1_000, 0);
         assert!(!b.paces_wanted(10));
         let mut go = |b: &mut Balancer, tpot_ms| {
             let terms = Terms {

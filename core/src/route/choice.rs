@@ -121,7 +121,7 @@
 
 use crate::config::Rule;
 use crate::fleet::models::Serves;
-use crate::fleet::node::NodeState;
+use crate::fleet::node::{self, NodeState};
 use crate::fleet::prefixes::PrefixIndex;
 use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
@@ -420,11 +420,7 @@ pub fn evaluate(
             .unwrap_or(0)
             .saturating_sub(p.stale_after_ms),
     );
-    let slower = |a: Option<f64>, b: Option<f64>| match (a, b) {
-        (Some(a), Some(b)) => Some(a.max(b)),
-        (a, b) => a.or(b),
-    };
-    let tpot_seconds = slower(n.tpot_for(long, since), pace);
+    let tpot_seconds = node::slower(n.tpot_for(long, since), pace);
     let prefill_room_seconds = prefill_room(n, pace.or(n.tpot_since(since)));
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;

@@ -13,12 +13,18 @@ under results/<name>/: every request (loadgen JSON per policy), the nodes' telem
 during each run, summary.json, summary.md (the table) and two SVG plots (latency CDF per policy,
 per-node load over time). Times are model time: the mock GPUs run --time-scale times faster
 than real time.
+
+With TB_EXPLAIN_LOG=<directory> set (here and in admission_bench.py), each filter run also
+writes <directory>/<policy>.log: one line a request, its start, fairness id, status, upstream
+host and the filter's explanation of its decision (`explain.access_log`), for looking into
+where a run's requests went and why.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -131,7 +137,19 @@ def envoy_for(policy: str, nodes: list[str], poller: str = "vm", time_scale: flo
         plugin["quiet_poll_ms"] = max(10, round(plugin["quiet_poll_ms"] / time_scale))
     # `tb_previous`, and any variant named `..._previous`, runs on the other build.
     wasm = PREVIOUS_WASM if policy.endswith("_previous") else None
+    explain_dir = os.environ.get("TB_EXPLAIN_LOG")
+    if explain_dir and policy not in ("round_robin", "least_request", "ring_hash", "cswrr_orca"):
+        # Every decision's explanation, one line a request, for looking into a run.
+        plugin["explain"] = {"access_log": True}
     cfg = envoy_config(nodes, free_port(), free_port(), plugin=plugin, wasm_file=wasm, poller=poller)
+    if explain_dir and "explain" in plugin:
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        line = ("%START_TIME(%s.%3f)% %REQ(x-gateway-inference-fairness-id)% %RESPONSE_CODE% %UPSTREAM_HOST% "
+                "%FILTER_STATE(wasm.token_balancer.decision:PLAIN)%\n")
+        hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(Path(explain_dir) / f"{policy}.log"),
+            "log_format": {"text_format_source": {"inline_string": line}}}}]
     if policy in ("round_robin", "least_request"):
         cfg = without_filter(cfg, policy.upper())
     elif policy == "ring_hash":

@@ -137,9 +137,21 @@ pub struct NodeState {
     /// The pace its streams decode at now, measured while they run (`observe_pace`): a moving
     /// mean (seconds a token) and when it last moved (ms).
     pace: Option<(f64, u64)>,
-    /// The time-per-output-token budgets (ms) of this router's requests in flight there, each
-    /// with the request's expected output (tokens), lowest budget first.
-    budgets: Vec<(u32, u32)>,
+    /// The time-per-output-token budgets of this router's requests in flight there, lowest
+    /// budget first.
+    budgets: Vec<HeldBudget>,
+}
+
+/// A time-per-output-token budget held on a node while its stream runs (`hold_budget`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeldBudget {
+    /// The budget, ms a token.
+    pub ms: u32,
+    /// The request's expected output, tokens.
+    pub output: u32,
+    /// The time per token (seconds) the node was expected to decode at when the request was
+    /// sent there; `None` when nothing was known of it.
+    pub expected_tpot: Option<f64>,
 }
 
 /// Weight of the newest stream in a node's time per output token.
@@ -280,11 +292,11 @@ impl NodeState {
     /// The lowest time-per-output-token budget (ms) among this router's requests in flight
     /// there: the stream a new request's prefill must not slow past its budget.
     pub fn tightest_budget_ms(&self) -> Option<u64> {
-        self.budgets.first().map(|&(ms, _)| u64::from(ms))
+        self.budgets.first().map(|b| u64::from(b.ms))
     }
 
-    /// The budgets held there (`hold_budget`): (ms a token, expected output tokens).
-    pub fn budgets(&self) -> &[(u32, u32)] {
+    /// The budgets held there (`hold_budget`), lowest first.
+    pub fn budgets(&self) -> &[HeldBudget] {
         &self.budgets
     }
 
@@ -292,6 +304,12 @@ impl NodeState {
     /// `since_ms`: an older figure says nothing of the batch it runs now.
     pub fn tpot_since(&self, since_ms: u64) -> Option<f64> {
         self.tpot.filter(|(_, at)| *at >= since_ms).map(|(m, _)| m)
+    }
+
+    /// The node's time per output token (seconds) from the streams completed there, however
+    /// old: the best guess left when nothing recent is known.
+    pub fn last_tpot(&self) -> Option<f64> {
+        self.tpot.map(|(m, _)| m)
     }
 
     /// The time per output token a stream with a prompt of this kind (`long`) can expect
@@ -699,12 +717,22 @@ impl NodeState {
         ticket
     }
 
-    /// Holds `ticket`'s time-per-token budget on the node until its release.
-    pub fn hold_budget(&mut self, ticket: &Ticket) {
+    /// Holds `ticket`'s time-per-token budget on the node until its release, with the time
+    /// per token (seconds) the node was expected to decode at when it was sent
+    /// (`expected_tpot`; `None` when unknown).
+    pub fn hold_budget(&mut self, ticket: &Ticket, expected_tpot: Option<f64>) {
         if let (Some(ms), true) = (ticket.tpot_ms, ticket.tenant == self.books.tenant) {
             let output = u32::try_from(ticket.weight.output_tokens).unwrap_or(u32::MAX);
-            let at = self.budgets.partition_point(|&(b, _)| b <= ms);
-            self.budgets.insert(at, (ms, output));
+            let at = self.budgets.partition_point(|b| b.ms <= ms);
+            let expected_tpot = expected_tpot.filter(|t| t.is_finite() && *t >= 0.0);
+            self.budgets.insert(
+                at,
+                HeldBudget {
+                    ms,
+                    output,
+                    expected_tpot,
+                },
+            );
         }
     }
 
@@ -722,10 +750,11 @@ impl NodeState {
         if ticket.tenant == self.books.tenant {
             self.books = self.books.apply(&Change::release(ticket, received));
             let output = u32::try_from(ticket.weight.output_tokens).unwrap_or(u32::MAX);
-            if let Some(at) = ticket
-                .tpot_ms
-                .and_then(|ms| self.budgets.iter().position(|&b| b == (ms, output)))
-            {
+            if let Some(at) = ticket.tpot_ms.and_then(|ms| {
+                self.budgets
+                    .iter()
+                    .position(|b| b.ms == ms && b.output == output)
+            }) {
                 self.budgets.remove(at);
             }
         }
@@ -925,7 +954,7 @@ mod tests {
                 tpot_ms: ms,
                 ..n.dispatch(0, w(10, 10), 10)
             };
-            n.hold_budget(&t);
+            n.hold_budget(&t, None);
             t
         };
         let none = book(&mut n, None);

@@ -1362,6 +1362,46 @@ mod tests {
         assert_eq!(node(&go(&mut b, 25_000, wait)), Some(0));
     }
 
+    /// The first stream of a burst, on a node whose figures have aged out since it was last
+    /// seen decoding (at 20 ms a token): with nothing measured since, the stream is reckoned
+    /// at the 20 ms it was sent with, so a long prompt right behind it goes elsewhere.
+    #[test]
+    fn a_burst_on_a_node_not_measured_lately_still_protects_its_first_stream() {
+        let mut b = budget_fleet(2);
+        let mut rng = SplitMix64::new(3);
+        idle(&mut b, 0, 10_000, 0);
+        idle(&mut b, 1, 1_000, 0);
+        completed(&mut b, 0, 0, 0.020, 0);
+        // Much later: fresh reports, the completed streams' figure too old to be recent.
+        idle(&mut b, 0, 10_000, 60_000);
+        idle(&mut b, 1, 1_000, 60_000);
+        let mut go = |b: &mut Balancer, prompt: u64, terms: Terms| {
+            let weight = Weight {
+                prompt_tokens: prompt,
+                output_tokens: 200,
+            };
+            match b.route_on(
+                weight,
+                None,
+                &Chain::NONE,
+                60_001,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => Some(ticket.node),
+                _ => None,
+            }
+        };
+        let budget = Terms {
+            tpot_ms: Some(30),
+            ..Terms::default()
+        };
+        assert_eq!(go(&mut b, 100, budget), Some(0));
+        // 2.5 s of prefill on node 0, past the 2 s its stream leaves at 20 ms a token.
+        assert_eq!(go(&mut b, 25_000, Terms::default()), Some(1));
+    }
+
     /// Long contexts (a tenth of the cache or more) decoded at 40 ms a token on node 0, short
     /// streams at 20: a long prompt that accepts 30 ms a token goes to node 1, a short one
     /// stays on node 0, however long ago the long contexts completed.

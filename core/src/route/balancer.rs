@@ -826,7 +826,7 @@ impl Balancer {
             ..state.dispatch_cached(first.node, weight, growth.own, first.cached)
         };
         if ticket.tpot_ms.is_some() {
-            state.hold_budget(&ticket);
+            state.hold_budget(&ticket, first.tpot_seconds.or(state.last_tpot()));
             self.budgets_held = self.budgets_held.saturating_add(1);
             self.budget_routed_ms = Some(now_ms);
         }

@@ -460,11 +460,23 @@ pub fn evaluate(
 /// against the node as it was when it came in; the requests sent after it are what slow it
 /// (Sarathi-Serve, OSDI'24, measures the same stall from the other side: prefill chunks sized
 /// to a decode-latency target).
+///
+/// With nothing measured there lately (the first streams of a burst on a node that was idle),
+/// the node's time per token is the slowest its streams in flight were expected to decode at
+/// when they were sent (`HeldBudget::expected_tpot`): a node left unprotected until its first
+/// stream is measured takes a burst's long prompts one after another, and the first stream
+/// misses its budget.
 fn prefill_room(n: &NodeState, tpot: Option<f64>) -> Option<f64> {
-    let tpot = tpot?;
+    let expected = || {
+        n.budgets()
+            .iter()
+            .filter_map(|b| b.expected_tpot)
+            .reduce(f64::max)
+    };
+    let tpot = tpot.or_else(expected)?;
     n.budgets()
         .iter()
-        .map(|&(ms, output)| ((f64::from(ms) / 1000.0 - tpot) * f64::from(output)).max(0.0))
+        .map(|b| ((f64::from(b.ms) / 1000.0 - tpot) * f64::from(b.output)).max(0.0))
         .reduce(f64::min)
 }
 
@@ -727,7 +739,7 @@ mod tests {
                 tpot_ms: Some(ms),
                 ..n.dispatch(0, w(100, output), output)
             };
-            n.hold_budget(&t);
+            n.hold_budget(&t, None);
             t
         };
         assert_eq!(prefill_room(&n, Some(0.020)), None);
@@ -743,6 +755,40 @@ mod tests {
         n.release(&short, 20);
         n.release(&long, 200);
         assert_eq!(room(&n, Some(0.020)), None);
+    }
+
+    /// With nothing measured on the node, the room is reckoned at the slowest time per token
+    /// its budgeted streams were expected to decode at when they were sent; a measured figure
+    /// overrules it, and a stream sent with nothing known leaves the node unreckoned.
+    #[test]
+    fn the_prefill_room_falls_back_on_what_the_streams_expected() {
+        use crate::fleet::node::Ticket;
+        let mut n = node(Some(rep(0.0, None)));
+        let hold = |n: &mut NodeState, ms: u32, output: u64, expected: Option<f64>| {
+            let t = Ticket {
+                tpot_ms: Some(ms),
+                ..n.dispatch(0, w(100, output), output)
+            };
+            n.hold_budget(&t, expected);
+            t
+        };
+        let room = |n: &NodeState, t| prefill_room(n, t).map(|s| (s * 1000.0).round());
+        let blind = hold(&mut n, 30, 100, None);
+        assert_eq!(room(&n, None), None);
+        // (30 - 25) ms x 100 tokens, and (30 - 25) x 50 for the second stream.
+        let a = hold(&mut n, 30, 100, Some(0.020));
+        let b = hold(&mut n, 30, 50, Some(0.025));
+        assert_eq!(room(&n, None), Some(250.0));
+        // Measured now: (30 - 10) ms x 50.
+        assert_eq!(room(&n, Some(0.010)), Some(1000.0));
+        // Nonsense expectations are not kept.
+        n.release(&b, 50);
+        let c = hold(&mut n, 30, 50, Some(f64::NAN));
+        assert_eq!(room(&n, None), Some(500.0));
+        for (t, r) in [(a, 100), (c, 50), (blind, 100)] {
+            n.release(&t, r);
+        }
+        assert!(n.budgets().is_empty());
     }
 
     #[test]

@@ -152,6 +152,12 @@ impl Decision {
                         if let Some(t) = n.first_token_seconds {
                             let _ = write!(out, " first_token_ms={:.1}", t * 1000.0);
                         }
+                        if let Some(t) = n.tpot_seconds {
+                            let _ = write!(out, " tpot_ms={:.1}", t * 1000.0);
+                        }
+                        if let Some(t) = n.prefill_room_seconds {
+                            let _ = write!(out, " prefill_room_ms={:.1}", t * 1000.0);
+                        }
                     }
                 }
             }
@@ -324,8 +330,8 @@ mod tests {
                         cached: 0,
                         first_token_seconds: Some(0.02),
                         queued_seconds: Some(0.01),
-                        tpot_seconds: None,
-                        prefill_room_seconds: None,
+                        tpot_seconds: Some(0.0184),
+                        prefill_room_seconds: Some(0.75),
                     },
                     Ranked {
                         node: 1,
@@ -386,7 +392,7 @@ mod tests {
             "decision=routed; why=shortest_predicted_time; model=llama-3-8b; \
              node=10.0.0.1:8000,[fd00::2]:8000; prompt_tokens=812; cached_tokens=512; output_tokens=214; \
              output_cap=1024; predicted_ms=41.7; inflight=3; held_ms=350; weight_tokens=1026; \
-             choices=16; candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0 first_token_ms=20.0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
+             choices=16; candidates=10.0.0.1:8000 predicted_ms=41.7 kv=0.471 cached=0 first_token_ms=20.0 tpot_ms=18.4 prefill_room_ms=750.0,[fd00::2]:8000 predicted_ms=55.0 kv=unknown cached=512"
         );
         let over = routed(true, None).render(full, Asked::default());
         assert!(

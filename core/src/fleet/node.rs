@@ -147,8 +147,11 @@ pub struct NodeState {
 pub struct HeldBudget {
     /// The budget, ms a token.
     pub ms: u32,
-    /// The request's expected output, tokens.
+    /// The request's expected output, tokens (which request it is, with `ms`).
     pub output: u32,
+    /// The output its room is reckoned over, tokens: a short answer for its prompt (see
+    /// `choice::prefill_room`).
+    pub horizon: u32,
     /// The time per token (seconds) the node was expected to decode at when the request was
     /// sent there; `None` when nothing was known of it.
     pub expected_tpot: Option<f64>,
@@ -719,10 +722,12 @@ impl NodeState {
 
     /// Holds `ticket`'s time-per-token budget on the node until its release, with the time
     /// per token (seconds) the node was expected to decode at when it was sent
-    /// (`expected_tpot`; `None` when unknown).
-    pub fn hold_budget(&mut self, ticket: &Ticket, expected_tpot: Option<f64>) {
+    /// (`expected_tpot`; `None` when unknown) and the output its room is reckoned over
+    /// (`horizon`, tokens).
+    pub fn hold_budget(&mut self, ticket: &Ticket, expected_tpot: Option<f64>, horizon: u64) {
         if let (Some(ms), true) = (ticket.tpot_ms, ticket.tenant == self.books.tenant) {
             let output = u32::try_from(ticket.weight.output_tokens).unwrap_or(u32::MAX);
+            let horizon = u32::try_from(horizon).unwrap_or(u32::MAX);
             let at = self.budgets.partition_point(|b| b.ms <= ms);
             let expected_tpot = expected_tpot.filter(|t| t.is_finite() && *t >= 0.0);
             self.budgets.insert(
@@ -730,6 +735,7 @@ impl NodeState {
                 HeldBudget {
                     ms,
                     output,
+                    horizon,
                     expected_tpot,
                 },
             );
@@ -954,7 +960,7 @@ mod tests {
                 tpot_ms: ms,
                 ..n.dispatch(0, w(10, 10), 10)
             };
-            n.hold_budget(&t, None);
+            n.hold_budget(&t, None, 10);
             t
         };
         let none = book(&mut n, None);

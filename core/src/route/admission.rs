@@ -1362,6 +1362,51 @@ mod tests {
         assert_eq!(node(&go(&mut b, 25_000, wait)), Some(0));
     }
 
+    /// Node 0 starts a 5,000-token prompt in 0.5 s but decodes at 40 ms a token; node 1
+    /// decodes at 10 ms but starts it in 5 s. A request asking for both 2 s and 30 ms meets
+    /// one budget on each node and both on none: it is told to come back, not sent to the
+    /// node that meets its first budget to miss the other. With only one of the budgets it
+    /// goes where that one is met.
+    #[test]
+    fn a_request_no_node_serves_within_all_its_budgets_is_told_to_come_back() {
+        let mut b = budget_fleet(2);
+        let mut rng = SplitMix64::new(11);
+        idle(&mut b, 0, 10_000, 0);
+        idle(&mut b, 1, 1_000, 0);
+        completed(&mut b, 0, 0, 0.040, 0);
+        completed(&mut b, 1, 0, 0.010, 0);
+        let mut go = |b: &mut Balancer, ttft: Option<u64>, tpot: Option<u64>| {
+            let terms = Terms {
+                ttft_left_ms: ttft,
+                tpot_ms: tpot,
+                ..Terms::default()
+            };
+            match b.route_on(
+                w(5_000),
+                None,
+                &Chain::NONE,
+                10,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => {
+                    b.release(&ticket, 0);
+                    Ok(ticket.node)
+                }
+                other => Err(other),
+            }
+        };
+        assert_eq!(
+            go(&mut b, Some(2_000), Some(30)),
+            Err(Outcome::TooLate {
+                retry_after_ms: 1000
+            })
+        );
+        assert_eq!(go(&mut b, Some(2_000), None), Ok(0));
+        assert_eq!(go(&mut b, None, Some(30)), Ok(1));
+    }
+
     /// The first stream of a burst, on a node whose figures have aged out since it was last
     /// seen decoding (at 20 ms a token): with nothing measured since, the stream is reckoned
     /// at the 20 ms it was sent with, so a long prompt right behind it goes elsewhere.

@@ -454,8 +454,10 @@ pub fn evaluate(
 /// An engine that batches continuously runs each prefill chunk in an iteration every decoding
 /// stream waits for: `P` seconds of prefill while a stream of `N` tokens runs add about `P` to
 /// its time and `P / N` to its time per token, so a stream with budget `b` lets the node take
-/// `(b - tpot) * N` seconds of prefill, `N` being its expected output (learned per prompt size,
-/// see `outputs`): the short answers are the ones a prefill slows most. The least of that over
+/// `(b - tpot) * N` seconds of prefill. `N` is a short answer for its prompt (the lower
+/// quartile of the outputs learned for its prompt size, `OutputModel::short_answer`): the
+/// short answers are the ones a prefill slows most, and answers vary widely (docs' ran from 20
+/// to 400 tokens in the benchmark), so the mean leaves the shorter half unprotected. The least of that over
 /// the streams with a budget there is the node's room. Admission checked each request's budget
 /// against the node as it was when it came in; the requests sent after it are what slow it
 /// (Sarathi-Serve, OSDI'24, measures the same stall from the other side: prefill chunks sized
@@ -476,7 +478,7 @@ fn prefill_room(n: &NodeState, tpot: Option<f64>) -> Option<f64> {
     let tpot = tpot.or_else(expected)?;
     n.budgets()
         .iter()
-        .map(|b| ((f64::from(b.ms) / 1000.0 - tpot) * f64::from(b.output)).max(0.0))
+        .map(|b| ((f64::from(b.ms) / 1000.0 - tpot) * f64::from(b.horizon)).max(0.0))
         .reduce(f64::min)
 }
 
@@ -739,7 +741,7 @@ mod tests {
                 tpot_ms: Some(ms),
                 ..n.dispatch(0, w(100, output), output)
             };
-            n.hold_budget(&t, None);
+            n.hold_budget(&t, None, output);
             t
         };
         assert_eq!(prefill_room(&n, Some(0.020)), None);
@@ -769,7 +771,7 @@ mod tests {
                 tpot_ms: Some(ms),
                 ..n.dispatch(0, w(100, output), output)
             };
-            n.hold_budget(&t, expected);
+            n.hold_budget(&t, expected, output);
             t
         };
         let room = |n: &NodeState, t| prefill_room(n, t).map(|s| (s * 1000.0).round());

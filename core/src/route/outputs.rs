@@ -30,6 +30,10 @@ const CLASSES: usize = 20;
 /// normal and independent; they are skewed right, so this is a floor, not a bound).
 const RESERVE_SIGMAS: f64 = 2.0;
 
+/// Standard normal quantile of 0.75: the lower quartile is this many standard deviations below
+/// the mean (of the logarithm, for a log-normal).
+const LOWER_QUARTILE_Z: f64 = 0.6745;
+
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Moments {
     mean: f64,
@@ -116,6 +120,31 @@ impl OutputModel {
         }
     }
 
+    /// A short answer for a request of `weight`: the output a quarter of its prompt class's
+    /// answers stay under, with output lengths taken as log-normal (right-skewed: most answers
+    /// short, a few long) with the class's mean and spread; never above what `expected` gives.
+    /// Until outputs are learned, `expected`'s figure (the cap). A stream's budget binds
+    /// hardest when its answer is short (a prefill's stall spread over few tokens), so this is
+    /// the horizon a budgeted stream's room is reckoned over (`choice::prefill_room`).
+    pub fn short_answer(&self, weight: Weight) -> u64 {
+        let expected = self.expected(weight).output_tokens;
+        let Some(e) = self.estimate(weight.prompt_tokens) else {
+            return expected;
+        };
+        if !(e.mean > 0.0 && e.sd.is_finite()) {
+            return expected;
+        }
+        let cv2 = (e.sd / e.mean).powi(2);
+        let sigma2 = cv2.ln_1p();
+        let mu = e.mean.ln() - sigma2 / 2.0;
+        let quartile = (mu - LOWER_QUARTILE_Z * sigma2.sqrt()).exp();
+        if quartile.is_finite() {
+            (quartile.round() as u64).clamp(1, expected.max(1))
+        } else {
+            expected
+        }
+    }
+
     /// KV growth to reserve for a request of `weight` (with its cap): its expected output, and
     /// the pooled margin of `RESERVE_SIGMAS` fleet-wide standard deviations per square root of
     /// the requests in flight (see `choice`); the cap and no margin until outputs are learned.
@@ -181,6 +210,40 @@ mod tests {
         let unseen = m.estimate(50_000).unwrap();
         assert!(unseen.mean > 150.0 && unseen.mean < 300.0, "{unseen:?}");
         assert_eq!(m.samples(), 200);
+    }
+
+    /// The short answer is the lower quartile of a log-normal with the class's mean and
+    /// spread: below the mean by more the wider the spread, the expected output (the cap, then
+    /// the mean) when nothing is learned or nothing varies, and never above the cap.
+    #[test]
+    fn a_short_answer_is_the_lower_quartile_of_the_learned_lengths() {
+        let mut m = OutputModel::default();
+        let capped = Weight {
+            prompt_tokens: 3000,
+            output_tokens: 1024,
+        };
+        assert_eq!(m.short_answer(capped), 1024, "nothing learned: the cap");
+        for _ in 0..100 {
+            m.observe(3000, 100);
+        }
+        assert_eq!(m.short_answer(capped), 100, "no spread: the mean");
+        let mut m = OutputModel::default();
+        for i in 0..MIN_SAMPLES {
+            m.observe(3000, if i % 2 == 0 { 50 } else { 250 });
+        }
+        // Mean 150, sd 100: sigma^2 = ln(1 + 4/9) = 0.368, mu = ln 150 - 0.184 = 4.827;
+        // exp(4.827 - 0.6745 * 0.606) = 83.
+        let e = m.estimate(3000).unwrap();
+        assert!(
+            (e.mean - 150.0).abs() < 1e-6 && (e.sd - 100.0).abs() < 1e-6,
+            "{e:?}"
+        );
+        assert_eq!(m.short_answer(capped), 83);
+        let small_cap = Weight {
+            prompt_tokens: 3000,
+            output_tokens: 40,
+        };
+        assert_eq!(m.short_answer(small_cap), 40);
     }
 
     #[test]

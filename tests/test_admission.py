@@ -254,7 +254,8 @@ def test_a_time_per_token_budget_avoids_the_node_seen_decoding_slowly():
     """An H100-like node decodes a token in about 8 ms, an L4-like one in about 17: once the
     filter has seen streams complete on both, a request that accepts 12 ms a token goes to the
     H100-like node every time, even while the ranking prefers the other, and one that accepts
-    2 ms is answered 429."""
+    2 ms is answered 429; so is one whose two budgets are each met on one node and together on
+    none."""
     c = MockCluster([("fast", "gpu=h100,kv_tokens=20000"), ("slow", "gpu=l4,kv_tokens=20000")])
     envoy = None
     try:
@@ -286,6 +287,19 @@ def test_a_time_per_token_budget_avoids_the_node_seen_decoding_slowly():
         r = envoy.post("/v1/chat/completions", chat("quick", 4, stream=True), {"x-slo-tpot-ms": "2"}, timeout=20)
         assert r.status == 429 and r.headers["retry-after"] == "1", (r.status, r.headers)
         assert envoy.counter("token_balancer.rejected.ttft_budget") == 1
+        # Now the fast node's queue is long too: it decodes in time but starts too late, and
+        # the slow node starts in time but decodes too slowly. Each budget alone is met
+        # somewhere; both together nowhere, and that is answered 429, not sent to miss one.
+        c[0].set_health(tokens_per_sec_load=1e9, queue_depth=1e6)
+        polls_seen(c)
+        ttft = {"x-slo-ttft-ms": "10000"}
+        r = envoy.post("/v1/chat/completions", chat("quick", 4, stream=True), ttft, timeout=20)
+        assert r.status == 200 and r.headers["x-mock-node"] == "slow", (r.status, r.headers)
+        r = envoy.post("/v1/chat/completions", chat("quick", 4, stream=True), budget, timeout=20)
+        assert r.status == 200 and r.headers["x-mock-node"] == "fast", (r.status, r.headers)
+        r = envoy.post("/v1/chat/completions", chat("quick", 4, stream=True), {**ttft, **budget}, timeout=20)
+        assert r.status == 429 and r.headers["retry-after"] == "1", (r.status, r.headers)
+        assert envoy.counter("token_balancer.rejected.ttft_budget") == 2
     finally:
         if envoy:
             envoy.stop()

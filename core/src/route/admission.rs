@@ -1190,6 +1190,60 @@ mod tests {
         assert_eq!(ask(longer, true), 0);
     }
 
+    /// With a lane of 100 ms, the last node in the lane is taken only by a request short
+    /// there. Node 0 prefills 10,000 tokens a second and has 900 ms queued (out of the lane,
+    /// within the 1 s limit); node 1, 1,000 a second and idle (the lane). A 500-token prompt
+    /// is short on node 0 (50 ms) but long on node 1 (500 ms): though its first token would
+    /// come sooner on node 1, it leaves the lane to the next short request and goes to node 0.
+    /// A 50-token prompt, short on both, takes the lane.
+    #[test]
+    fn the_last_lane_node_is_taken_only_by_a_request_short_there() {
+        let mut b = lane_balancer(2);
+        let mut rng = SplitMix64::new(23);
+        // 900 ms queued at 10,000 tokens/s: 18 requests of the 500-token mean.
+        health(
+            &mut b,
+            0,
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":10000,"queue_depth":18,"kv_cache_usage":0"#,
+            0,
+        );
+        health(
+            &mut b,
+            1,
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
+            0,
+        );
+        let mut ask = |prompt: u64| {
+            let terms = Terms {
+                may_hold: true,
+                lane: true,
+                ..Terms::default()
+            };
+            let weight = Weight {
+                prompt_tokens: prompt,
+                output_tokens: 500 - prompt,
+            };
+            match b.route_on(
+                weight,
+                None,
+                &Chain::NONE,
+                0,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => {
+                    let node = ticket.node;
+                    b.release(&ticket, 0);
+                    node
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(ask(500), 0, "long on the lane node: it stays free");
+        assert_eq!(ask(50), 1, "short on the lane node: it takes it");
+    }
+
     /// Another tenant is active while it has a request held or was served within
     /// `ACTIVE_MS`; a tenant is never active for itself.
     #[test]

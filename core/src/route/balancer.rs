@@ -145,6 +145,17 @@ impl Bar {
         matches!((self.lane, r.queued_seconds), (Some(l), Some(q)) if q <= l)
     }
 
+    /// With a lane, whether the request is long on node `r`: its own prompt takes more than
+    /// the lane to prefill there. A prompt short on the fastest node may be long on a slow
+    /// one, and taking a slow lane node with it puts as long a prefill ahead of the next short
+    /// request as a long prompt would.
+    fn long_on(&self, r: &Ranked) -> bool {
+        match (self.lane, r.first_token_seconds, r.queued_seconds) {
+            (Some(l), Some(t), Some(q)) => t - q > l,
+            _ => false,
+        }
+    }
+
     fn passes(&self, r: &Ranked) -> bool {
         let within = |limit: Option<f64>, t: Option<f64>| match (limit, t) {
             (Some(l), Some(t)) => t <= l,
@@ -156,8 +167,9 @@ impl Bar {
             && (!self.protect || within(r.prefill_room_seconds, r.first_token_seconds))
     }
 
-    /// The first of `ranked` that passes. With a lane, a long request may take a node in the
-    /// lane (`in_lane`) only while another remains, and a short one goes to the node that
+    /// The first of `ranked` that passes. With a lane, a request long on a node in the lane
+    /// (`in_lane`, `long_on`) may take it only while another remains, and a short one goes to
+    /// the node that
     /// passes with the soonest first token, which is in the lane when the other nodes are
     /// busy with long prompts (the ranking alone would trade its first token for a faster
     /// decode). This is size-interval task assignment (SITA, Harchol-Balter, Crovella and
@@ -167,12 +179,10 @@ impl Bar {
     /// Linear in `ranked`.
     fn first(&self, ranked: &[Ranked]) -> Option<usize> {
         let short = self.short(ranked);
-        let lanes = match short {
-            Some(false) => ranked.iter().filter(|r| self.in_lane(r)).count(),
-            _ => 0,
-        };
+        let lanes = ranked.iter().filter(|r| self.in_lane(r)).count();
+        // A request takes the last node of the lane only where it is short.
         let mut passing = ranked.iter().enumerate().filter(|(_, r)| {
-            self.passes(r) && (short != Some(false) || !self.in_lane(r) || lanes >= 2)
+            self.passes(r) && (!self.in_lane(r) || lanes >= 2 || !self.long_on(r))
         });
         if short == Some(true) {
             let soon = |r: &Ranked| r.first_token_seconds.unwrap_or(f64::INFINITY);

@@ -1244,6 +1244,59 @@ mod tests {
         assert_eq!(ask(50), 1, "short on the lane node: it takes it");
     }
 
+    /// With a lane of 100 ms and no node in it (short requests took the last one past it),
+    /// the node with the shortest queue is the lane: nodes 0 and 1 have 600 and 800 ms
+    /// queued, node 2 has 200 ms; a long prompt (500 ms) goes to node 0 or 1, never 2, though
+    /// node 2 would start it soonest, and a short one (10 ms) goes to node 2.
+    #[test]
+    fn with_no_node_in_the_lane_the_shortest_queue_is_kept_for_short_requests() {
+        let mut b = lane_balancer(3);
+        let mut rng = SplitMix64::new(24);
+        // 1,000 tokens/s and the 500-token mean: 600, 800 and 200 ms queued.
+        for (node, depth) in [(0, 1.2), (1, 1.6), (2, 0.4)] {
+            health(
+                &mut b,
+                node,
+                &format!(
+                    r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"queue_depth":{depth},"kv_cache_usage":0"#
+                ),
+                0,
+            );
+        }
+        let mut ask = |prompt: u64| {
+            let terms = Terms {
+                may_hold: true,
+                lane: true,
+                ..Terms::default()
+            };
+            let weight = Weight {
+                prompt_tokens: prompt,
+                output_tokens: 500 - prompt,
+            };
+            match b.route_on(
+                weight,
+                None,
+                &Chain::NONE,
+                0,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            ) {
+                Outcome::Routed { ticket, .. } => {
+                    let node = ticket.node;
+                    b.release(&ticket, 0);
+                    Some(node)
+                }
+                _ => None,
+            }
+        };
+        for _ in 0..4 {
+            let node = ask(490);
+            assert!(matches!(node, Some(0 | 1)), "{node:?}");
+        }
+        assert_eq!(ask(10), Some(2));
+    }
+
     /// Another tenant is active while it has a request held or was served within
     /// `ACTIVE_MS`; a tenant is never active for itself.
     #[test]

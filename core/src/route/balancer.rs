@@ -100,7 +100,7 @@ pub struct Terms {
     /// Its output tokens must come at most this many milliseconds apart.
     pub tpot_ms: Option<u64>,
     /// Other tenants than its own are active: with `admission.short_lane_ms`, a long request
-    /// leaves them a node with a short queue (see `Bar::in_lane`).
+    /// leaves them a node with a short queue (see `Bar::lane_limit`).
     pub lane: bool,
 }
 
@@ -139,10 +139,24 @@ impl Bar {
         Some(fastest <= lane)
     }
 
-    /// With a lane, whether node `r` is in it: its queued prompts take at most the lane's
-    /// seconds, so a short request starts there at once.
-    fn in_lane(&self, r: &Ranked) -> bool {
-        matches!((self.lane, r.queued_seconds), (Some(l), Some(q)) if q <= l)
+    /// With a lane, the most queued (seconds) a node of `ranked` may have to be in it: the
+    /// lane, or the least any node has queued when that is more. The node with the shortest
+    /// queue stays the lane when short requests alone have taken it past the lane's seconds:
+    /// else a long prompt took it next (no node was left in the lane to keep), and the short
+    /// requests after it waited for a node to drain.
+    fn lane_limit(&self, ranked: &[Ranked]) -> Option<f64> {
+        let lane = self.lane?;
+        let least = ranked
+            .iter()
+            .filter_map(|r| r.queued_seconds)
+            .reduce(f64::min);
+        Some(least.map_or(lane, |q| q.max(lane)))
+    }
+
+    /// Whether node `r` is in the lane (`limit`, `lane_limit`): a short request starts there
+    /// soonest.
+    fn in_lane(limit: Option<f64>, r: &Ranked) -> bool {
+        matches!((limit, r.queued_seconds), (Some(l), Some(q)) if q <= l)
     }
 
     /// With a lane, whether the request is long on node `r`: its own prompt takes more than
@@ -179,10 +193,11 @@ impl Bar {
     /// Linear in `ranked`.
     fn first(&self, ranked: &[Ranked]) -> Option<usize> {
         let short = self.short(ranked);
-        let lanes = ranked.iter().filter(|r| self.in_lane(r)).count();
+        let limit = self.lane_limit(ranked);
+        let lanes = ranked.iter().filter(|r| Self::in_lane(limit, r)).count();
         // A request takes the last node of the lane only where it is short.
         let mut passing = ranked.iter().enumerate().filter(|(_, r)| {
-            self.passes(r) && (!self.in_lane(r) || lanes >= 2 || !self.long_on(r))
+            self.passes(r) && (!Self::in_lane(limit, r) || lanes >= 2 || !self.long_on(r))
         });
         if short == Some(true) {
             let soon = |r: &Ranked| r.first_token_seconds.unwrap_or(f64::INFINITY);

@@ -520,6 +520,32 @@ mod tests {
         }
     }
 
+    /// Routes `weight` with `terms` at `now_ms` on this balancer's own books: the node, its
+    /// stream released at once, or the outcome when it is not routed.
+    fn route_and_release(
+        b: &mut Balancer,
+        rng: &mut SplitMix64,
+        weight: Weight,
+        terms: Terms,
+        now_ms: u64,
+    ) -> Result<usize, Outcome> {
+        match b.route_on(
+            weight,
+            None,
+            &Chain::NONE,
+            now_ms,
+            rng,
+            terms,
+            &mut OwnBooks,
+        ) {
+            Outcome::Routed { ticket, .. } => {
+                b.release(&ticket, 0);
+                Ok(ticket.node)
+            }
+            other => Err(other),
+        }
+    }
+
     #[test]
     fn a_full_node_holds_then_admits_in_order_when_room_appears() {
         let mut b = balancer();
@@ -1074,6 +1100,21 @@ mod tests {
         Balancer::new(&Config::parse(cfg.as_bytes()).unwrap())
     }
 
+    /// A prompt of `prompt` tokens (500 with its output) from a tenant while another is
+    /// active, that may wait, at time 0 (`route_and_release`).
+    fn lane_ask(b: &mut Balancer, rng: &mut SplitMix64, prompt: u64) -> Result<usize, Outcome> {
+        let terms = Terms {
+            may_hold: true,
+            lane: true,
+            ..Terms::default()
+        };
+        let weight = Weight {
+            prompt_tokens: prompt,
+            output_tokens: 500 - prompt,
+        };
+        route_and_release(b, rng, weight, terms, 0)
+    }
+
     /// Three idle nodes prefilling 1,000 tokens a second, 1 s of queued prompts allowed, a
     /// lane of 100 ms: while another tenant is active, long prompts (0.5 s each) fill two
     /// nodes and never the third, and wait once the two are full; a short one (50 ms) still
@@ -1213,35 +1254,9 @@ mod tests {
             r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
             0,
         );
-        let mut ask = |prompt: u64| {
-            let terms = Terms {
-                may_hold: true,
-                lane: true,
-                ..Terms::default()
-            };
-            let weight = Weight {
-                prompt_tokens: prompt,
-                output_tokens: 500 - prompt,
-            };
-            match b.route_on(
-                weight,
-                None,
-                &Chain::NONE,
-                0,
-                &mut rng,
-                terms,
-                &mut OwnBooks,
-            ) {
-                Outcome::Routed { ticket, .. } => {
-                    let node = ticket.node;
-                    b.release(&ticket, 0);
-                    node
-                }
-                other => panic!("{other:?}"),
-            }
-        };
-        assert_eq!(ask(500), 0, "long on the lane node: it stays free");
-        assert_eq!(ask(50), 1, "short on the lane node: it takes it");
+        let mut ask = |prompt: u64| lane_ask(&mut b, &mut rng, prompt);
+        assert_eq!(ask(500), Ok(0), "long on the lane node: it stays free");
+        assert_eq!(ask(50), Ok(1), "short on the lane node: it takes it");
     }
 
     /// With a lane of 100 ms and no node in it (short requests took the last one past it),
@@ -1263,38 +1278,12 @@ mod tests {
                 0,
             );
         }
-        let mut ask = |prompt: u64| {
-            let terms = Terms {
-                may_hold: true,
-                lane: true,
-                ..Terms::default()
-            };
-            let weight = Weight {
-                prompt_tokens: prompt,
-                output_tokens: 500 - prompt,
-            };
-            match b.route_on(
-                weight,
-                None,
-                &Chain::NONE,
-                0,
-                &mut rng,
-                terms,
-                &mut OwnBooks,
-            ) {
-                Outcome::Routed { ticket, .. } => {
-                    let node = ticket.node;
-                    b.release(&ticket, 0);
-                    Some(node)
-                }
-                _ => None,
-            }
-        };
+        let mut ask = |prompt: u64| lane_ask(&mut b, &mut rng, prompt);
         for _ in 0..4 {
             let node = ask(490);
-            assert!(matches!(node, Some(0 | 1)), "{node:?}");
+            assert!(matches!(node, Ok(0 | 1)), "{node:?}");
         }
-        assert_eq!(ask(10), Some(2));
+        assert_eq!(ask(10), Ok(2));
     }
 
     /// Another tenant is active while it has a request held or was served within
@@ -1348,21 +1337,7 @@ mod tests {
                 tpot_ms: tpot,
                 ..Terms::default()
             };
-            match b.route_on(
-                w(100),
-                None,
-                &Chain::NONE,
-                now,
-                &mut rng,
-                terms,
-                &mut OwnBooks,
-            ) {
-                Outcome::Routed { ticket, .. } => {
-                    b.release(&ticket, 0);
-                    Ok(ticket.node)
-                }
-                other => Err(other),
-            }
+            route_and_release(b, &mut rng, w(100), terms, now)
         };
         assert_eq!(go(&mut b, None, 10), Ok(0));
         assert_eq!(go(&mut b, Some(50), 10), Ok(1));
@@ -1488,21 +1463,7 @@ mod tests {
                 tpot_ms: tpot,
                 ..Terms::default()
             };
-            match b.route_on(
-                w(5_000),
-                None,
-                &Chain::NONE,
-                10,
-                &mut rng,
-                terms,
-                &mut OwnBooks,
-            ) {
-                Outcome::Routed { ticket, .. } => {
-                    b.release(&ticket, 0);
-                    Ok(ticket.node)
-                }
-                other => Err(other),
-            }
+            route_and_release(b, &mut rng, w(5_000), terms, 10)
         };
         assert_eq!(
             go(&mut b, Some(2_000), Some(30)),
@@ -1573,21 +1534,7 @@ mod tests {
                 tpot_ms: Some(30),
                 ..Terms::default()
             };
-            match b.route_on(
-                w(prompt),
-                None,
-                &Chain::NONE,
-                now,
-                &mut rng,
-                terms,
-                &mut OwnBooks,
-            ) {
-                Outcome::Routed { ticket, .. } => {
-                    b.release(&ticket, 0);
-                    Some(ticket.node)
-                }
-                _ => None,
-            }
+            route_and_release(b, &mut rng, w(prompt), terms, now).ok()
         };
         assert_eq!(go(&mut b, 100, 10), Some(0));
         assert_eq!(go(&mut b, 9_999, 10), Some(0));

@@ -183,10 +183,9 @@ impl Bar {
 
     /// The first of `ranked` that passes. With a lane, a request long on a node in the lane
     /// (`in_lane`, `long_on`) may take it only while another remains, and a short one goes to
-    /// the node that
-    /// passes with the soonest first token, which is in the lane when the other nodes are
-    /// busy with long prompts (the ranking alone would trade its first token for a faster
-    /// decode). This is size-interval task assignment (SITA, Harchol-Balter, Crovella and
+    /// the node that passes with the soonest first token, which is in the lane when the other
+    /// nodes are busy with long prompts (the ranking alone would trade its first token for a
+    /// faster decode). This is size-interval task assignment (SITA, Harchol-Balter, Crovella and
     /// Murta, 1999) made dynamic: engines prefill first come, first served, so a short prompt
     /// behind a long one waits the long one's whole prefill, and one node kept free of long
     /// prompts bounds what the short ones wait while the long ones queue everywhere else.

@@ -456,12 +456,12 @@ pub fn evaluate(
 /// its time and `P / N` to its time per token, so a stream with budget `b` lets the node take
 /// `(b - tpot) * N` seconds of prefill. `N` is a short answer for its prompt (the lower
 /// quartile of the outputs learned for its prompt size, `OutputModel::short_answer`): the
-/// short answers are the ones a prefill slows most, and answers vary widely (docs' ran from 20
-/// to 400 tokens in the benchmark), so the mean leaves the shorter half unprotected. The least of that over
-/// the streams with a budget there is the node's room. Admission checked each request's budget
-/// against the node as it was when it came in; the requests sent after it are what slow it
-/// (Sarathi-Serve, OSDI'24, measures the same stall from the other side: prefill chunks sized
-/// to a decode-latency target).
+/// short answers are the ones a prefill slows most, and answers vary widely (from 20 to 400
+/// tokens for one tenant in the benchmark), so the mean leaves the shorter half unprotected.
+/// The least of that over the streams with a budget there is the node's room. Admission
+/// checked each request's budget against the node as it was when it came in; the requests
+/// sent after it are what slow it (Sarathi-Serve, OSDI'24, measures the same stall from the
+/// other side: prefill chunks sized to a decode-latency target).
 ///
 /// With nothing measured there lately (the first streams of a burst on a node that was idle),
 /// the node's time per token is the slowest its streams in flight were expected to decode at

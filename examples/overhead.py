@@ -11,7 +11,9 @@ fast as a real HTTP server gets, so what differs is the proxy):
 - no filter, Envoy's least_request: the baseline;
 - the floor (examples/wasm-floor): a Wasm filter that only pauses the request, copies the body
   into the VM and writes one header, which any body-based router in Envoy must do: what hosting
-  such a filter costs, before any work of token-balancer's;
+  such a filter costs, before any work of token-balancer's (it removes the routing header, so
+  least_request picks the node; with --routed-floor the same filter also runs naming each
+  request's node in turn, to show what having override_host send it there adds);
 - token-balancer exactly as shipped (envoy/envoy.yaml: poller service, `choices: auto`, which
   stays at two here since the instant nodes report no load, debug header off), measured once it
   routes by its own choice;
@@ -171,12 +173,13 @@ def gauge(envoy: Envoy, name: str) -> int:
     return envoy.stats(full).get(full, 0)
 
 
-def with_wasm(cfg: dict, wasm: Path) -> dict:
-    """The configuration with another .wasm in the filter (the floor)."""
+def with_wasm(cfg: dict, wasm: Path, configuration: str = "{}") -> dict:
+    """The configuration with another .wasm in the filter (the floor), configured with
+    `configuration` (the floor: the destinations it names in turn, or `{}` for none)."""
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     config = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
     config["vm_config"] = {**config["vm_config"], "code": {"local": {"filename": str(wasm)}}}
-    config["configuration"] = {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "{}"}
+    config["configuration"] = {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": configuration}
     return cfg
 
 
@@ -297,10 +300,10 @@ def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int
         cfg = with_ext_proc(cfg, picker.port)
     elif kind == "plain":
         cfg = without_filter(envoy_config(nodes, free_port(), free_port(), poller="vm"), "LEAST_REQUEST")
-    elif kind == "floor":
+    elif kind in ("floor", "floor_routed"):
         cfg = envoy_config(nodes, free_port(), free_port(), poller="vm")
         cfg.pop("bootstrap_extensions", None)
-        cfg = with_wasm(cfg, FLOOR_WASM)
+        cfg = with_wasm(cfg, FLOOR_WASM, ",".join(nodes) if kind == "floor_routed" else "{}")
     else:
         previous = kind == "tb_previous"
         cfg = envoy_config(nodes, free_port(), free_port(),
@@ -574,6 +577,7 @@ def table(results: list[dict], args, pinned: str) -> str:
 
 
 LABELS = {"plain": "no filter (least_request)", "floor": "floor filter (reads the body)",
+          "floor_routed": "floor filter naming the node (override_host)",
           "token_balancer": "token-balancer", "tb_previous": "token-balancer, previous build",
           "extproc": "ext_proc picker (same core, gRPC)"}
 
@@ -600,11 +604,16 @@ def main():
                          "'{\"choices\": 2}' with this build as --previous-wasm: two configurations side by side")
     ap.add_argument("--no-extproc", action="store_true",
                     help="leave the ext_proc picker out (a quicker comparison of builds)")
+    ap.add_argument("--routed-floor", action="store_true",
+                    help="also run the floor filter naming each request's node in turn (override_host "
+                         "sends it there), beside the floor that leaves the choice to least_request")
     args = ap.parse_args()
     PLUGIN.update(json.loads(args.plugin))
     PREVIOUS_PLUGIN.update(json.loads(args.previous_plugin))
     if args.no_extproc:
         KINDS.remove("extproc")
+    if args.routed_floor:
+        KINDS.insert(KINDS.index("floor") + 1, "floor_routed")
     if args.previous_wasm:
         global PREVIOUS_WASM
         if not args.previous_wasm.is_file():

@@ -1100,6 +1100,25 @@ mod tests {
         Balancer::new(&Config::parse(cfg.as_bytes()).unwrap())
     }
 
+    /// Node 0 prefills 10,000 tokens a second with `queue_depth` requests queued; node 1,
+    /// 1,000 a second, idle.
+    fn fast_queued_and_slow_idle(b: &mut Balancer, queue_depth: u32) {
+        health(
+            b,
+            0,
+            &format!(
+                r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":10000,"queue_depth":{queue_depth},"kv_cache_usage":0"#
+            ),
+            0,
+        );
+        health(
+            b,
+            1,
+            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
+            0,
+        );
+    }
+
     /// A prompt of `prompt` tokens (500 with its output) from a tenant while another is
     /// active, that may wait, at time 0 (`route_and_release`).
     fn lane_ask(b: &mut Balancer, rng: &mut SplitMix64, prompt: u64) -> Result<usize, Outcome> {
@@ -1187,18 +1206,7 @@ mod tests {
         let mut b = lane_balancer(2);
         let mut rng = SplitMix64::new(22);
         // Node 0: 150 ms queued at 10,000 tokens/s (3 requests of the 500-token mean).
-        health(
-            &mut b,
-            0,
-            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":10000,"queue_depth":3,"kv_cache_usage":0"#,
-            0,
-        );
-        health(
-            &mut b,
-            1,
-            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
-            0,
-        );
+        fast_queued_and_slow_idle(&mut b, 3);
         let short = Weight {
             prompt_tokens: 50,
             output_tokens: 450,
@@ -1242,18 +1250,7 @@ mod tests {
         let mut b = lane_balancer(2);
         let mut rng = SplitMix64::new(23);
         // 900 ms queued at 10,000 tokens/s: 18 requests of the 500-token mean.
-        health(
-            &mut b,
-            0,
-            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":10000,"queue_depth":18,"kv_cache_usage":0"#,
-            0,
-        );
-        health(
-            &mut b,
-            1,
-            r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#,
-            0,
-        );
+        fast_queued_and_slow_idle(&mut b, 18);
         let mut ask = |prompt: u64| lane_ask(&mut b, &mut rng, prompt);
         assert_eq!(ask(500), Ok(0), "long on the lane node: it stays free");
         assert_eq!(ask(50), Ok(1), "short on the lane node: it takes it");

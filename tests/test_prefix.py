@@ -57,12 +57,16 @@ def system_prompt(name: str) -> str:
         f"Rule {i} of {name}: answer briefly, cite the handbook section {i}, never guess." for i in range(160))
 
 
-def ask(envoy, system: str, question: str, max_tokens: int = 4):
+def ask(envoy, system: str, question: str, max_tokens: int = 4, headers: dict | None = None):
+    """One turn: the node that served it, the prompt tokens its engine found cached, and the
+    debug header's fields (with the explanation under `explain`, when asked for)."""
     body = {"model": "mock-model", "max_tokens": max_tokens,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
-    r = envoy.post("/v1/chat/completions", body)
+    r = envoy.post("/v1/chat/completions", body, headers=headers)
     assert r.status == 200, (r.status, r.body[:200])
     debug = dict(kv.split("=", 1) for kv in r.headers["x-token-balancer"].split("; "))
+    if "x-token-balancer-explain" in r.headers:
+        debug["explain"] = r.headers["x-token-balancer-explain"]
     return r.headers["x-mock-node"], int(r.headers.get("x-mock-prefix-hit-tokens", 0)), debug
 
 
@@ -162,26 +166,64 @@ def test_the_engines_own_hit_counts_are_published_beside_the_prediction():
         cluster.stop()
 
 
+def candidates_priced(explanation: str) -> dict[str, int]:
+    """Each node of an explanation's `candidates` with the prompt tokens it was priced as
+    holding (`cached=`)."""
+    out = {}
+    for entry in explanation.split("candidates=", 1)[1].split(";")[0].split(","):
+        fields = entry.split()
+        out[fields[0]] = next(int(f.split("=", 1)[1]) for f in fields if f.startswith("cached="))
+    return out
+
+
 def test_the_workers_of_one_envoy_know_where_each_other_sent_a_prompt(cluster):
     """With the poller service and four workers, each new connection may land on another
-    worker: every worker prices a tenant's turns as cached on the node the first turn went to,
-    though only one worker routed that turn (the placements journal in shared data)."""
+    worker: every worker prices a tenant's later turns as cached on the node the first turn
+    went to, though only one worker routed that turn (the placements journal in shared data),
+    and the turns sent there find the prompt cached in the engine.
+
+    Where each turn goes is the cost model's choice among the nodes priced as holding the
+    prompt. When the first turn did not land on the prompt's home (the node every router
+    prefers for it, which may have been the dearer at that moment), the home is presumed to
+    hold it too (`core/src/route/choice.rs`: other Envoys may have sent it there) and, idle, may
+    take a turn: so the turns go to at most those two nodes."""
     # Four workers and the poller on two cores: a report may be late under load, and a home
     # node whose report went stale for a moment is no candidate, which is not what this test
     # is about. Reports are trusted for 3 s here.
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
-                       plugin={"tick_ms": TICK_MS, "stale_after_ms": 3000}, poller="singleton")
+                       plugin={"tick_ms": TICK_MS, "stale_after_ms": 3000,
+                               "explain": {"sources": ["127.0.0.1/32"]}}, poller="singleton")
     envoy = Envoy(cfg, concurrency=4)
+    explain = {"x-token-balancer-explain": "1"}
     try:
         wait_until(lambda: envoy.counter("token_balancer.shared.imported") >= 4, 15,
                    "every worker to take in the poller's fleet")
         system = system_prompt("tenant-across-workers")
         home, _, first = ask(envoy, system, "First question")
         assert int(first["cached_tokens"]) == 0, first
-        turns = [ask(envoy, system, f"Question {i}") for i in range(16)]
-        assert all(node == home for node, _, _ in turns), [(home, node, debug) for node, _, debug in turns
-                                                            if node != home]
-        assert all(int(debug["cached_tokens"]) > 2000 for _, _, debug in turns), turns
+        home_address = cluster.by_name(home).address
+        turns = [ask(envoy, system, f"Question {i}", headers=explain) for i in range(16)]
+
+        def story():
+            """Where each turn went, priced as holding how much there, and what Envoy and the
+            journal say."""
+            names = {n.address: n.name for n in cluster.nodes}
+            c = envoy.counters()
+            return {"home": home,
+                    "served, priced cached at each candidate, engine hit": [
+                        (node, {names.get(a): t for a, t in candidates_priced(debug["explain"]).items()}, hit)
+                        for node, hit, debug in turns],
+                    "retries": envoy.stats("cluster.gpu_nodes.upstream_rq_retry"),
+                    "shared and fallbacks": {k: v for k, v in c.items() if k.startswith(
+                        ("token_balancer.prefix.shared", "token_balancer.shared", "token_balancer.fallback"))}}
+
+        # Every worker knows where the first turn went, whichever worker routed it.
+        assert all(candidates_priced(debug["explain"]).get(home_address, 0) > 2000
+                   for _, _, debug in turns), story()
+        # Every turn went where it was priced as cached, and the engine found it there.
+        assert all(int(debug["cached_tokens"]) > 2000 for _, _, debug in turns), story()
+        assert all(hit > 2000 for node, hit, _ in turns if node == home), story()
+        assert len({node for node, _, _ in turns} | {home}) <= 2, story()
         c = envoy.counters()
         # Each request is a new connection: some went to workers that did not route the first.
         assert c["token_balancer.prefix.shared_taken"] >= 1, c

@@ -26,6 +26,8 @@ pub struct Stream {
     pub reply: Option<u32>,
     /// The downstream address (`source.address`).
     pub source: Option<String>,
+    /// The upstream host the response came from (`upstream.address`); `None`: Envoy cannot say.
+    pub upstream: Option<String>,
     /// What the filter set in the stream's filter state, by key.
     pub filter_state: HashMap<String, String>,
 }
@@ -208,6 +210,11 @@ impl Host for FakeHost {
     fn source_address(&self) -> Option<String> {
         self.log("source_address".into());
         self.world().stream().source.clone()
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        self.log("upstream_address".into());
+        self.world().stream().upstream.clone()
     }
 
     fn set_filter_state(&self, key: &str, value: &str) {

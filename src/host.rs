@@ -35,6 +35,10 @@ pub trait Host: Store + Clone + 'static {
     /// The downstream address of the effective stream (`ip:port`, Envoy's `source.address`);
     /// `None` when Envoy cannot say.
     fn source_address(&self) -> Option<String>;
+    /// The address of the upstream host the effective stream's response came from (`ip:port`,
+    /// Envoy's `upstream.address`): the routing header's first node, or a later one its retries
+    /// went to; `None` when Envoy cannot say.
+    fn upstream_address(&self) -> Option<String>;
     /// Sets `key` in the stream's filter state, where Envoy's access log reads it as
     /// `%FILTER_STATE(wasm.<key>:PLAIN)%`; a failure leaves it unset.
     fn set_filter_state(&self, key: &str, value: &str);
@@ -149,6 +153,13 @@ impl Host for Envoy {
 
     fn source_address(&self) -> Option<String> {
         hostcalls::get_property(vec!["source", "address"])
+            .ok()
+            .flatten()
+            .and_then(|bytes| String::from_utf8(bytes).ok())
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()
             .and_then(|bytes| String::from_utf8(bytes).ok())

@@ -47,6 +47,7 @@ macro_rules! stats {
 stats! {
     Routed Counter "token_balancer.routed",
     RoutedOverVramCeiling Counter "token_balancer.routed_over_vram_ceiling",
+    ServedElsewhere Counter "token_balancer.served_elsewhere",
     FallbackNoFreshNodes Counter "token_balancer.fallback.no_fresh_nodes",
     FallbackNoBody Counter "token_balancer.fallback.no_body",
     FallbackBodyUnusable Counter "token_balancer.fallback.body_unusable",

@@ -60,6 +60,9 @@ pub struct Request<H: Host> {
     /// The body's model and estimate (with its cap), for the explanation.
     model: Option<String>,
     asked: Option<Weight>,
+    /// The request's prompt chain, until its response says which node served it (the
+    /// booking follows Envoy's retries there, see `on_http_response_headers`).
+    chain: Chain,
     /// The routing decision is made (or given up); later body chunks pass straight through.
     decided: bool,
     /// Output observed in the response so far (`meter.progress()` when last read), and what
@@ -91,6 +94,7 @@ impl<H: Host> Request<H> {
             explain: false,
             model: None,
             asked: None,
+            chain: Chain::NONE,
             decided: false,
             received: 0,
             meter: OutputMeter::new(),
@@ -240,6 +244,7 @@ impl<H: Host> Request<H> {
         // Kept for the explanation (moved, not copied).
         self.model = model;
         self.asked = Some(weight);
+        self.chain = chain;
         match step {
             Some(Ok(placed)) => {
                 self.ticket = placed.ticket;
@@ -449,6 +454,7 @@ impl<H: Host> HttpContext for Request<H> {
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
         self.adopt();
+        self.follow_upstream();
         self.status_ok = self
             .host
             .response_header(":status")
@@ -490,6 +496,27 @@ impl<H: Host> HttpContext for Request<H> {
 }
 
 impl<H: Host> Request<H> {
+    /// The response came from the node Envoy sent the request to: the chosen one, or a later
+    /// one of the routing header if Envoy retried. A routed request's booking moves to the
+    /// node that serves it (`State::served_by`), and the room it held on the chosen node may
+    /// let a held request go. The prompt's chain is needed no longer.
+    fn follow_upstream(&mut self) {
+        let chain = std::mem::replace(&mut self.chain, Chain::NONE);
+        let Some(ticket) = self.ticket else {
+            return;
+        };
+        let Some(upstream) = self.host.upstream_address() else {
+            return;
+        };
+        if let Some(moved) = self
+            .with(|s| s.served_by(&ticket, &upstream, &chain))
+            .flatten()
+        {
+            self.ticket = Some(moved);
+            admit_held(&self.state, self.context_id);
+        }
+    }
+
     /// A response chunk: its output events advance the booking, and a reader's shared books
     /// every `SHARED_PROGRESS_STEP` tokens (and once the reserved output is reached).
     fn progress(&mut self, ticket: &Ticket, chunk: &[u8]) {

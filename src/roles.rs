@@ -124,7 +124,7 @@ impl<H: Host> State<H> {
     }
 
     /// Reader: publishes this VM's placements for the other workers.
-    fn publish_placements(&mut self) {
+    pub(crate) fn publish_placements(&mut self) {
         if let Role::Reader(reader) = &mut self.role {
             let c = reader.publish_placements(&mut self.host, &mut self.balancer);
             self.metrics.count_journal(&c);

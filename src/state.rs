@@ -16,6 +16,7 @@ use std::rc::Rc;
 use token_balancer_core::config::{Config, UnknownModel};
 use token_balancer_core::explain::{Asked, Decision, Detail, Route, Verdict};
 use token_balancer_core::fleet::node::Ticket;
+use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::admission::{Held, HoldQueue};
@@ -227,6 +228,20 @@ impl<H: Host> State<H> {
                 }
             }
         }
+    }
+
+    /// Envoy's response to a routed request came from the node at `upstream` (its retries
+    /// walk down the routing header past a node that refused or reset it): the booking moves
+    /// there, in this balancer and in the shared books, and the prompt's placement with it
+    /// (`Balancer::moved`). Returns the ticket to follow from now on; `None` when the response
+    /// came from the chosen node (or from one the filter does not know).
+    pub fn served_by(&mut self, ticket: &Ticket, upstream: &str, chain: &Chain) -> Option<Ticket> {
+        let moved = self.balancer.moved(ticket, upstream, chain)?;
+        self.share(ticket, Change::release(ticket, 0), None);
+        self.share(&moved, Change::dispatch(&moved), None);
+        self.publish_placements();
+        self.metrics.bump(Stat::ServedElsewhere);
+        Some(moved)
     }
 
     /// Answers the effective request with the configured status (429 or 503), a

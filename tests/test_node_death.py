@@ -16,7 +16,8 @@ import signal
 import threading
 import time
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, node_stat, request, wait_until
+from harness import (Envoy, MockCluster, chat, envoy_config, free_port, node_stat, operator_plugin, request,
+                     wait_until)
 
 TICK_MS = 100
 # Far longer than the ejection takes: exclusion must come from the failed polls, not staleness.
@@ -140,3 +141,57 @@ def test_a_node_killed_under_load(tmp_path):
         envoy.stop()
         survivors.stop()
         victim.stop()
+
+
+def test_a_request_retried_on_another_node_is_booked_where_it_runs():
+    """A node whose telemetry still answers but whose serving port refuses connections (its
+    engine died behind a health sidecar, say): Envoy retries the request on the next node of
+    the routing header, and the filter books it there, where it runs, not on the node it chose.
+    The beliefs (the whole Envoy's shared books) show the stream in flight on the node serving
+    it while it runs, and nothing anywhere once it ends."""
+    live = MockCluster([("node-b", "gpu=h100"), ("node-c", "gpu=h100"), ("stand-in", "gpu=h100")])
+    node_b, node_c, stand_in = live.nodes
+    refusing = f"127.0.0.1:{free_port()}"
+    addresses = [refusing, node_b.address, node_c.address]
+    beliefs_port = free_port()
+    envoy = Envoy(envoy_config(addresses, free_port(), free_port(), poller="singleton",
+                               health_addresses={refusing: stand_in.address}, beliefs_port=beliefs_port,
+                               plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, "choices": 0}))
+    path = json.loads(operator_plugin(envoy_config([refusing], free_port(), free_port(), beliefs_port=1))
+                      ["configuration"]["value"])["beliefs_path"]
+
+    def in_flight() -> dict[str, int]:
+        return {n["address"]: n["in_flight"]["requests"]
+                for n in request(beliefs_port, "GET", path).json()["nodes"]}
+
+    conn = None
+    try:
+        # The refusing node looks idle, the live ones loaded: it is the filter's choice.
+        for n in (node_b, node_c):
+            n.set_health(tokens_per_sec_load=n.health()["tokens_per_sec_capacity"] * 0.8)
+        wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 12, 10, "reports with the load")
+        conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions",
+                     body=json.dumps(chat("tell me a long story", 400, stream=True)),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.status
+        served = r.getheader("x-mock-node")
+        chosen = r.getheader("x-token-balancer", "")
+        assert chosen.startswith(f"node={refusing},"), chosen
+        served_address = live.by_name(served).address
+        # Booked where it runs, while it runs.
+        assert in_flight() == {refusing: 0, served_address: 1,
+                               ({node_b.address, node_c.address} - {served_address}).pop(): 0}, in_flight()
+        assert envoy.counter("token_balancer.served_elsewhere") == 1
+        retried = request(envoy.admin_port, "GET", "/stats?filter=gpu_nodes.upstream_rq_retry$").body.decode()
+        assert retried.strip() and not retried.strip().endswith(": 0"), retried
+        while r.read1(65536):
+            pass
+        wait_until(lambda: all(v == 0 for v in in_flight().values()), 5,
+                   lambda: f"nothing in flight once the stream ended: {in_flight()}")
+    finally:
+        if conn:
+            conn.close()
+        envoy.stop()
+        live.stop()

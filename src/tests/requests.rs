@@ -167,6 +167,37 @@ fn the_booking_is_released_exactly_once() {
     assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0);
 }
 
+/// The booking follows the node the response came from: on the chosen node nothing moves;
+/// on the next one of the routing header (Envoy retried there), it moves there, its stream's
+/// progress and release land there, and a held request may take the room freed.
+#[test]
+fn the_booking_follows_the_node_that_served_the_request() {
+    let (host, root) = reported(&config(""), IDLE);
+    let (mut req, _, _) = post(&host, &root, 2, BODY);
+    let header = host.request_header_of(2, ROUTING).unwrap();
+    let chosen = usize::from(header.starts_with(B));
+    let chosen_address = if chosen == 0 { A } else { B };
+    host.stream(2).upstream = Some(chosen_address.to_string());
+    respond(&host, &mut req, 2, "200");
+    assert_eq!(inflight(&root, chosen), 1);
+    assert_eq!(host.metric("token_balancer.served_elsewhere"), 0);
+    end(&host, &mut req, 2);
+
+    let (mut req, _, _) = post(&host, &root, 3, BODY);
+    let header = host.request_header_of(3, ROUTING).unwrap();
+    let chosen = usize::from(header.starts_with(B));
+    let (other, other_address) = if chosen == 0 { (1, B) } else { (0, A) };
+    host.stream(3).upstream = Some(other_address.to_string());
+    respond(&host, &mut req, 3, "200");
+    assert_eq!((inflight(&root, chosen), inflight(&root, other)), (0, 1));
+    assert_eq!(host.metric("token_balancer.served_elsewhere"), 1);
+    host.stream(3).response_body = b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n".to_vec();
+    assert_eq!(req.on_http_response_body(40, true), Action::Continue);
+    end(&host, &mut req, 3);
+    assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0);
+    assert_eq!(host.metric("token_balancer.inflight_now"), 0);
+}
+
 #[test]
 fn a_refused_routing_header_undoes_the_booking() {
     let (host, root) = reported(&config(""), IDLE);

@@ -827,34 +827,33 @@ impl Balancer {
             .filter_map(|r| self.nodes().get(r.node).map(NodeState::address))
             .collect::<Vec<_>>()
             .join(",");
-        let Some(state) = self.fleet.nodes_mut().get_mut(first.node) else {
+        let Some(inflight_before) = self
+            .nodes()
+            .get(first.node)
+            .map(|n| n.books().inflight_requests)
+        else {
             return Outcome::NoFreshNodes;
         };
-        let inflight_before = u32::try_from(state.books().inflight_requests).unwrap_or(u32::MAX);
-        let ticket = Ticket {
-            generation: self.generation,
+        let inflight_before = u32::try_from(inflight_before).unwrap_or(u32::MAX);
+        let booking = Booking {
+            weight,
+            reserved_output: growth.own,
+            cached: first.cached,
             // Budgets are at most an hour (`ingest::claim`).
             tpot_ms: terms.tpot_ms.and_then(|ms| u32::try_from(ms).ok()),
-            ..state.dispatch_cached(first.node, weight, growth.own, first.cached)
+            expected_tpot: first.tpot_seconds,
+        };
+        let Some(ticket) = self.book(first.node, booking, chain) else {
+            return Outcome::NoFreshNodes;
         };
         if ticket.tpot_ms.is_some() {
-            let horizon = self.outputs.short_answer(ticket.weight);
-            state.hold_budget(&ticket, first.tpot_seconds.or(state.last_tpot()), horizon);
             self.budgets_held = self.budgets_held.saturating_add(1);
             self.budget_routed_ms = Some(now_ms);
         }
         books.booked(first.node, &Change::dispatch(&ticket));
-        if let Some(ix) = self.prefixes.as_mut() {
-            // The share of reuse counts the prompts routed, not every attempt of a held one.
-            if chained {
-                self.routers.reuse_seen(held);
-            }
-            ix.record(first.node, &chain.blocks);
-            if let Some(kept) = self.placements.as_mut() {
-                if kept.len() < MAX_PLACEMENTS && !chain.blocks.is_empty() {
-                    kept.push((first.node, chain.blocks.clone()));
-                }
-            }
+        // The share of reuse counts the prompts routed, not every attempt of a held one.
+        if chained {
+            self.routers.reuse_seen(held);
         }
         self.mean_request_tokens = Some(mean + MEAN_ALPHA * (weight.total() as f64 - mean));
         Outcome::Routed {
@@ -921,6 +920,64 @@ impl Balancer {
         }
     }
 
+    /// Envoy sent the request to the node at `address` instead of the ticket's: its retries
+    /// walk down the routing header when the chosen node refuses the connection or resets it
+    /// (`retry_on` in envoy/envoy.yaml). The booking moves there: taken off the chosen node as
+    /// if never sent, and dispatched on the node that serves it, priced as cached there as far
+    /// as the prefix index believes (`chain`, the request's prompt), its prompt recorded there
+    /// (and kept for the other workers' indexes, `take_placements`), its time-per-token budget
+    /// held there. The index still believes the chosen node holds the prompt too: what other
+    /// workers learned of that placement cannot be taken back. Returns the new ticket; `None`
+    /// (nothing changed) for the ticket's own node, an address this balancer does not know, or
+    /// a ticket it did not issue.
+    pub fn moved(&mut self, ticket: &Ticket, address: &str, chain: &Chain) -> Option<Ticket> {
+        let chosen = self.nodes().get(ticket.node).map(NodeState::address);
+        if ticket.generation != self.generation || chosen == Some(address) {
+            return None;
+        }
+        let to = self.nodes().iter().position(|n| n.address() == address)?;
+        let cached = self.prefixes.as_ref().map_or(0, |ix| {
+            chain.cached(ix.matched(to, &chain.blocks), ticket.weight.prompt_tokens)
+        });
+        if let Some(from) = self.fleet.nodes_mut().get_mut(ticket.node) {
+            from.release(ticket, 0);
+        }
+        let booking = Booking {
+            weight: ticket.weight,
+            reserved_output: ticket.reserved_output,
+            cached,
+            tpot_ms: ticket.tpot_ms,
+            expected_tpot: None,
+        };
+        self.book(to, booking, chain)
+    }
+
+    /// Books a request on node `node` (its in-flight books, its time-per-token budget) and
+    /// records its prompt there in the prefix index (kept for the other workers too, see
+    /// `take_placements`): what routing a request there means to this balancer, whether it
+    /// chose the node or Envoy's retries did. `None` for a node it does not have.
+    fn book(&mut self, node: usize, b: Booking, chain: &Chain) -> Option<Ticket> {
+        let horizon = self.outputs.short_answer(b.weight);
+        let state = self.fleet.nodes_mut().get_mut(node)?;
+        let ticket = Ticket {
+            generation: self.generation,
+            tpot_ms: b.tpot_ms,
+            ..state.dispatch_cached(node, b.weight, b.reserved_output, b.cached)
+        };
+        if ticket.tpot_ms.is_some() {
+            state.hold_budget(&ticket, b.expected_tpot.or(state.last_tpot()), horizon);
+        }
+        if let Some(ix) = self.prefixes.as_mut() {
+            ix.record(node, &chain.blocks);
+            if let Some(kept) = self.placements.as_mut() {
+                if kept.len() < MAX_PLACEMENTS && !chain.blocks.is_empty() {
+                    kept.push((node, chain.blocks.clone()));
+                }
+            }
+        }
+        Some(ticket)
+    }
+
     /// The request's stream ended (completed, failed, reset or timed out) after `received`
     /// output tokens. A ticket this balancer did not issue changes nothing.
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
@@ -960,6 +1017,21 @@ impl Balancer {
             .iter()
             .position(|n| n.tenant() == ticket.tenant)
     }
+}
+
+/// What a request books on the node it goes to (`Balancer::book`).
+#[derive(Debug, Clone, Copy)]
+struct Booking {
+    weight: Weight,
+    /// Output tokens booked as KV growth.
+    reserved_output: u64,
+    /// Prompt tokens the node is believed to hold already.
+    cached: u64,
+    /// The request's time-per-token budget, held on the node while it runs.
+    tpot_ms: Option<u32>,
+    /// The time per token the node was expected to decode at, if the ranking said; else the
+    /// node's last measured one.
+    expected_tpot: Option<f64>,
 }
 
 /// Balancers built so far in this process (in this VM, for Wasm), for their generations.

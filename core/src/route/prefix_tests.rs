@@ -401,3 +401,64 @@ fn auto_choices_follow_the_routers_and_the_reuse_of_prefixes() {
     let new = go(&mut b, &unique(900), 2_200, &mut rng);
     assert_eq!(choices_of(&new), Some(2));
 }
+
+/// Envoy's retries may serve a request on a later node of the routing header than the chosen
+/// one: the booking moves there (taken off the chosen node), the prompt is recorded where it
+/// was served, and it is priced there as cached as far as the index believes. The chosen node,
+/// another balancer's ticket or an unknown address change nothing.
+#[test]
+fn a_request_served_elsewhere_is_booked_where_it_ran() {
+    let mut b = idle_fleet(3, r#","choices":0"#);
+    let mut rng = SplitMix64::new(5);
+    let sys = system(2, 16_000);
+    let first = prompt(&sys, "question 0", 50);
+    let t = routed(&go(&mut b, &first, 10, &mut rng)).unwrap();
+    let chosen = t.node;
+    let other = (chosen + 1) % 3;
+    let address = |i: usize| format!("127.0.0.1:{}", 8001 + i);
+    let inflight = |b: &Balancer, i: usize| b.books(i).unwrap().inflight_requests;
+
+    assert_eq!(
+        b.moved(&t, &address(chosen), &first.1),
+        None,
+        "served where chosen"
+    );
+    assert_eq!(b.moved(&t, "10.0.0.9:8000", &first.1), None, "not a node");
+    let mut stranger = idle_fleet(3, r#","choices":0"#);
+    assert_eq!(
+        stranger.moved(&t, &address(other), &first.1),
+        None,
+        "another balancer's"
+    );
+    assert_eq!((inflight(&b, chosen), inflight(&b, other)), (1, 0));
+
+    let m = b.moved(&t, &address(other), &first.1).unwrap();
+    assert_eq!(m.node, other);
+    assert_eq!(m.weight, t.weight);
+    assert_eq!(
+        m.cached, 0,
+        "the node it ran on was not believed to hold the prompt"
+    );
+    assert_eq!((inflight(&b, chosen), inflight(&b, other)), (0, 1));
+    let blocks = first.1.blocks.len();
+    assert!(blocks > 0);
+    assert_eq!(
+        b.prefixes().unwrap().matched(other, &first.1.blocks),
+        blocks
+    );
+    finish(&mut b, &m, 50);
+    assert_eq!((inflight(&b, chosen), inflight(&b, other)), (0, 0));
+
+    // A later turn moved to a node that holds the prompt is priced as cached there.
+    let later = prompt(&sys, "question 1", 50);
+    let t = routed(&go(&mut b, &later, 20, &mut rng)).unwrap();
+    let holder = if t.node == chosen { other } else { chosen };
+    let m = b.moved(&t, &address(holder), &later.1).unwrap();
+    assert!(
+        m.cached > 3900,
+        "priced as cached where it ran: {}",
+        m.cached
+    );
+    finish(&mut b, &m, 50);
+    assert!((0..3).all(|i| inflight(&b, i) == 0));
+}

@@ -932,10 +932,14 @@ impl Balancer {
     /// a ticket it did not issue.
     pub fn moved(&mut self, ticket: &Ticket, address: &str, chain: &Chain) -> Option<Ticket> {
         let chosen = self.nodes().get(ticket.node).map(NodeState::address);
-        if ticket.generation != self.generation || chosen == Some(address) {
+        if ticket.generation != self.generation || chosen.is_some_and(|c| same_address(c, address))
+        {
             return None;
         }
-        let to = self.nodes().iter().position(|n| n.address() == address)?;
+        let to = self
+            .nodes()
+            .iter()
+            .position(|n| same_address(n.address(), address))?;
         let cached = self.prefixes.as_ref().map_or(0, |ix| {
             chain.cached(ix.matched(to, &chain.blocks), ticket.weight.prompt_tokens)
         });
@@ -1017,6 +1021,17 @@ impl Balancer {
             .iter()
             .position(|n| n.tenant() == ticket.tenant)
     }
+}
+
+/// Whether two `ip:port` addresses name the same socket: equal as written (the common case,
+/// one comparison), or once parsed (an IPv6 address configured in another spelling than the
+/// one Envoy prints, `[fd00:0::2]:8000` for `[fd00::2]:8000`).
+fn same_address(a: &str, b: &str) -> bool {
+    a == b
+        || matches!(
+            (a.parse::<std::net::SocketAddr>(), b.parse::<std::net::SocketAddr>()),
+            (Ok(x), Ok(y)) if x == y
+        )
 }
 
 /// What a request books on the node it goes to (`Balancer::book`).

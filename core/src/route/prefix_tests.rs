@@ -462,3 +462,29 @@ fn a_request_served_elsewhere_is_booked_where_it_ran() {
     finish(&mut b, &m, 50);
     assert!((0..3).all(|i| inflight(&b, i) == 0));
 }
+
+/// Envoy prints an IPv6 address in its shortest form; a node configured in another spelling
+/// is still the node the response came from.
+#[test]
+fn a_node_is_recognised_in_any_spelling_of_its_address() {
+    let cfg = crate::config::Config::parse(
+        br#"{"nodes":[{"address":"[fd00:0:0::2]:8000"},{"address":"10.0.0.3:8000"}],"health_cluster":"h","choices":0}"#,
+    )
+    .unwrap();
+    let mut b = Balancer::new(&cfg);
+    for i in 0..2 {
+        let body = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000}"#;
+        b.on_health(i, Some(body), 0).unwrap();
+    }
+    let mut rng = SplitMix64::new(1);
+    let p = prompt(&system(3, 2_000), "hello", 10);
+    let t = routed(&go(&mut b, &p, 10, &mut rng)).unwrap();
+    let (mine, other) = if t.node == 0 {
+        ("[fd00::2]:8000", "10.0.0.3:8000")
+    } else {
+        ("10.0.0.3:8000", "[fd00::2]:8000")
+    };
+    assert_eq!(b.moved(&t, mine, &p.1), None, "served where chosen");
+    let m = b.moved(&t, other, &p.1).unwrap();
+    assert_eq!(m.node, 1 - t.node);
+}

@@ -110,6 +110,11 @@ impl FakeHost {
         get(&self.stream(context_id).request, name).map(str::to_string)
     }
 
+    /// A response header of stream `context_id`.
+    pub fn response_header_of(&self, context_id: u32, name: &str) -> Option<String> {
+        get(&self.stream(context_id).response, name).map(str::to_string)
+    }
+
     /// The value of the stat `name` (0 if it was never defined).
     pub fn metric(&self, name: &str) -> i64 {
         let w = self.world();

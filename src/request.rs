@@ -27,7 +27,7 @@ use proxy_wasm::types::Action;
 use std::cell::RefCell;
 use std::rc::Rc;
 use token_balancer_core::config::Config;
-use token_balancer_core::explain::{self, Asked, Decision};
+use token_balancer_core::explain::{self, Asked, Decision, Verdict};
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::claim::{self, Claim};
 use token_balancer_core::ingest::prompt::Chain;
@@ -498,8 +498,8 @@ impl<H: Host> HttpContext for Request<H> {
 impl<H: Host> Request<H> {
     /// The response came from the node Envoy sent the request to: the chosen one, or a later
     /// one of the routing header if Envoy retried. A routed request's booking moves to the
-    /// node that serves it (`State::served_by`), and the room it held on the chosen node may
-    /// let a held request go. The prompt's chain is needed no longer.
+    /// node that serves it (`State::served_by`), its debug header and explanation say where
+    /// (`served_by=`), and the room it held on the chosen node may let a held request go. The prompt's chain is needed no longer.
     fn follow_upstream(&mut self) {
         let chain = std::mem::replace(&mut self.chain, Chain::NONE);
         let Some(ticket) = self.ticket else {
@@ -513,6 +513,9 @@ impl<H: Host> Request<H> {
             .flatten()
         {
             self.ticket = Some(moved);
+            if let Some(Verdict::Routed(route)) = self.decision.as_mut().map(|d| &mut d.verdict) {
+                route.served_by = Some(upstream);
+            }
             admit_held(&self.state, self.context_id);
         }
     }

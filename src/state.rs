@@ -177,6 +177,7 @@ impl<H: Host> State<H> {
                     over_ceiling,
                     compared,
                     choices: usize::from(choices),
+                    served_by: None,
                 }));
                 Placed {
                     ticket: Some(ticket),

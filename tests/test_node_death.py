@@ -148,7 +148,8 @@ def test_a_request_retried_on_another_node_is_booked_where_it_runs():
     engine died behind a health sidecar, say): Envoy retries the request on the next node of
     the routing header, and the filter books it there, where it runs, not on the node it chose.
     The beliefs (the whole Envoy's shared books) show the stream in flight on the node serving
-    it while it runs, and nothing anywhere once it ends."""
+    it while it runs, and nothing anywhere once it ends; the debug header names the node that
+    served it."""
     live = MockCluster([("node-b", "gpu=h100"), ("node-c", "gpu=h100"), ("stand-in", "gpu=h100")])
     node_b, node_c, stand_in = live.nodes
     refusing = f"127.0.0.1:{free_port()}"
@@ -180,6 +181,7 @@ def test_a_request_retried_on_another_node_is_booked_where_it_runs():
         chosen = r.getheader("x-token-balancer", "")
         assert chosen.startswith(f"node={refusing},"), chosen
         served_address = live.by_name(served).address
+        assert chosen.endswith(f"; served_by={served_address}"), chosen
         # Booked where it runs, while it runs.
         assert in_flight() == {refusing: 0, served_address: 1,
                                ({node_b.address, node_c.address} - {served_address}).pop(): 0}, in_flight()

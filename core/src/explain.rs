@@ -54,6 +54,9 @@ pub struct Route {
     /// Candidates the choice compared per request when it chose (0: every node); with
     /// `choices: auto` it follows how many routers share the fleet.
     pub choices: usize,
+    /// The node that served the request when it was not the chosen one (Envoy retried it
+    /// further down the routing header), as Envoy names it.
+    pub served_by: Option<String>,
 }
 
 /// One request's decision, as the debug header and the explanation tell it.
@@ -126,6 +129,9 @@ impl Decision {
                 );
                 if let Some(ms) = self.held_ms {
                     let _ = write!(out, "; held_ms={ms}");
+                }
+                if let Some(node) = &r.served_by {
+                    let _ = write!(out, "; served_by={node}");
                 }
                 if full.is_some() {
                     let _ = write!(
@@ -322,6 +328,7 @@ mod tests {
                 inflight_before: 3,
                 over_ceiling,
                 choices: 16,
+                served_by: None,
                 compared: vec![
                     Ranked {
                         node: 0,
@@ -369,6 +376,17 @@ mod tests {
             routed(false, Some(350)).render(Detail::Brief, ASKED),
             "node=10.0.0.1:8000,[fd00::2]:8000; prompt_tokens=812; cached_tokens=512; output_tokens=214; output_cap=1024; predicted_ms=41.7; inflight=3; held_ms=350"
         );
+        // Envoy's retries served it on the second node of the routing header.
+        let mut retried = routed(false, None);
+        if let Verdict::Routed(r) = &mut retried.verdict {
+            r.served_by = Some("[fd00::2]:8000".into());
+        }
+        assert!(retried
+            .render(Detail::Brief, ASKED)
+            .ends_with("; inflight=3; served_by=[fd00::2]:8000"));
+        assert!(retried
+            .render(Detail::Full(Rule::TokenThroughput), ASKED)
+            .contains("; inflight=3; served_by=[fd00::2]:8000; weight_tokens="));
         let f = Decision::fallback("no_body");
         assert_eq!(
             f.render(Detail::Brief, Asked::default()),

@@ -36,11 +36,7 @@ fn long_body() -> String {
 }
 
 fn header(host: &FakeHost, id: u32, name: &str) -> Option<String> {
-    host.stream(id)
-        .response
-        .iter()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v.clone())
+    host.response_header_of(id, name)
 }
 
 #[test]

@@ -172,7 +172,7 @@ fn the_booking_is_released_exactly_once() {
 /// progress and release land there, and a held request may take the room freed.
 #[test]
 fn the_booking_follows_the_node_that_served_the_request() {
-    let (host, root) = reported(&config(""), IDLE);
+    let (host, root) = reported(&config(r#","debug_header":"x-tb""#), IDLE);
     let (mut req, _, _) = post(&host, &root, 2, BODY);
     let header = host.request_header_of(2, ROUTING).unwrap();
     let chosen = usize::from(header.starts_with(B));
@@ -181,6 +181,8 @@ fn the_booking_follows_the_node_that_served_the_request() {
     respond(&host, &mut req, 2, "200");
     assert_eq!(inflight(&root, chosen), 1);
     assert_eq!(host.metric("token_balancer.served_elsewhere"), 0);
+    let told = host.response_header_of(2, "x-tb").unwrap();
+    assert!(!told.contains("served_by"), "{told}");
     end(&host, &mut req, 2);
 
     let (mut req, _, _) = post(&host, &root, 3, BODY);
@@ -191,6 +193,12 @@ fn the_booking_follows_the_node_that_served_the_request() {
     respond(&host, &mut req, 3, "200");
     assert_eq!((inflight(&root, chosen), inflight(&root, other)), (0, 1));
     assert_eq!(host.metric("token_balancer.served_elsewhere"), 1);
+    let told = host.response_header_of(3, "x-tb").unwrap();
+    assert!(told.starts_with(&format!("node={header};")), "{told}");
+    assert!(
+        told.ends_with(&format!("; served_by={other_address}")),
+        "{told}"
+    );
     host.stream(3).response_body = b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n".to_vec();
     assert_eq!(req.on_http_response_body(40, true), Action::Continue);
     end(&host, &mut req, 3);

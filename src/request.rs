@@ -10,10 +10,11 @@
 //!    the routing header is set and the request continues, or it is held while every node is
 //!    full (it then goes on when a callback admits it, see `state::admit_held`), or the filter
 //!    answers it (`unknown_model: reject`).
-//! 3. Response: its headers carry the debug header when configured, and the explanation
-//!    when the request asked for it from an allowed source (`explain`); its body's output
-//!    tokens advance the request's booking (and, for a reader, the shared books every
-//!    `SHARED_PROGRESS_STEP` tokens).
+//! 3. Response: its headers say which node served it, and a request Envoy retried past the
+//!    chosen node is booked where it runs (`State::served_by`); they carry the debug header
+//!    when configured, and the explanation when the request asked for it from an allowed
+//!    source (`explain`); its body's output tokens advance the request's booking (and, for a
+//!    reader, the shared books every `SHARED_PROGRESS_STEP` tokens).
 //! 4. End (`on_log`, or the context dropped without it): the booking is released exactly
 //!    once, a request still held leaves the queue, and the room freed may admit a held one.
 //!

@@ -152,17 +152,11 @@ impl Host for Envoy {
     }
 
     fn source_address(&self) -> Option<String> {
-        hostcalls::get_property(vec!["source", "address"])
-            .ok()
-            .flatten()
-            .and_then(|bytes| String::from_utf8(bytes).ok())
+        string_property(vec!["source", "address"])
     }
 
     fn upstream_address(&self) -> Option<String> {
-        hostcalls::get_property(vec!["upstream", "address"])
-            .ok()
-            .flatten()
-            .and_then(|bytes| String::from_utf8(bytes).ok())
+        string_property(vec!["upstream", "address"])
     }
 
     fn set_filter_state(&self, key: &str, value: &str) {
@@ -253,4 +247,13 @@ impl Host for Envoy {
     fn record_metric(&self, id: u32, value: u64) {
         let _ = hostcalls::record_metric(id, value);
     }
+}
+
+/// An Envoy attribute of the effective stream that is a string (`source.address`,
+/// `upstream.address`); `None` when absent, unreadable or not UTF-8.
+fn string_property(path: Vec<&str>) -> Option<String> {
+    hostcalls::get_property(path)
+        .ok()
+        .flatten()
+        .and_then(|bytes| String::from_utf8(bytes).ok())
 }

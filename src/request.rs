@@ -500,7 +500,8 @@ impl<H: Host> Request<H> {
     /// The response came from the node Envoy sent the request to: the chosen one, or a later
     /// one of the routing header if Envoy retried. A routed request's booking moves to the
     /// node that serves it (`State::served_by`), its debug header and explanation say where
-    /// (`served_by=`), and the room it held on the chosen node may let a held request go. The prompt's chain is needed no longer.
+    /// (`served_by=`), and the room it held on the chosen node may let a held request go. The
+    /// prompt's chain is needed no longer.
     fn follow_upstream(&mut self) {
         let chain = std::mem::replace(&mut self.chain, Chain::NONE);
         let Some(ticket) = self.ticket else {

@@ -173,9 +173,9 @@ def gauge(envoy: Envoy, name: str) -> int:
     return envoy.stats(full).get(full, 0)
 
 
-def with_wasm(cfg: dict, wasm: Path, configuration: str = "{}") -> dict:
+def with_wasm(cfg: dict, wasm: Path, configuration: str = "") -> dict:
     """The configuration with another .wasm in the filter (the floor), configured with
-    `configuration` (the floor: the destinations it names in turn, or `{}` for none)."""
+    `configuration` (the floor: the destinations it names in turn, empty for none)."""
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     config = next(f for f in hcm["http_filters"] if f["name"] == "token_balancer")["typed_config"]["config"]
     config["vm_config"] = {**config["vm_config"], "code": {"local": {"filename": str(wasm)}}}
@@ -303,7 +303,7 @@ def start(kind: str, nodes: list[str], body: bytes, envoy_cpus, concurrency: int
     elif kind in ("floor", "floor_routed"):
         cfg = envoy_config(nodes, free_port(), free_port(), poller="vm")
         cfg.pop("bootstrap_extensions", None)
-        cfg = with_wasm(cfg, FLOOR_WASM, ",".join(nodes) if kind == "floor_routed" else "{}")
+        cfg = with_wasm(cfg, FLOOR_WASM, ",".join(nodes) if kind == "floor_routed" else "")
     else:
         previous = kind == "tb_previous"
         cfg = envoy_config(nodes, free_port(), free_port(),

@@ -35,10 +35,6 @@ fn long_body() -> String {
     )
 }
 
-fn header(host: &FakeHost, id: u32, name: &str) -> Option<String> {
-    host.response_header_of(id, name)
-}
-
 #[test]
 fn a_budget_no_node_meets_is_answered_429_with_retry_after_at_once() {
     let (host, root) = reported(&config(r#","debug_header":"x-debug""#), IDLE);
@@ -48,9 +44,12 @@ fn a_budget_no_node_meets_is_answered_429_with_retry_after_at_once() {
     assert_eq!(host.stream(2).reply, Some(429));
     assert_eq!(host.request_header_of(2, ROUTING), None, "not routed");
     // 2.6 s forecast against a 1-s budget: come back in 2 s.
-    assert_eq!(header(&host, 2, "retry-after").as_deref(), Some("2"));
     assert_eq!(
-        header(&host, 2, "x-debug").as_deref(),
+        host.response_header_of(2, "retry-after").as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        host.response_header_of(2, "x-debug").as_deref(),
         Some("rejected=ttft_budget")
     );
     let sent: serde_json::Value =
@@ -76,7 +75,7 @@ fn the_refusal_status_is_configurable() {
     let (host, root) = reported(&config(r#","admission":{"reject_status":503}"#), IDLE);
     let (_req, _) = post_with(&host, &root, 2, &long_body(), &[("x-slo-ttft-ms", "5")]);
     assert_eq!(host.stream(2).reply, Some(503));
-    assert!(header(&host, 2, "retry-after").is_some());
+    assert!(host.response_header_of(2, "retry-after").is_some());
 }
 
 #[test]
@@ -89,7 +88,7 @@ fn under_saturation_a_sheddable_request_is_shed_and_others_are_held() {
     let (_shed, action) = post_with(&host, &root, 2, BODY, &[(objective, "batch")]);
     assert_eq!(action, Action::Pause);
     assert_eq!(host.stream(2).reply, Some(429));
-    assert!(header(&host, 2, "retry-after").is_some());
+    assert!(host.response_header_of(2, "retry-after").is_some());
     assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
     let (mut held, action) = post_with(&host, &root, 3, BODY, &[]);
     assert_eq!(action, Action::Pause);
@@ -123,7 +122,7 @@ fn a_held_request_whose_budget_runs_out_is_answered_on_the_next_event() {
     tick(&host, &mut root);
     assert_eq!(host.stream(2).reply, Some(429));
     assert_eq!(host.stream(2).resumed, 0, "answered, never resumed");
-    assert!(header(&host, 2, "retry-after").is_some());
+    assert!(host.response_header_of(2, "retry-after").is_some());
     assert_eq!(host.metric("token_balancer.rejected.ttft_budget_held"), 1);
     assert_eq!(host.metric("token_balancer.held_now"), 0);
 }
@@ -263,7 +262,7 @@ fn a_full_queue_sheds_a_lower_priority_for_a_higher_one() {
         Some(429),
         "the lower priority was shed"
     );
-    assert!(header(&host, 2, "retry-after").is_some());
+    assert!(host.response_header_of(2, "retry-after").is_some());
     assert_eq!(host.stream(2).resumed, 0);
     assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
     assert_eq!(host.metric("token_balancer.held_now"), 1);

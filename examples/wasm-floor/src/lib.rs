@@ -3,7 +3,7 @@
 //! it has arrived, and writes one request header (the routing header) before letting the
 //! request go; every other callback is the SDK's default.
 //!
-//! Configured with nothing (`{}`), it removes the routing header, so Envoy's fallback balancer
+//! Configured with nothing, it removes the routing header, so Envoy's fallback balancer
 //! (least_request) picks the node. Configured with a comma-separated list of `ip:port`
 //! destinations, it names them in turn in the routing header, so `override_host` sends each
 //! request where the filter said, as a router does.
@@ -44,7 +44,7 @@ impl RootContext for Root {
         self.destinations = Rc::new(
             text.split(',')
                 .map(str::trim)
-                .filter(|d| !d.is_empty() && *d != "{}")
+                .filter(|d| !d.is_empty())
                 .map(str::to_string)
                 .collect(),
         );

@@ -233,10 +233,6 @@ fn too_late(ranked: &[Ranked], budget: f64) -> Option<Outcome> {
     })
 }
 
-/// Most routers assumed to share the fleet when counting their dispatches since a report
-/// (`room_now`): a share below 1/16 reads as 16.
-const MAX_ROUTERS: f64 = 16.0;
-
 #[derive(Debug, Clone)]
 pub struct Balancer {
     /// Told apart from every other balancer of the process (see `generation`).
@@ -310,6 +306,7 @@ impl Balancer {
                     Choices::Auto => routers::MANY_CHOICES,
                     Choices::Fixed(d) => d,
                 },
+                routers: 1.0,
             },
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,
@@ -671,6 +668,7 @@ impl Balancer {
             } else {
                 self.params.choices
             },
+            routers: self.routers.count().unwrap_or(1.0),
             ..self.params
         };
         let prefix = match &self.prefixes {
@@ -873,10 +871,9 @@ impl Balancer {
     /// running and queued counts): the others' dispatches since the last report are counted
     /// at that share.
     fn room_now(&self, node: Option<usize>, ask: &Ask, now_ms: u64) -> bool {
-        let Some(share) = self.routers.share() else {
+        let Some(routers) = self.routers.count() else {
             return false;
         };
-        let routers = (1.0 / share.max(1.0 / MAX_ROUTERS)).min(MAX_ROUTERS);
         node.and_then(|i| self.fleet.nodes().get(i))
             .is_some_and(|n| {
                 n.fresh_report(now_ms, self.params.stale_after_ms)
@@ -1511,12 +1508,13 @@ mod tests {
                 r#","kv_bytes_per_token":1,"max_hold_ms":10000,"default_max_tokens":1000{choices}"#
             ),
         ));
-        let report = |used: u64, waiting: u64| {
+        let report = |used: u64, waiting: u64, running: u64| {
             format!(
-                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"vram_used_bytes":{used},"vram_total_bytes":10000,"queue_depth":{waiting},"running_requests":8}}"#
+                r#"{{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"vram_used_bytes":{used},"vram_total_bytes":10000,"queue_depth":{waiting},"running_requests":{running}}}"#
             )
         };
-        b.on_health(0, Some(report(2000, 0).as_bytes()), 0).unwrap();
+        b.on_health(0, Some(report(2000, 0, 0).as_bytes()), 0)
+            .unwrap();
         let mut rng = SplitMix64::new(1);
         let long_answer = Weight {
             prompt_tokens: 100,
@@ -1534,33 +1532,55 @@ mod tests {
                 false,
                 &mut OwnBooks,
             );
-            assert!(matches!(routed, Outcome::Routed { .. }));
+            let Outcome::Routed { ticket, .. } = routed else {
+                panic!("routed: {routed:?}");
+            };
+            // Their first tokens came: their prompts are in the cache.
+            b.progress(&ticket, 0, 1);
         }
-        // The next report shows their prompts in the cache and nothing waiting.
-        b.on_health(0, Some(report(2800, 0).as_bytes()), 2).unwrap();
-        let ask = |b: &mut Balancer, rng: &mut SplitMix64| {
-            b.route(long_answer, None, &Chain::NONE, 3, rng, true, &mut OwnBooks)
+        // The next report (a minute on, so that this router knows it sends all the requests
+        // the engine runs: `routers`) shows their prompts in the cache and nothing waiting.
+        let t = 60_000;
+        b.on_health(0, Some(report(2800, 0, 8).as_bytes()), t)
+            .unwrap();
+        let ask = |b: &mut Balancer, rng: &mut SplitMix64, now: u64| {
+            b.route(
+                long_answer,
+                None,
+                &Chain::NONE,
+                now,
+                rng,
+                true,
+                &mut OwnBooks,
+            )
         };
         assert!(matches!(
-            ask(&mut b, &mut rng),
+            ask(&mut b, &mut rng, t + 1),
             Outcome::Routed {
                 over_ceiling: true,
                 ..
             }
         ));
         // The engine now queues: the cache is full enough that it waits, so holding is right.
-        b.on_health(0, Some(report(2800, 1).as_bytes()), 4).unwrap();
-        assert!(matches!(ask(&mut b, &mut rng), Outcome::Saturated));
-        // No queue, but no room for the request's own prompt and output beside what is in use.
-        b.on_health(0, Some(report(8500, 0).as_bytes()), 6).unwrap();
-        assert!(matches!(ask(&mut b, &mut rng), Outcome::Saturated));
-        // Room for the request beside what is in use, but not beside half the output still to
-        // come of the nine streams (4,000 + 4,500 + 1,100 of 10,000).
-        b.on_health(0, Some(report(4000, 0).as_bytes()), 8).unwrap();
-        assert!(matches!(ask(&mut b, &mut rng), Outcome::Saturated));
-        b.on_health(0, Some(report(3000, 0).as_bytes()), 10)
+        b.on_health(0, Some(report(2800, 1, 8).as_bytes()), t + 2)
             .unwrap();
-        assert!(matches!(ask(&mut b, &mut rng), Outcome::Routed { .. }));
+        assert!(matches!(ask(&mut b, &mut rng, t + 3), Outcome::Saturated));
+        // No queue, but no room for the request's own prompt and output beside what is in use.
+        b.on_health(0, Some(report(8500, 0, 8).as_bytes()), t + 4)
+            .unwrap();
+        assert!(matches!(ask(&mut b, &mut rng, t + 5), Outcome::Saturated));
+        // Room for the request beside what is in use, but not beside half the output still to
+        // come of the nine streams and the last one's prompt, not prefilled yet
+        // (4,000 + 4,496 + 100 + 1,100 of 10,000).
+        b.on_health(0, Some(report(4000, 0, 8).as_bytes()), t + 6)
+            .unwrap();
+        assert!(matches!(ask(&mut b, &mut rng, t + 7), Outcome::Saturated));
+        b.on_health(0, Some(report(3000, 0, 8).as_bytes()), t + 8)
+            .unwrap();
+        assert!(matches!(
+            ask(&mut b, &mut rng, t + 9),
+            Outcome::Routed { .. }
+        ));
     }
 
     /// A cold start: before any node has reported, a request that may be held waits for the

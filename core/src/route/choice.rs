@@ -127,7 +127,8 @@ use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 
-/// Knobs of the rule, from the configuration.
+/// Knobs of the rule: the configuration's, and what the balancer sets per request
+/// (`choices`, `routers`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Params {
     pub rule: Rule,
@@ -140,6 +141,10 @@ pub struct Params {
     pub keep: usize,
     /// Candidates compared per request (power-of-d choices); 0 compares every node.
     pub choices: usize,
+    /// How many routers send to the fleet (`routers::Routers::count`; 1 until it is known):
+    /// the prompts this router's books hold for a node stand for that many routers' (see
+    /// `prompts_to_come`).
+    pub routers: f64,
 }
 
 /// Share of capacity assumed free on a saturated node.
@@ -194,6 +199,21 @@ fn reported_growth(r: &Report, growth: &Growth) -> f64 {
     r.running_requests.unwrap_or(0.0) * growth.per_running
 }
 
+/// Prompt tokens node `n` is to hold that its last report does not show: the prompts sent
+/// since the report, or, when more, the prompts not prefilled yet (no first token): queued at
+/// the engine, which reports KV for the sequences it runs only, or being prefilled, whose KV
+/// grows chunk by chunk as the prefill runs. A 40,000-token prompt takes an A100 seconds to
+/// prefill, so a report a tick after it was sent shows a fraction of what it will hold, and
+/// a node that looks half full has no room (in the simulator, most overflows of long-prompt
+/// traffic were nodes sent a prompt beside one still prefilling). The larger of the two, not
+/// their sum: a prompt sent since the report and not started is in both. This router's books
+/// hold its own prompts; behind `routers` routers the others are taken to have sent as much.
+fn prompts_to_come(n: &NodeState, routers: f64) -> f64 {
+    let books = n.books();
+    let own = books.unreflected_prompt_tokens.max(books.prefill_tokens) as f64;
+    own * routers.max(1.0)
+}
+
 /// The KV growth still to come on node `n`: what this router's books reserve for its requests
 /// in flight there, or the reported estimate when larger (other routers' requests are in no
 /// book of this one).
@@ -202,11 +222,11 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
 }
 
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
-/// its engine, and under the ceiling its KV in use, the prompts sent there since the report,
-/// half the output its sequences in flight still have to generate, and this request's prompt
+/// its engine, and under the ceiling its KV in use, the prompts it is to hold that the report
+/// does not show (`prompts_to_come`), half the output its sequences in flight still have to generate, and this request's prompt
 /// and expected output. `routers` is how many routers send to the fleet as this one sees it
 /// (the inverse of its share of the requests the engines report): the others are assumed to
-/// have sent as much as this one since the report.
+/// have as many prompts on the way there as this one.
 ///
 /// The VRAM check reserves that output in full, as if every sequence reached its end before
 /// any other ended and freed its context: right for a cohort that started together (a
@@ -219,8 +239,7 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
 /// VRAM check passes nowhere; with room, the request goes at once, over the ceiling, and is
 /// counted so (see `balancer`).
 pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, routers: f64, p: &Params) -> bool {
-    let sent_since = n.books().unreflected_prompt_tokens as f64 * routers.max(1.0);
-    let extra = ((sent_since + still_to_come(n, r, &ask.growth) / 2.0) as u64)
+    let extra = ((prompts_to_come(n, routers) + still_to_come(n, r, &ask.growth) / 2.0) as u64)
         .saturating_add(ask.weight.prompt_tokens)
         .saturating_add(ask.growth.own);
     r.queue_depth.unwrap_or(0.0) < 1.0
@@ -425,13 +444,10 @@ pub fn evaluate(
     if ask.prefix.is_some_and(|x| x.preferred == Some(node)) {
         seconds *= 1.0 - PREFERENCE;
     }
-    // KV still to come: prompts sent since the report, the output reserved for everything
+    // KV still to come: prompts the report does not show, the output reserved for everything
     // in flight, and this request's own prompt and reserved output.
     let margin = growth.margin_per_sqrt * (books.inflight_requests.saturating_add(1) as f64).sqrt();
-    let still_to_come = still_to_come as u64;
-    let kv_extra = books
-        .unreflected_prompt_tokens
-        .saturating_add(still_to_come)
+    let kv_extra = ((prompts_to_come(n, p.routers) + still_to_come) as u64)
         .saturating_add(weight.prompt_tokens)
         .saturating_add(growth.own)
         .saturating_add(margin.ceil() as u64);
@@ -498,7 +514,7 @@ mod tests {
     use super::*;
     use crate::rng::SplitMix64;
     use crate::route::ranking::{decide, Decision};
-    use crate::route::testing::{configured, node, order, rep, run, w, P};
+    use crate::route::testing::{ask, configured, node, order, rep, run, w, P};
 
     #[test]
     fn table_of_choices() {
@@ -660,6 +676,70 @@ mod tests {
             run(&[n], w(400, 0), 2000),
             Decision::AllOverCeiling(_)
         ));
+    }
+
+    /// A long prompt sent to a node is mostly not in the next report's KV: queued at its
+    /// engine or a few chunks into its prefill. Until its first token comes back it counts in
+    /// full against the ceiling, and a node that looks a tenth full is seen to have no room.
+    #[test]
+    fn prompts_not_yet_prefilled_count_against_the_vram_ceiling_after_the_next_report() {
+        let report = |used: f64| Report {
+            vram_used_bytes: Some(used),
+            vram_total_bytes: Some(1000.0),
+            ..rep(0.0, Some(1000.0))
+        };
+        let mut n = node(Some(report(0.0)));
+        let t = n.dispatch(0, w(600, 0), 0);
+        // The next report clears what was sent since the last one, and shows a sixth of it.
+        n.accept_report(report(100.0), 1500);
+        assert_eq!(n.books().unreflected_prompt_tokens, 0);
+        let over = |n: &NodeState| match run(std::slice::from_ref(n), w(300, 0), 2000) {
+            Decision::AllOverCeiling(r) => Some(r[0].kv_fraction),
+            _ => None,
+        };
+        assert_eq!(
+            over(&n),
+            Some(Some(1.0)),
+            "100 shown + 500 to come + 300 asked"
+        );
+        // Its first token came: the report after that shows the whole prompt, and the rest of
+        // the cache is room again.
+        n.progress(&t, 0, 1);
+        n.accept_report(report(600.0), 1800);
+        assert_eq!(over(&n), None);
+    }
+
+    /// Behind several routers the others' prompts on the way to a node are in no book of this
+    /// one: they are taken to be as many as its own, times the routers it counts.
+    #[test]
+    fn prompts_to_come_stand_for_every_router() {
+        let report = Report {
+            vram_used_bytes: Some(0.0),
+            vram_total_bytes: Some(1000.0),
+            ..rep(0.0, Some(1000.0))
+        };
+        let mut n = node(Some(report));
+        n.dispatch(0, w(150, 0), 0);
+        let kv = |routers: f64| {
+            let p = Params { routers, ..P };
+            let (r, over) = evaluate(
+                0,
+                &n,
+                &report,
+                &ask(w(100, 0), None),
+                &FleetWide {
+                    assumed_capacity: 1000.0,
+                    mean_request_tokens: 100.0,
+                },
+                &p,
+            );
+            (r.kv_fraction, over)
+        };
+        assert_eq!(kv(1.0), (Some(0.25), false));
+        assert_eq!(kv(4.0), (Some(0.7), false));
+        assert_eq!(kv(6.0), (Some(1.0), true));
+        // Fewer than one reads as one: this router's own prompts are always there.
+        assert_eq!(kv(0.5), (Some(0.25), false));
     }
 
     #[test]

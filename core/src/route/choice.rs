@@ -34,7 +34,8 @@
 //!
 //! The predictive safety valve (the seed article's term): a node is excluded when admitting the
 //! request would push its predicted KV-cache use over the ceiling. Predicted use is the reported
-//! use plus what is still to come: the prompts sent since the report, the output the requests in
+//! use plus what is still to come: the prompts the report does not show (sent since, or not
+//! prefilled yet: `prompts_to_come`), the output the requests in
 //! flight may still generate (running sequences hold one more token of KV per token generated;
 //! ignoring that growth is how a node that looks 85% full overflows a minute later), and this
 //! request's own prompt and output. Output is booked at the learned mean, and the uncertainty is reserved once per

@@ -306,7 +306,6 @@ impl Balancer {
                     Choices::Auto => routers::MANY_CHOICES,
                     Choices::Fixed(d) => d,
                 },
-                routers: 1.0,
             },
             max_hosts: cfg.max_hosts_in_header,
             hold_kv_ceiling: cfg.hold_kv_ceiling,
@@ -668,7 +667,6 @@ impl Balancer {
             } else {
                 self.params.choices
             },
-            routers: self.routers.count().unwrap_or(1.0),
             ..self.params
         };
         let prefix = match &self.prefixes {
@@ -868,16 +866,16 @@ impl Balancer {
     /// Whether node `node` shows room for the request now (`choice::room_now`), which
     /// holding asks before holding a request that the VRAM check passes nowhere. Only once
     /// this router knows its share of the fleet's requests (`routers`: the engines report
-    /// running and queued counts): the others' dispatches since the last report are counted
-    /// at that share.
+    /// running and queued counts), so that a node's report can tell its requests from the
+    /// others' there.
     fn room_now(&self, node: Option<usize>, ask: &Ask, now_ms: u64) -> bool {
-        let Some(routers) = self.routers.count() else {
+        if self.routers.share().is_none() {
             return false;
-        };
+        }
         node.and_then(|i| self.fleet.nodes().get(i))
             .is_some_and(|n| {
                 n.fresh_report(now_ms, self.params.stale_after_ms)
-                    .is_some_and(|r| choice::room_now(n, r, ask, routers, &self.params))
+                    .is_some_and(|r| choice::room_now(n, r, ask, &self.params))
             })
     }
 

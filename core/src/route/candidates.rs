@@ -295,7 +295,6 @@ mod tests {
         kv_bytes_per_token: 1,
         keep: 3,
         choices: 2,
-        routers: 1.0,
     };
 
     fn node(capacity: Option<f64>, reported_at: Option<u64>) -> NodeState {

@@ -128,8 +128,7 @@ use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 
-/// Knobs of the rule: the configuration's, and what the balancer sets per request
-/// (`choices`, `routers`).
+/// Knobs of the rule, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Params {
     pub rule: Rule,
@@ -142,10 +141,6 @@ pub struct Params {
     pub keep: usize,
     /// Candidates compared per request (power-of-d choices); 0 compares every node.
     pub choices: usize,
-    /// How many routers send to the fleet (`routers::Routers::count`; 1 until it is known):
-    /// the prompts this router's books hold for a node stand for that many routers' (see
-    /// `prompts_to_come`).
-    pub routers: f64,
 }
 
 /// Share of capacity assumed free on a saturated node.
@@ -200,20 +195,47 @@ fn reported_growth(r: &Report, growth: &Growth) -> f64 {
     r.running_requests.unwrap_or(0.0) * growth.per_running
 }
 
-/// Prompt tokens node `n` is to hold that its last report does not show: the prompts sent
-/// since the report, or, when more, the prompts not prefilled yet (no first token): queued at
-/// the engine, which reports KV for the sequences it runs only, or being prefilled, whose KV
-/// grows chunk by chunk as the prefill runs. A 40,000-token prompt takes an A100 seconds to
-/// prefill, so a report a tick after it was sent shows a fraction of what it will hold, and
-/// a node that looks half full has no room (in the simulator, most overflows of long-prompt
-/// traffic were nodes sent a prompt beside one still prefilling). The larger of the two, not
-/// their sum: a prompt sent since the report and not started is in both. This router's books
-/// hold its own prompts; behind `routers` routers the others are taken to have sent as much.
-fn prompts_to_come(n: &NodeState, routers: f64) -> f64 {
+/// Prompt tokens node `n` (report `r`) is to hold that the report does not show: the prompts
+/// sent since the report, or, when more, the prompts not prefilled yet (no first token):
+/// queued at the engine, which reports KV for the sequences it runs only, or being
+/// prefilled, whose KV grows chunk by chunk as the prefill runs. A 40,000-token prompt takes
+/// an A100 seconds to prefill, so a report a tick after it was sent shows a fraction of what
+/// it will hold, and a node that looks half full has no room (in the simulator, most
+/// overflows of long-prompt traffic were nodes sent a prompt beside one still prefilling).
+/// The larger of the two, not their sum: a prompt sent since the report and not started is
+/// in both.
+///
+/// This router's books hold its own prompts. Other routers' are taken to be as many again
+/// for each time the requests the node reports outnumber this router's there (`others`):
+/// behind four Envoy replicas a node runs about four times what each one sent it. Counted per
+/// node and from its latest report, not from the fleet's share over the last seconds: a
+/// router that sent a burst a moment ago and has stopped (the demo's round-robin Envoy,
+/// between this one's bursts) shows in no report of a node it is done with, and must not make
+/// this router's own burst count several times.
+fn prompts_to_come(n: &NodeState, r: &Report) -> f64 {
     let books = n.books();
     let own = books.unreflected_prompt_tokens.max(books.prefill_tokens) as f64;
-    own * routers.max(1.0)
+    own * routers_at(n, r)
 }
+
+/// How many routers' requests node `n` runs for each of this router's, as its report `r`
+/// shows them: the requests it reports running and queued over this router's in flight there
+/// that the report already counts; 1 when this router has none there, at most
+/// `MAX_ROUTERS`.
+fn routers_at(n: &NodeState, r: &Report) -> f64 {
+    let books = n.books();
+    let own = books
+        .inflight_requests
+        .saturating_sub(books.unreflected_requests) as f64;
+    let there = r.running_requests.unwrap_or(0.0) + r.queue_depth.unwrap_or(0.0);
+    if own < 1.0 || !there.is_finite() {
+        return 1.0;
+    }
+    (there / own).clamp(1.0, MAX_ROUTERS)
+}
+
+/// Most routers `routers_at` counts behind one node.
+const MAX_ROUTERS: f64 = 16.0;
 
 /// The KV growth still to come on node `n`: what this router's books reserve for its requests
 /// in flight there, or the reported estimate when larger (other routers' requests are in no
@@ -225,9 +247,7 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
 /// its engine, and under the ceiling its KV in use, the prompts it is to hold that the report
 /// does not show (`prompts_to_come`), half the output its sequences in flight still have to generate, and this request's prompt
-/// and expected output. `routers` is how many routers send to the fleet as this one sees it
-/// (the inverse of its share of the requests the engines report): the others are assumed to
-/// have as many prompts on the way there as this one.
+/// and expected output.
 ///
 /// The VRAM check reserves that output in full, as if every sequence reached its end before
 /// any other ended and freed its context: right for a cohort that started together (a
@@ -239,8 +259,8 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
 /// a queue is the sign of a full cache. Holding asks this before holding a request that the
 /// VRAM check passes nowhere; with room, the request goes at once, over the ceiling, and is
 /// counted so (see `balancer`).
-pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, routers: f64, p: &Params) -> bool {
-    let extra = ((prompts_to_come(n, routers) + still_to_come(n, r, &ask.growth) / 2.0) as u64)
+pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, p: &Params) -> bool {
+    let extra = ((prompts_to_come(n, r) + still_to_come(n, r, &ask.growth) / 2.0) as u64)
         .saturating_add(ask.weight.prompt_tokens)
         .saturating_add(ask.growth.own);
     r.queue_depth.unwrap_or(0.0) < 1.0
@@ -448,7 +468,7 @@ pub fn evaluate(
     // KV still to come: prompts the report does not show, the output reserved for everything
     // in flight, and this request's own prompt and reserved output.
     let margin = growth.margin_per_sqrt * (books.inflight_requests.saturating_add(1) as f64).sqrt();
-    let kv_extra = ((prompts_to_come(n, p.routers) + still_to_come) as u64)
+    let kv_extra = ((prompts_to_come(n, r) + still_to_come) as u64)
         .saturating_add(weight.prompt_tokens)
         .saturating_add(growth.own)
         .saturating_add(margin.ceil() as u64);
@@ -711,36 +731,44 @@ mod tests {
     }
 
     /// Behind several routers the others' prompts on the way to a node are in no book of this
-    /// one: they are taken to be as many as its own, times the routers it counts.
+    /// one: they are taken to be as many again for each time the requests the node reports
+    /// outnumber this router's there.
     #[test]
-    fn prompts_to_come_stand_for_every_router() {
-        let report = Report {
+    fn prompts_to_come_stand_for_every_router_the_node_reports() {
+        let report = |running: f64| Report {
             vram_used_bytes: Some(0.0),
             vram_total_bytes: Some(1000.0),
+            running_requests: Some(running),
             ..rep(0.0, Some(1000.0))
         };
-        let mut n = node(Some(report));
-        n.dispatch(0, w(150, 0), 0);
-        let kv = |routers: f64| {
-            let p = Params { routers, ..P };
+        let kv = |running: f64| {
+            let mut n = node(Some(report(0.0)));
+            // One request sent before the report, not started: its 150 tokens are still to
+            // come.
+            n.dispatch(0, w(150, 0), 0);
+            n.accept_report(report(running), 1500);
             let (r, over) = evaluate(
                 0,
                 &n,
-                &report,
+                &report(running),
                 &ask(w(100, 0), None),
                 &FleetWide {
                     assumed_capacity: 1000.0,
                     mean_request_tokens: 100.0,
                 },
-                &p,
+                &P,
             );
             (r.kv_fraction, over)
         };
+        // Only this router's request runs there.
         assert_eq!(kv(1.0), (Some(0.25), false));
+        // Four requests for its one: three other routers' prompts on the way too.
         assert_eq!(kv(4.0), (Some(0.7), false));
         assert_eq!(kv(6.0), (Some(1.0), true));
-        // Fewer than one reads as one: this router's own prompts are always there.
-        assert_eq!(kv(0.5), (Some(0.25), false));
+        // Fewer than its own (a report behind this router's books) read as its own.
+        assert_eq!(kv(0.0), (Some(0.25), false));
+        // At most sixteen routers.
+        assert_eq!(kv(100.0), (Some(2.5), true));
     }
 
     #[test]

@@ -56,9 +56,6 @@ pub const MEMORY_MS: f64 = 10_000.0;
 /// Smoothed requests the engines must report before the share decides anything.
 pub const MIN_REPORTED: f64 = 2.0;
 
-/// Most routers `count` reports.
-pub const MAX_ROUTERS: f64 = 16.0;
-
 /// Share of recent prompts with a cached opening above which the traffic reuses prefixes.
 pub const REUSE_SHARE: f64 = 0.2;
 /// Prompts the share of reuse is smoothed over, about.
@@ -144,14 +141,6 @@ impl Routers {
     /// have reported `MIN_REPORTED` of them.
     pub fn share(&self) -> Option<f64> {
         (self.reported >= MIN_REPORTED).then(|| (self.own / self.reported).clamp(0.0, 1.0))
-    }
-
-    /// How many routers send to the fleet as this one counts them: the inverse of its share,
-    /// at most `MAX_ROUTERS` (a share below 1/16 reads as 16). The dispatches this router's
-    /// books hold are taken as that share of all of them where the others' are in no book.
-    pub fn count(&self) -> Option<f64> {
-        self.share()
-            .map(|s| (1.0 / s.max(1.0 / MAX_ROUTERS)).min(MAX_ROUTERS))
     }
 
     /// A prompt was weighed whose opening some node held (`held`) or none did.

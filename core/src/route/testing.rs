@@ -172,7 +172,6 @@ pub(crate) const P: Params = Params {
     kv_bytes_per_token: 1,
     keep: usize::MAX,
     choices: 0,
-    routers: 1.0,
 };
 
 pub(crate) fn w(p: u64, o: u64) -> Weight {

@@ -865,9 +865,9 @@ impl Balancer {
 
     /// Whether node `node` shows room for the request now (`choice::room_now`), which
     /// holding asks before holding a request that the VRAM check passes nowhere. Only once
-    /// this router knows its share of the fleet's requests (`routers`: the engines report
-    /// running and queued counts), so that a node's report can tell its requests from the
-    /// others' there.
+    /// the engines have reported running and queued counts (`routers` knows this router's
+    /// share of them): without them a node's report cannot tell this router's requests from
+    /// the others' there (`choice::prompts_to_come`).
     fn room_now(&self, node: Option<usize>, ask: &Ask, now_ms: u64) -> bool {
         if self.routers.share().is_none() {
             return false;

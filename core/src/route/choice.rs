@@ -206,7 +206,7 @@ fn reported_growth(r: &Report, growth: &Growth) -> f64 {
 /// in both.
 ///
 /// This router's books hold its own prompts. Other routers' are taken to be as many again
-/// for each time the requests the node reports outnumber this router's there (`others`):
+/// for each time the requests the node reports outnumber this router's there (`routers_at`):
 /// behind four Envoy replicas a node runs about four times what each one sent it. Counted per
 /// node and from its latest report, not from the fleet's share over the last seconds: a
 /// router that sent a burst a moment ago and has stopped (the demo's round-robin Envoy,
@@ -246,8 +246,8 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
 
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
 /// its engine, and under the ceiling its KV in use, the prompts it is to hold that the report
-/// does not show (`prompts_to_come`), half the output its sequences in flight still have to generate, and this request's prompt
-/// and expected output.
+/// does not show (`prompts_to_come`), half the output its sequences in flight still have to
+/// generate, and this request's prompt and expected output.
 ///
 /// The VRAM check reserves that output in full, as if every sequence reached its end before
 /// any other ended and freed its context: right for a cohort that started together (a

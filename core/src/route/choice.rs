@@ -680,14 +680,19 @@ mod tests {
         assert!(picks[0] >= 5 && picks[1] >= 5, "burst split {picks:?}");
     }
 
-    #[test]
-    fn unreflected_work_counts_against_the_vram_ceiling() {
-        let report = Report {
-            vram_used_bytes: Some(0.0),
+    /// An idle node of 1,000 tokens/s whose cache holds 1,000 tokens (one byte each, as `P`
+    /// counts them), `used` of them in use.
+    fn kv_report(used: f64) -> Report {
+        Report {
+            vram_used_bytes: Some(used),
             vram_total_bytes: Some(1000.0),
             ..rep(0.0, Some(1000.0))
-        };
-        let mut n = node(Some(report));
+        }
+    }
+
+    #[test]
+    fn unreflected_work_counts_against_the_vram_ceiling() {
+        let mut n = node(Some(kv_report(0.0)));
         assert!(matches!(
             run(&[n.clone()], w(400, 0), 2000),
             Decision::Route(_)
@@ -704,11 +709,7 @@ mod tests {
     /// full against the ceiling, and a node that looks a tenth full is seen to have no room.
     #[test]
     fn prompts_not_yet_prefilled_count_against_the_vram_ceiling_after_the_next_report() {
-        let report = |used: f64| Report {
-            vram_used_bytes: Some(used),
-            vram_total_bytes: Some(1000.0),
-            ..rep(0.0, Some(1000.0))
-        };
+        let report = kv_report;
         let mut n = node(Some(report(0.0)));
         let t = n.dispatch(0, w(600, 0), 0);
         // The next report clears what was sent since the last one, and shows a sixth of it.
@@ -736,10 +737,8 @@ mod tests {
     #[test]
     fn prompts_to_come_stand_for_every_router_the_node_reports() {
         let report = |running: f64| Report {
-            vram_used_bytes: Some(0.0),
-            vram_total_bytes: Some(1000.0),
             running_requests: Some(running),
-            ..rep(0.0, Some(1000.0))
+            ..kv_report(0.0)
         };
         let kv = |running: f64| {
             let mut n = node(Some(report(0.0)));
@@ -773,11 +772,7 @@ mod tests {
 
     #[test]
     fn growth_of_running_requests_counts_against_the_vram_ceiling() {
-        let report = |used: f64| Report {
-            vram_used_bytes: Some(used),
-            vram_total_bytes: Some(1000.0),
-            ..rep(0.0, Some(1000.0))
-        };
+        let report = kv_report;
         let mut n = node(Some(report(0.0)));
         let t = n.dispatch(0, w(100, 500), 500);
         // The next report shows the prompt's KV; the 500 output tokens are still to come.

@@ -168,7 +168,7 @@ impl<H: Host> State<H> {
                 }
                 // Kept, not rendered: only a response that is to carry it renders it.
                 let decision = decided(Verdict::Routed(Route {
-                    header_value,
+                    header_value: header_value.into(),
                     weight: ticket.weight,
                     cached_tokens: ticket.cached,
                     output_cap: cap.output_tokens,

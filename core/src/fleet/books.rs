@@ -262,6 +262,7 @@ mod tests {
             reserved_output: reserved,
             cached: 0,
             tpot_ms: None,
+            stream: 0,
         }
     }
 

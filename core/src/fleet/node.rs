@@ -70,6 +70,8 @@ pub struct Ticket {
     /// The request's time-per-output-token budget (ms), held on its node while it runs
     /// (`NodeState::tightest_budget_ms`).
     pub tpot_ms: Option<u32>,
+    /// Its record among the node's streams (`NodeState::streams`); 0 when it has none.
+    pub stream: u32,
 }
 
 impl Ticket {
@@ -140,7 +142,35 @@ pub struct NodeState {
     /// The time-per-output-token budgets of this router's requests in flight there, lowest
     /// budget first.
     budgets: Vec<HeldBudget>,
+    /// This router's streams in flight there, oldest first (`Stream`); at most `MAX_STREAMS`.
+    streams: Vec<Stream>,
+    /// Streams in flight there that found the record full (`MAX_STREAMS`) and have none.
+    untracked: u64,
+    /// The id of the last stream recorded.
+    last_stream: u32,
 }
+
+/// One stream this router sent to a node, while it runs: its age and context, which tell how
+/// much more of the node's KV it will take (`route::survival`, `choice::room_now`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream {
+    pub id: u32,
+    /// Its prompt tokens, all of them (cached blocks are KV too).
+    pub prompt: u64,
+    /// Output tokens it has delivered.
+    pub generated: u64,
+    /// Its context as the node's latest report counts it in the KV in use, at least: its prompt
+    /// and output when the report before came (a report is taken between the two), if its first
+    /// token had come by then; else 0 (queued or prefilling, an engine reports no KV or only
+    /// part of it).
+    pub shown: u64,
+    /// Its context when the latest report came, if its first token had come: what the next
+    /// report will count at least.
+    pub seen: u64,
+}
+
+/// Most streams recorded per node: past it the KV path is not known (see `choice::room_now`).
+pub const MAX_STREAMS: usize = 4096;
 
 /// A time-per-output-token budget held on a node while its stream runs (`hold_budget`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -239,6 +269,9 @@ impl NodeState {
             tpot_long: None,
             pace: None,
             budgets: Vec::new(),
+            streams: Vec::new(),
+            untracked: 0,
+            last_stream: 0,
         }
     }
 
@@ -655,6 +688,7 @@ impl NodeState {
     /// A new report epoch: what was unreflected is in the new report (or gone with the old).
     fn next_epoch(&mut self) {
         self.books = self.books.at_epoch(self.books.epoch.saturating_add(1));
+        self.shown_in_report();
     }
 
     /// When the last good report arrived.
@@ -682,7 +716,24 @@ impl NodeState {
     /// never goes back, and a newer one reflects the unreflected part (the epoch rule).
     pub fn adopt_report(&mut self, report: Option<(Report, u64)>, epoch: u64) {
         self.report = report;
+        let before = self.books.epoch;
         self.books = self.books.at_epoch(epoch);
+        if self.books.epoch > before {
+            self.shown_in_report();
+        }
+    }
+
+    /// A new report: it was taken after the report before came (a poll is sent on a tick after
+    /// the last answer; a worker behind the poller takes each snapshot in at its next request,
+    /// which under the load where this matters is milliseconds later), so it counts at least
+    /// the context each stream had then.
+    fn shown_in_report(&mut self) {
+        for s in &mut self.streams {
+            s.shown = s.seen;
+            if s.generated > 0 {
+                s.seen = s.prompt.saturating_add(s.generated);
+            }
+        }
     }
 
     /// Takes the poller's view of the node's health and membership.
@@ -706,6 +757,22 @@ impl NodeState {
         reserved_output: u64,
         cached: u64,
     ) -> Ticket {
+        // Ids only grow (the record is searched by them); a node that has run out of them
+        // (four billion streams) records no more.
+        let stream = if self.streams.len() < MAX_STREAMS && self.last_stream < u32::MAX {
+            self.last_stream = self.last_stream.saturating_add(1);
+            self.streams.push(Stream {
+                id: self.last_stream,
+                prompt: weight.prompt_tokens,
+                generated: 0,
+                shown: 0,
+                seen: 0,
+            });
+            self.last_stream
+        } else {
+            self.untracked = self.untracked.saturating_add(1);
+            0
+        };
         let ticket = Ticket {
             node,
             tenant: self.books.tenant,
@@ -715,9 +782,25 @@ impl NodeState {
             reserved_output,
             cached,
             tpot_ms: None,
+            stream,
         };
         self.books = self.books.apply(&Change::dispatch(&ticket));
         ticket
+    }
+
+    /// This router's streams in flight on the node, oldest first; `None` when some have no
+    /// record (more than `MAX_STREAMS`).
+    pub fn streams(&self) -> Option<&[Stream]> {
+        (self.untracked == 0).then_some(self.streams.as_slice())
+    }
+
+    /// The record of `ticket`'s stream, if it has one here.
+    fn stream_of(&mut self, ticket: &Ticket) -> Option<&mut Stream> {
+        let at = self
+            .streams
+            .binary_search_by_key(&ticket.stream, |s| s.id)
+            .ok()?;
+        self.streams.get_mut(at)
     }
 
     /// Holds `ticket`'s time-per-token budget on the node until its release, with the time
@@ -748,6 +831,9 @@ impl NodeState {
     pub fn progress(&mut self, ticket: &Ticket, before: u64, after: u64) {
         if ticket.tenant == self.books.tenant {
             self.books = self.books.apply(&Change::progress(ticket, before, after));
+            if let Some(s) = self.stream_of(ticket) {
+                s.generated = s.generated.max(after);
+            }
         }
     }
 
@@ -755,6 +841,11 @@ impl NodeState {
     pub fn release(&mut self, ticket: &Ticket, received: u64) {
         if ticket.tenant == self.books.tenant {
             self.books = self.books.apply(&Change::release(ticket, received));
+            if ticket.stream == 0 {
+                self.untracked = self.untracked.saturating_sub(1);
+            } else if let Ok(at) = self.streams.binary_search_by_key(&ticket.stream, |s| s.id) {
+                self.streams.remove(at);
+            }
             let output = u32::try_from(ticket.weight.output_tokens).unwrap_or(u32::MAX);
             if let Some(at) = ticket.tpot_ms.and_then(|ms| {
                 self.budgets
@@ -773,6 +864,74 @@ mod tests {
     use crate::ingest::engine::{self, FormatError};
     use crate::route::balancer::Balancer;
     use crate::route::testing::*;
+
+    /// Each stream this router sends is recorded while it runs: its output as it streams, and
+    /// its context as reports count it, one report behind (a report is taken after the one
+    /// before came, so it counts at least what the streams held then).
+    #[test]
+    fn streams_are_recorded_while_they_run() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        let a = n.dispatch(
+            0,
+            Weight {
+                prompt_tokens: 100,
+                output_tokens: 50,
+            },
+            50,
+        );
+        let b = n.dispatch(
+            0,
+            Weight {
+                prompt_tokens: 300,
+                output_tokens: 50,
+            },
+            50,
+        );
+        assert!(a.stream != 0 && b.stream != a.stream);
+        n.progress(&a, 0, 10);
+        let view = |n: &NodeState| -> Vec<(u64, u64, u64)> {
+            n.streams()
+                .unwrap()
+                .iter()
+                .map(|s| (s.prompt, s.generated, s.shown))
+                .collect()
+        };
+        assert_eq!(view(&n), vec![(100, 10, 0), (300, 0, 0)]);
+        n.accept_report(rep(0.0, None), 1000);
+        n.progress(&a, 10, 20);
+        // The first report after its first token counts nothing of it yet, the next the
+        // context it had at the first.
+        assert_eq!(view(&n), vec![(100, 20, 0), (300, 0, 0)]);
+        n.adopt_report(Some((rep(0.0, None), 1250)), n.epoch() + 1);
+        assert_eq!(view(&n), vec![(100, 20, 110), (300, 0, 0)]);
+        // A report of an epoch already taken changes nothing.
+        n.adopt_report(Some((rep(0.0, None), 1250)), n.epoch());
+        assert_eq!(view(&n), vec![(100, 20, 110), (300, 0, 0)]);
+        n.release(&a, 20);
+        assert_eq!(view(&n), vec![(300, 0, 0)]);
+        // Another tenant's ticket, or one released twice, takes nothing off.
+        n.release(&Ticket { tenant: 1, ..b }, 0);
+        n.release(&a, 20);
+        assert_eq!(view(&n), vec![(300, 0, 0)]);
+        n.release(&b, 0);
+        assert_eq!(n.streams().map(<[Stream]>::len), Some(0));
+    }
+
+    /// Past `MAX_STREAMS` a stream has no record, and the node's streams are not known until it
+    /// ends.
+    #[test]
+    fn streams_past_the_record_leave_them_unknown_until_they_end() {
+        let mut n = NodeState::new("127.0.0.1:1", None, None);
+        let w = Weight {
+            prompt_tokens: 1,
+            output_tokens: 1,
+        };
+        let tickets: Vec<Ticket> = (0..=MAX_STREAMS).map(|_| n.dispatch(0, w, 1)).collect();
+        assert_eq!(tickets.last().map(|t| t.stream), Some(0));
+        assert!(n.streams().is_none());
+        n.release(tickets.last().unwrap(), 0);
+        assert_eq!(n.streams().map(<[Stream]>::len), Some(MAX_STREAMS));
+    }
 
     /// A node's cache size: the engine's geometry first, then the VRAM total at the
     /// configured bytes a token, then the configured size; nothing unusable counts.

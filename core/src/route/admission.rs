@@ -492,6 +492,7 @@ mod tests {
             reserved_output: 0,
             cached: 0,
             tpot_ms: None,
+            stream: 0,
         };
         b.observe_tpot(&ticket, seconds, now_ms);
     }

@@ -57,7 +57,7 @@ pub enum Outcome {
     /// Routed to the first node of the list; the value is the routing header.
     Routed {
         ticket: Ticket,
-        header_value: String,
+        header_value: Box<str>,
         predicted_seconds: f64,
         /// Every fresh node would overflow its VRAM; this is the least bad.
         over_ceiling: bool,
@@ -822,7 +822,8 @@ impl Balancer {
             .take(self.max_hosts)
             .filter_map(|r| self.nodes().get(r.node).map(NodeState::address))
             .collect::<Vec<_>>()
-            .join(",");
+            .join(",")
+            .into_boxed_str();
         let Some(inflight_before) = self
             .nodes()
             .get(first.node)
@@ -875,7 +876,7 @@ impl Balancer {
         node.and_then(|i| self.fleet.nodes().get(i))
             .is_some_and(|n| {
                 n.fresh_report(now_ms, self.params.stale_after_ms)
-                    .is_some_and(|r| choice::room_now(n, r, ask, &self.params))
+                    .is_some_and(|r| choice::room_now(n, r, ask, &self.params, &self.outputs))
             })
     }
 
@@ -1173,7 +1174,10 @@ mod tests {
                 over_ceiling,
                 ..
             } => {
-                assert_eq!(header_value, "127.0.0.1:8002,127.0.0.1:8004,127.0.0.1:8003");
+                assert_eq!(
+                    &*header_value,
+                    "127.0.0.1:8002,127.0.0.1:8004,127.0.0.1:8003"
+                );
                 assert_eq!(ticket.node, 1);
                 assert!(!over_ceiling);
             }

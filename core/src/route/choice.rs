@@ -53,7 +53,8 @@
 //! the sum of every sequence's output still to come, each as if at its end before any other
 //! ended: safe, and tight for a cohort that started together, but a node decoding many streams
 //! at every stage never holds it, so holding first asks whether the least-full node shows room
-//! now (`room_now`: half that growth, nothing queued at its engine) and sends it there if so.
+//! now (`room_now`: nothing queued at its engine, and this router's streams there followed by
+//! their ages, `survival`) and sends it there if so.
 //!
 //! Which nodes are compared: by default two, drawn in proportion to their capacity
 //! (`candidates::sample`, power-of-two choices; `candidates` says why). Every Envoy worker and every Envoy replica ranks
@@ -127,6 +128,8 @@ use crate::fleet::prefixes::PrefixIndex;
 use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
+use crate::route::outputs::{OutputModel, RESERVE_SIGMAS};
+use crate::route::survival::{self, Running, Survival};
 
 /// Knobs of the rule, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -245,26 +248,113 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
 }
 
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
-/// its engine, and under the ceiling its KV in use, the prompts it is to hold that the report
-/// does not show (`prompts_to_come`), half the output its sequences in flight still have to
-/// generate, and this request's prompt and expected output.
+/// its engine, and under the ceiling its KV in use and what is still to come on it with the
+/// request (`to_come_now`).
 ///
-/// The VRAM check reserves that output in full, as if every sequence reached its end before
-/// any other ended and freed its context: right for a cohort that started together (a
-/// burst), but on a node decoding many streams at every stage of their answers the ends free
-/// as much as the others grow, and the cache never holds the sum (in the simulator, decode-
-/// heavy traffic held every request for `max_hold_ms` while the nodes' caches stayed half
-/// empty). With the remaining outputs spread evenly, the most the cache rises is half the sum
-/// (when the ends free only what they grew; any context they free lowers it). An engine with
-/// a queue is the sign of a full cache. Holding asks this before holding a request that the
-/// VRAM check passes nowhere; with room, the request goes at once, over the ceiling, and is
-/// counted so (see `balancer`).
-pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, p: &Params) -> bool {
-    let extra = ((prompts_to_come(n, r) + still_to_come(n, r, &ask.growth) / 2.0) as u64)
-        .saturating_add(ask.weight.prompt_tokens)
-        .saturating_add(ask.growth.own);
+/// The VRAM check reserves every stream's whole remaining output, as if every sequence reached
+/// its end before any other ended and freed its context: right for a cohort that started
+/// together (a burst), but on a node decoding many streams at every stage of their answers
+/// the ends free as much as the others grow, and the cache never holds the sum (in the
+/// simulator, decode-heavy traffic held every request for `max_hold_ms` while the nodes'
+/// caches stayed half empty). An engine with a queue is the sign of a full cache. Holding asks
+/// this before holding a request that the VRAM check passes nowhere; with room, the request
+/// goes at once, over the ceiling, and is counted so (see `balancer`).
+pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, p: &Params, outputs: &OutputModel) -> bool {
     r.queue_depth.unwrap_or(0.0) < 1.0
-        && kv_fraction(n, r, extra, p).is_some_and(|f| f <= p.vram_ceiling)
+        && kv_fraction(n, r, to_come_now(n, r, ask, outputs), p)
+            .is_some_and(|f| f <= p.vram_ceiling)
+}
+
+/// The KV still to come on node `n` (report `r`) with the request, as the room-now check
+/// counts it. This router's streams there and the request follow their expected path
+/// (`survival::peak`): each stream runs on as long as answers of its age do, and the highest
+/// point of their summed contexts, less what the report already counts of them, is what they
+/// add. The rest (other workers' and other routers' streams, whose ages this router does not
+/// know) is counted as before: their prompts the report does not show, and half of the output
+/// they still have to generate, the most the cache rises when the remaining outputs are spread
+/// evenly and the ends free nothing but what they grew. Without a path (too few answers seen
+/// to completion, or more streams than are recorded), every stream is counted that way.
+///
+/// In the simulator, against half of every stream's output: decode-heavy traffic at full load
+/// with one router, median first token 1.4 s -> 0.07 s and p99 6.4 s -> 2.5 s (four nodes),
+/// and fewer overflows at load 1.0 over the whole grid (docs/BENCHMARKS.md, "How long each
+/// stream will still run").
+fn to_come_now(n: &NodeState, r: &Report, ask: &Ask, outputs: &OutputModel) -> u64 {
+    let half_rule = || {
+        ((prompts_to_come(n, r) + still_to_come(n, r, &ask.growth) / 2.0) as u64)
+            .saturating_add(ask.weight.prompt_tokens)
+            .saturating_add(ask.growth.own)
+    };
+    own_path(n, ask, outputs).map_or_else(half_rule, |(own_rise, own)| {
+        // The others: what the books and the report count beyond this router's streams.
+        let books = n.books();
+        let others_prompts = (prompts_to_come(n, r) - own.unstarted_prompts).max(0.0);
+        let reported = r.running_requests.unwrap_or(0.0) + r.queue_depth.unwrap_or(0.0);
+        let others = (books.inflight_requests as f64 - own.count)
+            .max(reported - own.count)
+            .max(0.0);
+        let others_growth = others * ask.growth.per_running / 2.0;
+        (own_rise + others_prompts + others_growth) as u64
+    })
+}
+
+/// This router's streams on a node, summed.
+struct Own {
+    count: f64,
+    /// Prompt tokens of those without a first token.
+    unstarted_prompts: f64,
+}
+
+/// What this router's streams on node `n` and the request will add to its KV in use, over the
+/// report's count of them (`Stream::shown`), at their expected path's highest point with
+/// `RESERVE_SIGMAS` deviations; `None` without a path (see `to_come_now`).
+fn own_path(n: &NodeState, ask: &Ask, outputs: &OutputModel) -> Option<(f64, Own)> {
+    let streams = n.streams()?;
+    // One survival per prompt class met, built once.
+    let mut by_class: Vec<(usize, Option<Survival>)> = Vec::new();
+    let mut class_of = |prompt: u64| {
+        let c = OutputModel::class(prompt);
+        match by_class.iter().position(|(k, _)| *k == c) {
+            Some(i) => i,
+            None => {
+                by_class.push((c, outputs.survival(prompt)));
+                by_class.len() - 1
+            }
+        }
+    };
+    let asked = class_of(ask.weight.prompt_tokens);
+    let classes: Vec<usize> = streams.iter().map(|s| class_of(s.prompt)).collect();
+    let survival_at = |i: usize| by_class.get(i).and_then(|(_, s)| s.as_ref());
+    let running = streams
+        .iter()
+        .zip(&classes)
+        .map(|(s, &i)| {
+            let r = Running {
+                context: s.prompt.saturating_add(s.generated) as f64,
+                generated: s.generated as f64,
+                started: s.generated > 0,
+            };
+            (r, survival_at(i))
+        })
+        .chain(std::iter::once((
+            Running {
+                context: ask.weight.prompt_tokens as f64,
+                generated: 0.0,
+                started: false,
+            },
+            survival_at(asked),
+        )));
+    let peak = survival::peak(running, RESERVE_SIGMAS)?;
+    let shown: u64 = streams.iter().map(|s| s.shown).sum();
+    let own = Own {
+        count: streams.len() as f64,
+        unstarted_prompts: streams
+            .iter()
+            .filter(|s| s.generated == 0)
+            .map(|s| s.prompt as f64)
+            .sum(),
+    };
+    Some(((peak - shown as f64).max(0.0), own))
 }
 
 /// The KV growth to reserve: this request's expected output, and the margin for the
@@ -768,6 +858,56 @@ mod tests {
         assert_eq!(kv(0.0), (Some(0.25), false));
         // At most sixteen routers.
         assert_eq!(kv(100.0), (Some(2.5), true));
+    }
+
+    /// The room-now check follows this router's streams by their ages once answers have been
+    /// seen to complete: streams at every stage of their answers leave room where half of
+    /// their remaining output did not, and a cohort that has just started leaves none where
+    /// that half did. Without learned answers it counts half of the output, as before.
+    #[test]
+    fn room_now_follows_each_stream_by_its_age() {
+        // A 4,400-token cache, every answer 400 tokens.
+        let report = |used: f64| Report {
+            vram_used_bytes: Some(used),
+            vram_total_bytes: Some(4400.0),
+            ..rep(0.0, Some(1000.0))
+        };
+        let mut learned = OutputModel::default();
+        for _ in 0..100 {
+            learned.observe(100, 400);
+        }
+        let unlearned = OutputModel::default();
+        // Ten streams of 100-token prompts that have generated `ages`, twice reported since.
+        let streams = |ages: &[u64]| {
+            let used: u64 = ages.iter().map(|g| 100 + g).sum();
+            let mut n = node(Some(report(0.0)));
+            for &g in ages {
+                let t = n.dispatch(0, w(100, 400), 400);
+                n.progress(&t, 0, g);
+            }
+            n.accept_report(report(used as f64), 1250);
+            n.accept_report(report(used as f64), 1500);
+            (n, report(used as f64))
+        };
+        let asked = ask(w(100, 400), None);
+        let staged: Vec<u64> = (0..10).map(|i| 40 * i + 1).collect();
+        let (n, r) = streams(&staged);
+        assert_eq!(n.streams().map(|s| s.len()), Some(10));
+        assert!(!room_now(&n, &r, &asked, &P, &unlearned), "half the output");
+        assert!(room_now(&n, &r, &asked, &P, &learned), "the ends free it");
+        let (n, r) = streams(&[1; 10]);
+        assert!(room_now(&n, &r, &asked, &P, &unlearned), "half the output");
+        assert!(
+            !room_now(&n, &r, &asked, &P, &learned),
+            "they grow together"
+        );
+        // A queue at the engine: no room whatever the path.
+        let (n, r) = streams(&staged);
+        let queued = Report {
+            queue_depth: Some(1.0),
+            ..r
+        };
+        assert!(!room_now(&n, &queued, &asked, &P, &learned));
     }
 
     #[test]

@@ -11,5 +11,6 @@ pub mod outputs;
 mod prefix_tests;
 pub mod ranking;
 pub mod routers;
+pub mod survival;
 #[cfg(test)]
 pub(crate) mod testing;

@@ -18,6 +18,7 @@
 
 use crate::ingest::request::Weight;
 use crate::route::choice::Growth;
+use crate::route::survival::{Lengths, Survival, MIN_LENGTHS};
 
 /// Samples a class (or the fleet) needs before its moments replace the fallback.
 pub const MIN_SAMPLES: u64 = 20;
@@ -26,9 +27,9 @@ const ALPHA: f64 = 0.05;
 /// Prompt classes: [0, 2), [2, 4), ... [2^(CLASSES-1), inf) estimated tokens.
 const CLASSES: usize = 20;
 /// Standard deviations of the output of a node's in-flight requests, taken together, reserved
-/// as KV growth beyond their means (2: a 2% chance a node's total outgrows it if lengths were
+/// as KV growth beyond their means (and above their expected path, `choice::room_now`) (2: a 2% chance a node's total outgrows it if lengths were
 /// normal and independent; they are skewed right, so this is a floor, not a bound).
-const RESERVE_SIGMAS: f64 = 2.0;
+pub const RESERVE_SIGMAS: f64 = 2.0;
 
 /// Standard normal quantile of 0.75: the lower quartile is this many standard deviations below
 /// the mean (of the logarithm, for a log-normal).
@@ -70,6 +71,10 @@ pub struct OutputLength {
 pub struct OutputModel {
     fleet: Moments,
     classes: [Moments; CLASSES],
+    /// The lengths themselves, counted in bins, fleet-wide and per class (empty until the
+    /// first is observed): how long a stream of a given age will still run (`survival`).
+    fleet_lengths: Lengths,
+    class_lengths: Vec<Lengths>,
 }
 
 fn class_of(prompt_tokens: u64) -> usize {
@@ -85,6 +90,29 @@ impl OutputModel {
         if let Some(c) = self.classes.get_mut(class_of(prompt_tokens)) {
             c.add(x);
         }
+        self.fleet_lengths.add(output_tokens);
+        if self.class_lengths.is_empty() {
+            self.class_lengths = vec![Lengths::default(); CLASSES];
+        }
+        if let Some(c) = self.class_lengths.get_mut(class_of(prompt_tokens)) {
+            c.add(output_tokens);
+        }
+    }
+
+    /// How long the answers to prompts of `prompt_tokens` run (`survival::Survival`): from
+    /// their class's counted lengths once it has enough, else the fleet's, else nothing.
+    pub fn survival(&self, prompt_tokens: u64) -> Option<Survival> {
+        self.class_lengths
+            .get(class_of(prompt_tokens))
+            .filter(|c| c.total() >= MIN_LENGTHS)
+            .unwrap_or(&self.fleet_lengths)
+            .survival()
+    }
+
+    /// The prompt class of `prompt_tokens` (a key for callers that keep one survival per
+    /// class, see `choice::room_now`).
+    pub fn class(prompt_tokens: u64) -> usize {
+        class_of(prompt_tokens)
     }
 
     /// The expected output of a request with this prompt: its class's moments once learned,

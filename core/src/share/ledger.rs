@@ -215,6 +215,7 @@ mod tests {
             reserved_output: o + 10,
             cached: 0,
             tpot_ms: None,
+            stream: 0,
         }
     }
 

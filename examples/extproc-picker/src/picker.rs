@@ -276,7 +276,7 @@ impl Session {
                 counts.routed += 1;
                 self.ticket = Some(ticket);
                 let set = set_header(&config.routing_header, &header_value);
-                *last_pick = Some(header_value);
+                *last_pick = Some(header_value.into());
                 Some(HeaderMutation {
                     set_headers: vec![set],
                     ..HeaderMutation::default()

@@ -74,6 +74,7 @@ fn ticket(node: usize, address: &str) -> Ticket {
         reserved_output: 60,
         cached: 0,
         tpot_ms: None,
+        stream: 0,
         // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
         generation: 0,
     }

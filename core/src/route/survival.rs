@@ -1,0 +1,334 @@
+//! How long a stream will still run, and how high that takes a node's KV cache.
+//!
+//! A running stream holds one cache slot per context token: its prompt and what it has
+//! generated. Each engine iteration adds a token to every running stream, and a stream that
+//! ends frees its whole context. So what a node's streams will still add to its cache depends
+//! on how long each will still run, and that depends on its age: a stream that has already
+//! generated more than most answers do is likely a long answer, not one about to end. Over the
+//! next `t` tokens the expected cache of one stream is
+//!
+//! ```text
+//!   S(g + t | g) * (c + t)        S(x | g) = P(output > x | output > g)
+//! ```
+//!
+//! with `c` its context now and `g` its output so far, and a node's cache is the sum over its
+//! streams, whose highest point ahead is what a new request must fit beside (`peak_rise`). A
+//! cohort that started together (a burst) rises until its answers start to end; streams at every
+//! stage of their answers free about as much as they add, and the sum stays flat. Reserving every
+//! stream's whole expected output instead, as if none ended before the others grew, is right for
+//! the first and several times too much for the second; reserving half of it, as the room-now
+//! check did, is too little for the first and still too much for the second (in the simulator,
+//! decode-heavy traffic at full load waited out its holds with the caches a third empty).
+//!
+//! A stream whose first token has not come is taken to run through the whole horizon: it may
+//! be waiting at the engine, which admits it as the others end, so it grows while they free
+//! (in the simulator, following it from now like the others let bursts overflow: on mixed
+//! prompt- and decode-heavy bursts at full load, 6 -> 22 preemptions, and back to 6 this way).
+//!
+//! `S` is read from the output lengths seen to complete (`Lengths`), not from a fitted
+//! distribution: answers cut at `max_tokens` pile up at the cap, and a log-normal fitted to
+//! their mean and spread thins exactly that tail (in the simulator, decode-heavy bursts
+//! overflowed more with it). The margin is z standard deviations of the sum, each stream
+//! running or not at `t` (`S (1 - S) (c + t)^2`), as the VRAM check's margin is z deviations
+//! of a sum of lengths. `S(g + t | g)` is the conditional survival (the residual life) of
+//! survival analysis, read from the empirical survival function.
+
+/// Bins per doubling of the output length.
+const BINS_PER_OCTAVE: usize = 8;
+/// Doublings covered: outputs from 1 to 2^16 tokens; longer ones count in the last bin.
+const OCTAVES: usize = 16;
+const BINS: usize = BINS_PER_OCTAVE * OCTAVES;
+/// Outputs counted before the counts are halved, so that they follow a changing mix.
+const WINDOW: u32 = 4096;
+/// Outputs a class (or the fleet) needs before its survival is read.
+pub const MIN_LENGTHS: u32 = 50;
+
+/// The bin of an output length (tokens); lengths below one token count in the first.
+fn bin_of(x: f64) -> (usize, f64) {
+    let pos = if x > 1.0 {
+        x.log2() * BINS_PER_OCTAVE as f64
+    } else {
+        0.0
+    };
+    let b = (pos as usize).min(BINS - 1);
+    // The share of the bin below x, for interpolating within it.
+    let within = (pos - b as f64).clamp(0.0, 1.0);
+    (b, within)
+}
+
+/// Completed output lengths, counted in bins an eighth of a doubling wide.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Lengths {
+    /// Empty until the first length is counted.
+    bins: Vec<u32>,
+    total: u32,
+}
+
+impl Lengths {
+    /// Counts a completed output of `tokens`.
+    pub fn add(&mut self, tokens: u64) {
+        if self.bins.is_empty() {
+            self.bins = vec![0; BINS];
+        }
+        if self.total >= WINDOW {
+            for c in &mut self.bins {
+                *c /= 2;
+            }
+            self.total = self.bins.iter().sum();
+        }
+        let (b, _) = bin_of(tokens as f64);
+        if let Some(c) = self.bins.get_mut(b) {
+            *c = c.saturating_add(1);
+            self.total = self.total.saturating_add(1);
+        }
+    }
+
+    pub fn total(&self) -> u32 {
+        self.total
+    }
+
+    /// The survival function these counts give, once there are `MIN_LENGTHS` of them.
+    pub fn survival(&self) -> Option<Survival> {
+        if self.total < MIN_LENGTHS {
+            return None;
+        }
+        let total = f64::from(self.total);
+        // above[b]: the share of outputs in bins after b.
+        let mut above = vec![0.0; BINS];
+        let mut acc = 0u32;
+        for (b, c) in self.bins.iter().enumerate().rev() {
+            if let Some(a) = above.get_mut(b) {
+                *a = f64::from(acc) / total;
+            }
+            acc = acc.saturating_add(*c);
+        }
+        let share = self.bins.iter().map(|&c| f64::from(c) / total).collect();
+        Some(Survival { above, share })
+    }
+}
+
+/// P(output > x) from counted lengths.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Survival {
+    above: Vec<f64>,
+    share: Vec<f64>,
+}
+
+impl Survival {
+    /// The share of outputs longer than `x` tokens (the bin that holds `x` is taken as spread
+    /// evenly over its width, on the doubling scale).
+    pub fn above(&self, x: f64) -> f64 {
+        if x < 1.0 {
+            return 1.0;
+        }
+        let (b, within) = bin_of(x);
+        let after = self.above.get(b).copied().unwrap_or(0.0);
+        let here = self.share.get(b).copied().unwrap_or(0.0);
+        (after + here * (1.0 - within)).clamp(0.0, 1.0)
+    }
+
+    /// P(output > g + t | output > g): a stream that has generated `g` tokens still runs `t`
+    /// tokens from now. A stream older than every output counted is taken to run on.
+    pub fn runs_on(&self, g: f64, t: f64) -> f64 {
+        let now = self.above(g);
+        if now <= f64::EPSILON {
+            return 1.0;
+        }
+        (self.above(g + t) / now).clamp(0.0, 1.0)
+    }
+}
+
+/// One stream as the path needs it: its context now (prompt and output so far), its output so
+/// far, and how likely it is to run on (`Survival::runs_on`, given by the caller per stream).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Running {
+    pub context: f64,
+    pub generated: f64,
+    /// Its first token has come. One that has not may wait at the engine behind the others
+    /// and start as they end: it is taken to run through the horizon.
+    pub started: bool,
+}
+
+/// Tokens ahead at which the path is looked at.
+const AHEAD: [f64; 12] = [
+    0.0, 8.0, 16.0, 32.0, 64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0, 1024.0,
+];
+
+/// The highest the streams' expected cache reaches over the tokens ahead, with `z` standard
+/// deviations of it, in tokens: `streams` with the survival each follows (`None` for a stream
+/// whose class has none yet: the caller then has no path, see `choice::room_now`).
+pub fn peak<'a, I>(streams: I, z: f64) -> Option<f64>
+where
+    I: Iterator<Item = (Running, Option<&'a Survival>)> + Clone,
+{
+    let mut best: f64 = 0.0;
+    for t in AHEAD {
+        let (mut mean, mut var) = (0.0, 0.0);
+        for (s, survival) in streams.clone() {
+            let p = if s.started {
+                survival?.runs_on(s.generated, t)
+            } else {
+                survival.map(|_| 1.0)?
+            };
+            let c = s.context + t;
+            mean += p * c;
+            var += p * (1.0 - p) * c * c;
+        }
+        best = best.max(mean + z * var.sqrt());
+    }
+    best.is_finite().then_some(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counted(lengths: &[(u64, usize)]) -> Lengths {
+        let mut l = Lengths::default();
+        for &(tokens, times) in lengths {
+            for _ in 0..times {
+                l.add(tokens);
+            }
+        }
+        l
+    }
+
+    #[test]
+    fn survival_is_read_from_the_counted_lengths() {
+        // Half the answers 100 tokens, half 1,000.
+        let s = counted(&[(100, 50), (1000, 50)]).survival().unwrap();
+        let table = [
+            (0.0, 1.0),
+            (50.0, 1.0),
+            (200.0, 0.5),
+            (900.0, 0.5),
+            (2000.0, 0.0),
+        ];
+        for (x, want) in table {
+            assert!(
+                (s.above(x) - want).abs() < 1e-9,
+                "above({x}) = {}",
+                s.above(x)
+            );
+        }
+        // Within a bin, in between.
+        let mid = s.above(100.0);
+        assert!(mid > 0.5 && mid < 1.0, "{mid}");
+    }
+
+    #[test]
+    fn too_few_lengths_give_no_survival() {
+        assert!(counted(&[(100, 49)]).survival().is_none());
+        assert!(counted(&[(100, 50)]).survival().is_some());
+    }
+
+    #[test]
+    fn a_stream_past_the_short_answers_is_expected_to_run_on() {
+        let s = counted(&[(100, 80), (1000, 20)]).survival().unwrap();
+        // New: four in five end by 100 tokens.
+        assert!(s.runs_on(0.0, 300.0) < 0.25);
+        // At 300 tokens, only long answers are left: it runs on.
+        assert!((s.runs_on(300.0, 300.0) - 1.0).abs() < 1e-9);
+        // Older than anything seen: taken to run on.
+        assert_eq!(s.runs_on(5000.0, 100.0), 1.0);
+    }
+
+    #[test]
+    fn the_counts_follow_a_changing_mix() {
+        let mut l = counted(&[(100, 4096)]);
+        for _ in 0..4096 {
+            l.add(1000);
+        }
+        assert!(l.total() <= WINDOW + 1);
+        // A window of the new mix: the old one is halved twice, a quarter of the counts.
+        let s = l.survival().unwrap();
+        assert!((s.above(200.0) - 0.75).abs() < 0.01, "{}", s.above(200.0));
+    }
+
+    #[test]
+    fn a_cohort_rises_and_streams_at_every_stage_stay_flat() {
+        // Every answer 400 tokens.
+        let s = counted(&[(400, 100)]).survival().unwrap();
+        let cohort: Vec<(Running, Option<&Survival>)> = (0..10)
+            .map(|_| {
+                (
+                    Running {
+                        context: 100.0,
+                        generated: 0.0,
+                        started: true,
+                    },
+                    Some(&s),
+                )
+            })
+            .collect();
+        let now: f64 = 10.0 * 100.0;
+        let p = peak(cohort.iter().copied(), 0.0).unwrap();
+        // They grow together to about 400 tokens each before any ends.
+        assert!(p > now + 10.0 * 300.0, "{p}");
+        // Ten streams, one every 40 tokens of the way: the ends free what the others add.
+        let staged: Vec<(Running, Option<&Survival>)> = (0..10)
+            .map(|i| {
+                let g = 40.0 * i as f64;
+                (
+                    Running {
+                        context: 100.0 + g,
+                        generated: g,
+                        started: true,
+                    },
+                    Some(&s),
+                )
+            })
+            .collect();
+        let now: f64 = staged.iter().map(|(r, _)| r.context).sum();
+        let p = peak(staged.iter().copied(), 0.0).unwrap();
+        assert!(p < now + 0.2 * now, "{p} against {now}");
+        // With no survival for one stream there is no path.
+        let mut unknown = staged.clone();
+        unknown.push((
+            Running {
+                context: 1.0,
+                generated: 0.0,
+                started: true,
+            },
+            None,
+        ));
+        assert!(peak(unknown.iter().copied(), 2.0).is_none());
+    }
+
+    /// A stream without its first token may be waiting at the engine behind the others, and
+    /// start as they end: it is taken to run through the whole horizon.
+    #[test]
+    fn a_stream_not_started_runs_through_the_horizon() {
+        let s = counted(&[(100, 100)]).survival().unwrap();
+        let one = |started| {
+            [(
+                Running {
+                    context: 100.0,
+                    generated: 0.0,
+                    started,
+                },
+                Some(&s),
+            )]
+        };
+        let started = peak(one(true).iter().copied(), 0.0).unwrap();
+        let waiting = peak(one(false).iter().copied(), 0.0).unwrap();
+        assert!(started < 250.0, "{started}");
+        assert_eq!(waiting, 100.0 + 1024.0);
+    }
+
+    #[test]
+    fn the_margin_grows_with_the_spread() {
+        let s = counted(&[(100, 50), (1000, 50)]).survival().unwrap();
+        let one = [(
+            Running {
+                context: 100.0,
+                generated: 0.0,
+                started: true,
+            },
+            Some(&s),
+        )];
+        let bare = peak(one.iter().copied(), 0.0).unwrap();
+        let wide = peak(one.iter().copied(), 2.0).unwrap();
+        assert!(wide > bare, "{wide} {bare}");
+    }
+}

@@ -318,7 +318,7 @@ fn own_path(n: &NodeState, ask: &Ask, outputs: &OutputModel) -> Option<(f64, Own
             Some(i) => i,
             None => {
                 by_class.push((c, outputs.survival(prompt)));
-                by_class.len() - 1
+                by_class.len().saturating_sub(1)
             }
         }
     };

@@ -24,6 +24,8 @@
 //! be waiting at the engine, which admits it as the others end, so it grows while they free
 //! (in the simulator, following it from now like the others let bursts overflow: on mixed
 //! prompt- and decode-heavy bursts at full load, 6 -> 22 preemptions, and back to 6 this way).
+//! That reserves more than its expected answer; counting it at the highest point its own path
+//! had reached instead let the same bursts overflow 24 times.
 //!
 //! `S` is read from the output lengths seen to complete (`Lengths`), not from a fitted
 //! distribution: answers cut at `max_tokens` pile up at the cap, and a log-normal fitted to
@@ -139,7 +141,7 @@ impl Survival {
 }
 
 /// One stream as the path needs it: its context now (prompt and output so far), its output so
-/// far, and how likely it is to run on (`Survival::runs_on`, given by the caller per stream).
+/// far, and whether its first token has come.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Running {
     pub context: f64,

@@ -16,7 +16,9 @@
 //! lookups. Then the other pure work of a request: reading the weight and model from a 4 KiB
 //! chat body, without and with its prefix chain. And the pure work of a poll: one health
 //! answer taken in, for the simple JSON format, llama.cpp's page and vLLM's, whole and filtered;
-//! and of sharing the fleet: the snapshot encoded by the poller and taken in by a worker.
+//! of sharing the fleet: the snapshot encoded by the poller and taken in by a worker; and of
+//! the room-now check's path (`route::survival`) over a node's streams, which a decision pays
+//! only when every node compared is over the VRAM ceiling.
 
 use std::time::Instant;
 use token_balancer_core::config::Config;
@@ -24,6 +26,7 @@ use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::{self, Api, Weight};
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::balancer::{Balancer, Outcome, OwnBooks};
+use token_balancer_core::route::survival::{peak, Lengths, Running};
 
 /// `n` nodes with fresh reports; every `full_every`-th has room under the VRAM ceiling and the
 /// others would overflow (1: all have room).
@@ -158,6 +161,48 @@ fn main() {
     body_cost();
     answer_cost();
     share_cost();
+    path_cost();
+}
+
+/// The room-now check's path over a node's streams (`survival::peak`): the answers' survival
+/// built from 4,096 counted lengths, then the path of `n` streams at every stage of their
+/// answers, as `choice::room_now` computes it for the least-full node when every node
+/// compared is over the ceiling.
+fn path_cost() {
+    let mut lengths = Lengths::default();
+    let mut rng = SplitMix64::new(11);
+    for _ in 0..4096 {
+        lengths.add(20 + token_balancer_core::rng::Rng::next_u64(&mut rng) % 1000);
+    }
+    println!("room-now path: streams on the node, median us (min us), survival built each time");
+    for n in [10usize, 100, 1000] {
+        let streams: Vec<Running> = (0..n)
+            .map(|i| Running {
+                context: 500.0 + (i % 700) as f64,
+                generated: (i % 700) as f64,
+                started: i % 10 != 0,
+            })
+            .collect();
+        let reps = (20_000 / n).max(10);
+        let mut batches = Vec::new();
+        let mut sink = 0.0;
+        for _ in 0..15 {
+            let start = Instant::now();
+            for _ in 0..reps {
+                if let Some(s) = lengths.survival() {
+                    sink += peak(streams.iter().map(|r| (*r, Some(&s))), 2.0).unwrap_or(0.0);
+                }
+            }
+            batches.push(start.elapsed().as_secs_f64() * 1e6 / reps as f64);
+        }
+        batches.sort_by(f64::total_cmp);
+        let median = batches.get(batches.len() / 2).copied().unwrap_or(f64::NAN);
+        let min = batches.first().copied().unwrap_or(f64::NAN);
+        println!(
+            "  {n:5} streams  {median:9.2} ({min:.2})   [{:.0}]",
+            sink / 1e9
+        );
+    }
 }
 
 /// What sharing the fleet costs with `poller: singleton`: the poller encodes its view of every

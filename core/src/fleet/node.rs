@@ -169,8 +169,11 @@ pub struct Stream {
     pub seen: u64,
 }
 
-/// Most streams recorded per node: past it the KV path is not known (see `choice::room_now`).
-pub const MAX_STREAMS: usize = 4096;
+/// Most streams recorded per node: past it the KV path is not known and the room-now check
+/// counts half of their output (see `choice::room_now`). It bounds that check's cost, which
+/// grows with the streams it follows (about 0.2 us each inside the `.wasm` under V8,
+/// `examples/choice_cost.rs`); vLLM runs at most 256 sequences at a time by default.
+pub const MAX_STREAMS: usize = 512;
 
 /// A time-per-output-token budget held on a node while its stream runs (`hold_budget`).
 #[derive(Debug, Clone, Copy, PartialEq)]

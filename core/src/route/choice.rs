@@ -276,7 +276,7 @@ pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, p: &Params, outputs: &Outp
 /// to completion, or more streams than are recorded), every stream is counted that way.
 ///
 /// In the simulator, against half of every stream's output: decode-heavy traffic at full load
-/// with one router, median first token 1.4 s -> 0.07 s and p99 6.4 s -> 2.5 s (four nodes),
+/// with one router, median first token 1.4 s -> 0.07 s and p99 6.4 s -> 2.6 s (four nodes),
 /// and fewer overflows at load 1.0 over the whole grid (docs/BENCHMARKS.md, "How long each
 /// stream will still run").
 fn to_come_now(n: &NodeState, r: &Report, ask: &Ask, outputs: &OutputModel) -> u64 {

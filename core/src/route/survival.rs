@@ -45,17 +45,23 @@ const WINDOW: u32 = 4096;
 /// Outputs a class (or the fleet) needs before its survival is read.
 pub const MIN_LENGTHS: u32 = 50;
 
-/// The bin of an output length (tokens); lengths below one token count in the first.
+/// The bin of an output length (tokens), and the share of the bin's width below it: a doubling
+/// is split into `BINS_PER_OCTAVE` equal parts (from the bits of the length, no logarithm: this
+/// runs for every stream at every point of the path). Lengths below one token count in the
+/// first bin.
 fn bin_of(x: f64) -> (usize, f64) {
-    let pos = if x > 1.0 {
-        x.log2() * BINS_PER_OCTAVE as f64
-    } else {
-        0.0
-    };
-    let b = (pos as usize).min(BINS - 1);
-    // The share of the bin below x, for interpolating within it.
-    let within = (pos - b as f64).clamp(0.0, 1.0);
-    (b, within)
+    if x.is_nan() || x < 1.0 {
+        return (0, 0.0);
+    }
+    let octave = (u64::BITS - 1 - (x as u64).leading_zeros()) as usize;
+    if octave >= OCTAVES {
+        return (BINS - 1, 1.0);
+    }
+    let base = (1u64 << octave) as f64;
+    let part = (x - base) / base * BINS_PER_OCTAVE as f64;
+    let sub = (part as usize).min(BINS_PER_OCTAVE - 1);
+    let b = (octave * BINS_PER_OCTAVE + sub).min(BINS - 1);
+    (b, (part - sub as f64).clamp(0.0, 1.0))
 }
 
 /// Completed output lengths, counted in bins an eighth of a doubling wide.
@@ -132,11 +138,16 @@ impl Survival {
     /// P(output > g + t | output > g): a stream that has generated `g` tokens still runs `t`
     /// tokens from now. A stream older than every output counted is taken to run on.
     pub fn runs_on(&self, g: f64, t: f64) -> f64 {
-        let now = self.above(g);
-        if now <= f64::EPSILON {
+        self.given(self.above(g), g + t)
+    }
+
+    /// P(output > x | output > g) where `alive` = P(output > g) (`runs_on`, with its
+    /// denominator computed once by a caller that asks many times).
+    fn given(&self, alive: f64, x: f64) -> f64 {
+        if alive <= f64::EPSILON {
             return 1.0;
         }
-        (self.above(g + t) / now).clamp(0.0, 1.0)
+        (self.above(x) / alive).clamp(0.0, 1.0)
     }
 }
 
@@ -163,14 +174,19 @@ pub fn peak<'a, I>(streams: I, z: f64) -> Option<f64>
 where
     I: Iterator<Item = (Running, Option<&'a Survival>)> + Clone,
 {
+    // Each stream's chance to be running now, the denominator of its `runs_on`, once.
+    let now: Vec<f64> = streams
+        .clone()
+        .map(|(s, survival)| survival.map(|v| v.above(s.generated)))
+        .collect::<Option<_>>()?;
     let mut best: f64 = 0.0;
     for t in AHEAD {
         let (mut mean, mut var) = (0.0, 0.0);
-        for (s, survival) in streams.clone() {
-            let p = if s.started {
-                survival?.runs_on(s.generated, t)
-            } else {
-                survival.map(|_| 1.0)?
+        for ((s, survival), &alive) in streams.clone().zip(&now) {
+            let p = match survival {
+                Some(_) if !s.started => 1.0,
+                Some(v) => v.given(alive, s.generated + t),
+                None => return None,
             };
             let c = s.context + t;
             mean += p * c;

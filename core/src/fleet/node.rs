@@ -874,22 +874,8 @@ mod tests {
     #[test]
     fn streams_are_recorded_while_they_run() {
         let mut n = NodeState::new("127.0.0.1:1", None, None);
-        let a = n.dispatch(
-            0,
-            Weight {
-                prompt_tokens: 100,
-                output_tokens: 50,
-            },
-            50,
-        );
-        let b = n.dispatch(
-            0,
-            Weight {
-                prompt_tokens: 300,
-                output_tokens: 50,
-            },
-            50,
-        );
+        let a = n.dispatch(0, w(100, 50), 50);
+        let b = n.dispatch(0, w(300, 50), 50);
         assert!(a.stream != 0 && b.stream != a.stream);
         n.progress(&a, 0, 10);
         let view = |n: &NodeState| -> Vec<(u64, u64, u64)> {
@@ -925,11 +911,9 @@ mod tests {
     #[test]
     fn streams_past_the_record_leave_them_unknown_until_they_end() {
         let mut n = NodeState::new("127.0.0.1:1", None, None);
-        let w = Weight {
-            prompt_tokens: 1,
-            output_tokens: 1,
-        };
-        let tickets: Vec<Ticket> = (0..=MAX_STREAMS).map(|_| n.dispatch(0, w, 1)).collect();
+        let tickets: Vec<Ticket> = (0..=MAX_STREAMS)
+            .map(|_| n.dispatch(0, w(1, 1), 1))
+            .collect();
         assert_eq!(tickets.last().map(|t| t.stream), Some(0));
         assert!(n.streams().is_none());
         n.release(tickets.last().unwrap(), 0);

@@ -177,11 +177,7 @@ fn path_cost() {
     println!("room-now path: streams on the node, median us (min us), survival built each time");
     for n in [10usize, 100, 1000] {
         let streams: Vec<Running> = (0..n)
-            .map(|i| Running {
-                context: 500.0 + (i % 700) as f64,
-                generated: (i % 700) as f64,
-                started: i % 10 != 0,
-            })
+            .map(|i| Running::one(500.0 + (i % 700) as f64, (i % 700) as f64, i % 10 != 0))
             .collect();
         let reps = (20_000 / n).max(10);
         let mut batches = Vec::new();

@@ -152,7 +152,7 @@ impl Survival {
 }
 
 /// One stream as the path needs it: its context now (prompt and output so far), its output so
-/// far, and whether its first token has come.
+/// far, whether its first token has come, and how many streams like it it stands for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Running {
     pub context: f64,
@@ -160,6 +160,22 @@ pub struct Running {
     /// Its first token has come. One that has not may wait at the engine behind the others
     /// and start as they end: it is taken to run through the horizon.
     pub started: bool,
+    /// How many independent streams of this context and age it counts for: 1 for a stream of
+    /// this router's own; more where its streams are taken as a sample of streams it does not
+    /// see (`choice::room_now`). The mean and the variance of the path grow with it.
+    pub stands_for: f64,
+}
+
+impl Running {
+    /// One stream.
+    pub fn one(context: f64, generated: f64, started: bool) -> Running {
+        Running {
+            context,
+            generated,
+            started,
+            stands_for: 1.0,
+        }
+    }
 }
 
 /// Tokens ahead at which the path is looked at.
@@ -189,8 +205,8 @@ where
                 None => return None,
             };
             let c = s.context + t;
-            mean += p * c;
-            var += p * (1.0 - p) * c * c;
+            mean += s.stands_for * p * c;
+            var += s.stands_for * p * (1.0 - p) * c * c;
         }
         best = best.max(mean + z * var.sqrt());
     }
@@ -268,16 +284,7 @@ mod tests {
         // Every answer 400 tokens.
         let s = counted(&[(400, 100)]).survival().unwrap();
         let cohort: Vec<(Running, Option<&Survival>)> = (0..10)
-            .map(|_| {
-                (
-                    Running {
-                        context: 100.0,
-                        generated: 0.0,
-                        started: true,
-                    },
-                    Some(&s),
-                )
-            })
+            .map(|_| (Running::one(100.0, 0.0, true), Some(&s)))
             .collect();
         let now: f64 = 10.0 * 100.0;
         let p = peak(cohort.iter().copied(), 0.0).unwrap();
@@ -287,14 +294,7 @@ mod tests {
         let staged: Vec<(Running, Option<&Survival>)> = (0..10)
             .map(|i| {
                 let g = 40.0 * i as f64;
-                (
-                    Running {
-                        context: 100.0 + g,
-                        generated: g,
-                        started: true,
-                    },
-                    Some(&s),
-                )
+                (Running::one(100.0 + g, g, true), Some(&s))
             })
             .collect();
         let now: f64 = staged.iter().map(|(r, _)| r.context).sum();
@@ -302,14 +302,7 @@ mod tests {
         assert!(p < now + 0.2 * now, "{p} against {now}");
         // With no survival for one stream there is no path.
         let mut unknown = staged.clone();
-        unknown.push((
-            Running {
-                context: 1.0,
-                generated: 0.0,
-                started: true,
-            },
-            None,
-        ));
+        unknown.push((Running::one(1.0, 0.0, true), None));
         assert!(peak(unknown.iter().copied(), 2.0).is_none());
     }
 
@@ -318,16 +311,7 @@ mod tests {
     #[test]
     fn a_stream_not_started_runs_through_the_horizon() {
         let s = counted(&[(100, 100)]).survival().unwrap();
-        let one = |started| {
-            [(
-                Running {
-                    context: 100.0,
-                    generated: 0.0,
-                    started,
-                },
-                Some(&s),
-            )]
-        };
+        let one = |started| [(Running::one(100.0, 0.0, started), Some(&s))];
         let started = peak(one(true).iter().copied(), 0.0).unwrap();
         let waiting = peak(one(false).iter().copied(), 0.0).unwrap();
         assert!(started < 250.0, "{started}");
@@ -337,14 +321,7 @@ mod tests {
     #[test]
     fn the_margin_grows_with_the_spread() {
         let s = counted(&[(100, 50), (1000, 50)]).survival().unwrap();
-        let one = [(
-            Running {
-                context: 100.0,
-                generated: 0.0,
-                started: true,
-            },
-            Some(&s),
-        )];
+        let one = [(Running::one(100.0, 0.0, true), Some(&s))];
         let bare = peak(one.iter().copied(), 0.0).unwrap();
         let wide = peak(one.iter().copied(), 2.0).unwrap();
         assert!(wide > bare, "{wide} {bare}");

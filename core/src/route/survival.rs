@@ -318,6 +318,30 @@ mod tests {
         assert_eq!(waiting, 100.0 + 1024.0);
     }
 
+    /// A stream that stands for `k` like it counts as `k` independent streams of its context
+    /// and age: `k` times the expected path, `sqrt(k)` times the deviation.
+    #[test]
+    fn a_stream_standing_for_others_counts_as_that_many() {
+        let s = counted(&[(100, 50), (1000, 50)]).survival().unwrap();
+        for k in [1_usize, 3, 10] {
+            let standing = [(
+                Running {
+                    stands_for: k as f64,
+                    ..Running::one(100.0, 40.0, true)
+                },
+                Some(&s),
+            )];
+            let many = vec![(Running::one(100.0, 40.0, true), Some(&s)); k];
+            for z in [0.0, 2.0] {
+                let (a, b) = (
+                    peak(standing.iter().copied(), z).unwrap(),
+                    peak(many.iter().copied(), z).unwrap(),
+                );
+                assert!((a - b).abs() < 1e-6 * b, "k {k}, z {z}: {a} against {b}");
+            }
+        }
+    }
+
     #[test]
     fn the_margin_grows_with_the_spread() {
         let s = counted(&[(100, 50), (1000, 50)]).survival().unwrap();

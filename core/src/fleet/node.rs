@@ -169,6 +169,18 @@ pub struct Stream {
     pub seen: u64,
 }
 
+impl Stream {
+    /// Its first token has come.
+    pub fn started(&self) -> bool {
+        self.generated > 0
+    }
+
+    /// Its context now: prompt and output so far.
+    pub fn context(&self) -> u64 {
+        self.prompt.saturating_add(self.generated)
+    }
+}
+
 /// Most streams recorded per node: past it the KV path is not known and the room-now check
 /// counts half of their output (see `choice::room_now`). It bounds that check's cost, which
 /// grows with the streams it follows (about 0.2 us each inside the `.wasm` under V8,
@@ -733,8 +745,8 @@ impl NodeState {
     fn shown_in_report(&mut self) {
         for s in &mut self.streams {
             s.shown = s.seen;
-            if s.generated > 0 {
-                s.seen = s.prompt.saturating_add(s.generated);
+            if s.started() {
+                s.seen = s.context();
             }
         }
     }

@@ -353,11 +353,10 @@ fn own_path(n: &NodeState, r: &Report, ask: &Ask, outputs: &OutputModel) -> Opti
         .iter()
         .zip(&classes)
         .flat_map(|(s, &i)| {
-            let started = s.generated > 0;
-            let context = s.prompt.saturating_add(s.generated) as f64;
+            let started = s.started();
             let own = Running {
                 stands_for: if started { 1.0 + copies } else { 1.0 },
-                ..Running::one(context, s.generated as f64, started)
+                ..Running::one(s.context() as f64, s.generated as f64, started)
             };
             let waiting_copy = (!started && copies > 0.0).then_some(Running {
                 stands_for: copies,
@@ -375,13 +374,13 @@ fn own_path(n: &NodeState, r: &Report, ask: &Ask, outputs: &OutputModel) -> Opti
     // What the report counts of the streams the path stands for.
     let shown: f64 = streams
         .iter()
-        .map(|s| s.shown as f64 * if s.generated > 0 { 1.0 + copies } else { 1.0 })
+        .map(|s| s.shown as f64 * if s.started() { 1.0 + copies } else { 1.0 })
         .sum();
     Some(Path {
         rise: (peak - shown).max(0.0),
         unstarted_prompts: streams
             .iter()
-            .filter(|s| s.generated == 0)
+            .filter(|s| !s.started())
             .map(|s| s.prompt as f64)
             .sum(),
         others,

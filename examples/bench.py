@@ -83,6 +83,9 @@ VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             "tb_priority": {"admission": {"objectives": {"interactive": 100, "bulk": 0}}},
             # Holding also while every node has more than 500 ms of prompts queued.
             "tb_queued": {"admission": {"max_queued_ms": 500}},
+            # A request that no node has room for once it may wait no longer is answered 429
+            # with Retry-After instead of being sent over the VRAM ceiling.
+            "tb_reject_full": {"admission": {"when_full": "reject"}},
             # Every node polled every tick, quiet or not (quiet_poll_ms = the tick).
             "tb_every_tick": {"quiet_poll_ms": SHIPPED_TICK_MS}}
 # Envoy's own ring_hash, hashing the header a stock-Envoy user would set for affinity (the
@@ -223,6 +226,10 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         final = {n.name: n.health() for n in cluster.nodes}
         engines = {n.name: n.stats() for n in cluster.nodes}
         (out_dir / f"nodes_{policy}.json").write_text(json.dumps(sampler.samples))
+        # The filter's own counters and gauges at the end (held, refused, routed over the
+        # ceiling...), for looking into a run.
+        if policy in ("naive_seed", "token_balancer", *VARIANTS):
+            (out_dir / f"filter_{policy}.json").write_text(json.dumps(envoy.counters(), sort_keys=True))
         doc = json.loads(raw.read_text())
         doc["summary"]["vram_overflow_events"] = sum(h["vram_overflow_events"] for h in final.values())
         doc["summary"]["vram_overflow_events_per_node"] = {k: h["vram_overflow_events"] for k, h in final.items()}
@@ -259,7 +266,7 @@ def pct(x) -> str:
 def table(results: dict[str, dict]) -> str:
     nodes = [n for n, _ in CLUSTER]
     head = ("| policy | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | TPOT mean / p99 (ms) "
-            "| output tok/s | VRAM overflows | errors | prefix hits (bound) | share per node ("
+            "| output tok/s | VRAM overflows | errors (refused) | prefix hits (bound) | share per node ("
             + " / ".join(nodes) + ") |")
     lines = [head, "|" + "---|" * 9]
     for policy, doc in results.items():
@@ -269,7 +276,7 @@ def table(results: dict[str, dict]) -> str:
         share = " / ".join(f"{100 * s['requests_per_node'].get(n, 0) / total:.0f}%" for n in nodes)
         lines.append(f"| {policy} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} "
                      f"| {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} | {fmt(p['mean'], 1)} / {fmt(p['p99'], 1)} "
-                     f"| {fmt(s['output_tokens_per_s'])} | {s['vram_overflow_events']} | {s['errors']} "
+                     f"| {fmt(s['output_tokens_per_s'])} | {s['vram_overflow_events']} | {s['errors']} ({s.get('refused', 0)}) "
                      f"| {pct(s.get('engine_prefix_hit_rate'))} ({pct(s.get('prefix_bound'))}) | {share} |")
     return "\n".join(lines)
 

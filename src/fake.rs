@@ -67,6 +67,15 @@ pub struct World {
     cas: u32,
     /// Header writes fail (Envoy refusing them).
     pub refuse_headers: bool,
+    /// The wake-up queues registered, by name, each with the tokens in it.
+    pub queues: Vec<(String, u32)>,
+    /// The context whose callback is running (`enter`): `current` moves with
+    /// `set_effective_context`, this does not.
+    pub caller: u32,
+    /// Local replies sent for a stream other than the one whose callback was running, as
+    /// (caller, stream answered). Envoy stops the caller's own processing after such a reply
+    /// when the caller is a stream in a request or response callback.
+    pub answered_for_others: Vec<(u32, u32)>,
 }
 
 fn get<'a>(list: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -97,7 +106,14 @@ impl FakeHost {
 
     /// Makes `context_id` the effective context (Envoy does before each callback).
     pub fn enter(&self, context_id: u32) {
-        self.world().current = context_id;
+        let mut w = self.world();
+        w.current = context_id;
+        w.caller = context_id;
+    }
+
+    /// Tokens waiting in the wake-up queue registered as `name`-something, if any is.
+    pub fn queued(&self) -> u32 {
+        self.world().queues.iter().map(|(_, n)| n).sum()
     }
 
     /// The stream of `context_id`, made if new.
@@ -252,6 +268,10 @@ impl Host for FakeHost {
     ) -> Result<(), Status> {
         self.log("send_response".into());
         let mut w = self.world();
+        if w.caller != w.current {
+            let pair = (w.caller, w.current);
+            w.answered_for_others.push(pair);
+        }
         let s = w.stream();
         s.reply = Some(status);
         s.response = headers
@@ -271,6 +291,33 @@ impl Host for FakeHost {
     fn resume_request(&self) {
         self.log("resume_request".into());
         self.world().stream().resumed += 1;
+    }
+
+    fn register_queue(&self, name: &str) -> Option<u32> {
+        let mut w = self.world();
+        w.queues.push((name.to_string(), 0));
+        Some(w.queues.len() as u32)
+    }
+
+    fn wake(&self, queue: u32) {
+        self.log("wake".into());
+        if let Some((_, n)) = self
+            .world()
+            .queues
+            .get_mut((queue as usize).wrapping_sub(1))
+        {
+            *n += 1;
+        }
+    }
+
+    fn drain_queue(&self, queue: u32) {
+        if let Some((_, n)) = self
+            .world()
+            .queues
+            .get_mut((queue as usize).wrapping_sub(1))
+        {
+            *n = 0;
+        }
     }
 
     fn dispatch(

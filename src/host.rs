@@ -61,6 +61,14 @@ pub trait Host: Store + Clone + 'static {
     /// Lets the effective context's paused request go on.
     fn resume_request(&self);
 
+    /// Registers this VM's wake-up queue under `name` (unique to the VM): whatever is put in
+    /// it brings the root context an `on_queue_ready` soon after. `None` when the host refuses.
+    fn register_queue(&self, name: &str) -> Option<u32>;
+    /// Puts a token in the queue `queue`, for the root context to wake on.
+    fn wake(&self, queue: u32);
+    /// Empties the queue `queue` (the root context woke).
+    fn drain_queue(&self, queue: u32);
+
     /// Starts an HTTP callout through `cluster`; its answer comes to the root context with
     /// the returned token.
     fn dispatch(
@@ -190,6 +198,25 @@ impl Host for Envoy {
 
     fn resume_request(&self) {
         let _ = hostcalls::resume_http_request();
+    }
+
+    fn register_queue(&self, name: &str) -> Option<u32> {
+        hostcalls::register_shared_queue(name).ok()
+    }
+
+    fn wake(&self, queue: u32) {
+        // A failure leaves the answers to the next tick.
+        let _ = hostcalls::enqueue_shared_queue(queue, Some(&[1]));
+    }
+
+    fn drain_queue(&self, queue: u32) {
+        // Bounded: the queue holds a token per wake-up, and a wake-up is sent at most once
+        // per callback.
+        for _ in 0..1024 {
+            if !matches!(hostcalls::dequeue_shared_queue(queue), Ok(Some(_))) {
+                break;
+            }
+        }
     }
 
     fn dispatch(

@@ -60,6 +60,7 @@ stats! {
     RejectedTtftBudget Counter "token_balancer.rejected.ttft_budget",
     RejectedTtftBudgetHeld Counter "token_balancer.rejected.ttft_budget_held",
     RejectedShed Counter "token_balancer.rejected.shed",
+    RejectedFull Counter "token_balancer.rejected.full",
     AdmissionBadHeader Counter "token_balancer.admission.bad_header",
     ClientRoutingHeaderRemoved Counter "token_balancer.client_routing_header_removed",
     ExplainGranted Counter "token_balancer.explain.granted",

@@ -22,7 +22,7 @@
 
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::state::{admit_held, Placement, Shared, State, Waiting};
+use crate::state::{admit_held, Placement, Replies, Shared, State, Waiting};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
@@ -131,7 +131,7 @@ impl<H: Host> Request<H> {
             return false;
         };
         if new_reports {
-            admit_held(&self.state, self.context_id);
+            admit_held(&self.state, self.context_id, Replies::Later);
         }
         let headers = vec![
             ("content-type", "application/json"),
@@ -163,7 +163,7 @@ impl<H: Host> Request<H> {
         // A reader decides on the poller's fleet and every worker's books, or not at all.
         let (usable, new_reports) = self.with(|s| s.sync_fleet(now)).unwrap_or((true, false));
         if new_reports {
-            admit_held(&self.state, self.context_id);
+            admit_held(&self.state, self.context_id, Replies::Later);
         }
         // Before the poller's first snapshot a request may wait for it (a cold start, see
         // `Balancer::warming`); a fleet lost later is not waited for.
@@ -181,10 +181,12 @@ impl<H: Host> Request<H> {
             let m = model.as_deref();
             // Whether the fleet is saturated for the request is asked whenever holding is on:
             // the queue then says whether it takes it (it may shed a lower priority for it,
-            // or be full). A sheddable request is asked even with holding off: it is then
-            // answered, never routed over the ceiling.
+            // or be full). A sheddable request is asked even with holding off, and so is every
+            // request with `when_full: reject`: it is then answered, never routed over the
+            // ceiling.
+            let rejects = s.held.rejects_when_full();
             let terms = Terms {
-                may_hold: s.held.holds() || claim.sheddable(),
+                may_hold: s.held.holds() || claim.sheddable() || rejects,
                 ttft_left_ms: claim.ttft_ms,
                 tpot_ms: claim.tpot_ms,
                 lane: s.held.others_active(claim.tenant, now),
@@ -217,14 +219,22 @@ impl<H: Host> Request<H> {
                             s.metrics.bump(Stat::Held);
                             s.metrics.shift(Stat::HeldNow, 1);
                             // Lower priorities shed to make room for this one are answered.
-                            s.shed_held(shed, now, id);
+                            s.shed_held(shed, now, id, Replies::Later);
                             return Err(placement);
                         }
                         // Full (in count or bytes), or holding off (a sheddable request at a
-                        // cold start): route over the ceiling now.
+                        // cold start, or any with `when_full: reject`): answered with
+                        // `when_full: reject` unless nothing is known yet, routed over the
+                        // ceiling now otherwise.
                         Err(_) => {
                             if s.held.holds() {
                                 s.metrics.bump(Stat::HeldQueueFull);
+                            }
+                            if rejects && !s.balancer.warming(now) {
+                                let retry_after_ms =
+                                    s.held.wait_ms(claim.priority, weight, &s.balancer, now);
+                                let full = Outcome::Full { retry_after_ms };
+                                return Ok(s.place(full, weight, m, None, reads, explain));
                             }
                             let terms = Terms {
                                 may_hold: false,
@@ -305,6 +315,9 @@ impl<H: Host> Request<H> {
             self.with(|s| {
                 if s.held.remove(id).is_some() {
                     s.metrics.shift(Stat::HeldNow, -1);
+                    s.metrics.bump(Stat::HeldClientGone);
+                } else if s.forget_unanswered(id) {
+                    // It had left the queue, to be answered from the root context.
                     s.metrics.bump(Stat::HeldClientGone);
                 }
             });
@@ -492,7 +505,7 @@ impl<H: Host> HttpContext for Request<H> {
         self.leave_queue();
         self.release();
         // The room this stream held may let a held request go.
-        admit_held(&self.state, self.context_id);
+        admit_held(&self.state, self.context_id, Replies::Now);
     }
 }
 
@@ -518,7 +531,7 @@ impl<H: Host> Request<H> {
             if let Some(Verdict::Routed(route)) = self.decision.as_mut().map(|d| &mut d.verdict) {
                 route.served_by = Some(upstream);
             }
-            admit_held(&self.state, self.context_id);
+            admit_held(&self.state, self.context_id, Replies::Later);
         }
     }
 
@@ -549,7 +562,7 @@ impl<H: Host> Request<H> {
                 let now = self.host.now_ms();
                 self.first_token_ms = Some(now);
                 self.paced = Some((now, received));
-                admit_held(&self.state, self.context_id);
+                admit_held(&self.state, self.context_id, Replies::Later);
             } else if let Some((since, from)) = self.paced {
                 // Every `PACE_STEP` tokens, the pace the node decodes at now, while budgets are
                 // in use (a clock read each time).

@@ -16,7 +16,7 @@ use crate::host::Host;
 use crate::metrics::Stat;
 use crate::request::Request;
 use crate::roles::Role;
-use crate::state::{admit_held, Shared, State};
+use crate::state::{admit_held, Replies, Shared, State};
 use log::error;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
@@ -145,7 +145,7 @@ impl<H: Host> Context for Root<H> {
         };
         if fresh {
             // A fresh report may show room for held requests.
-            admit_held(&self.state, self.context_id);
+            admit_held(&self.state, self.context_id, Replies::Now);
         }
     }
 }
@@ -188,6 +188,13 @@ impl<H: Host> RootContext for Root<H> {
                         self.host.resume_request();
                     }
                 }
+                // Those waiting to be answered go on too (they already left the queue).
+                for (held, _) in old.unanswered.drain(..) {
+                    old.metrics.bump(Stat::HeldReconfigured);
+                    if self.host.set_effective_context(held.id).is_ok() {
+                        self.host.resume_request();
+                    }
+                }
                 let _ = self.host.set_effective_context(self.context_id);
             }
             *guard = Some(state);
@@ -213,7 +220,13 @@ impl<H: Host> RootContext for Root<H> {
             self.host.set_tick_period(Duration::from_millis(period));
         }
         // Held requests past their limit leave on the tick, whatever else happens.
-        admit_held(&self.state, self.context_id);
+        admit_held(&self.state, self.context_id, Replies::Now);
+    }
+
+    /// A stream's callback let held requests go that the filter answers (see
+    /// `state::Replies`): they are answered now.
+    fn on_queue_ready(&mut self, _queue_id: u32) {
+        admit_held(&self.state, self.context_id, Replies::Now);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

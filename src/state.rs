@@ -34,6 +34,11 @@ pub struct State<H> {
     pub metrics: Metrics<H>,
     /// Requests waiting for a node with VRAM room (see `admission`).
     pub held: HoldQueue<Placement>,
+    /// Requests that left the hold queue to be answered by the filter, let go during another
+    /// stream's callback: they are answered from the root context (see `Replies`).
+    pub unanswered: Vec<(Held<Placement>, Outcome)>,
+    /// The queue that wakes the root context to answer them (`None`: the next tick does).
+    pub wake_queue: Option<u32>,
     /// What this VM does besides routing, with that role's own state.
     pub role: Role,
 }
@@ -73,6 +78,8 @@ impl<H: Host> State<H> {
             config.nodes.iter().map(|n| n.address.as_str()),
         );
         let mut balancer = Balancer::new(&config);
+        // Unique to this VM: every worker's VM registers its own.
+        let wake_queue = host.register_queue(&format!("token_balancer.wake.{seed:016x}"));
         // A reader's placements are published for the other workers' prefix indexes.
         balancer.keep_placements(matches!(role, Role::Reader(_)));
         State {
@@ -81,7 +88,10 @@ impl<H: Host> State<H> {
             rng: SplitMix64::new(seed),
             metrics,
             held: HoldQueue::new(config.max_held_requests, config.max_hold_ms)
-                .with_max_bytes(config.admission.max_held_bytes),
+                .with_max_bytes(config.admission.max_held_bytes)
+                .when_full(config.admission.when_full),
+            unanswered: Vec::new(),
+            wake_queue,
             config: Rc::new(config),
             role,
         }
@@ -204,6 +214,9 @@ impl<H: Host> State<H> {
             Outcome::Shed { retry_after_ms } => {
                 self.refuse(Answer::Shed, retry_after_ms, cap, model, held_ms, explain)
             }
+            Outcome::Full { retry_after_ms } => {
+                self.refuse(Answer::Full, retry_after_ms, cap, model, held_ms, explain)
+            }
             Outcome::TooLate { retry_after_ms } => {
                 let why = if held_ms.is_some() {
                     Answer::LateWhileHeld
@@ -243,6 +256,15 @@ impl<H: Host> State<H> {
         self.publish_placements();
         self.metrics.bump(Stat::ServedElsewhere);
         Some(moved)
+    }
+
+    /// Whether `place` answers a request with this outcome itself (a local reply).
+    fn answers(&self, outcome: &Outcome) -> bool {
+        match outcome {
+            Outcome::Shed { .. } | Outcome::TooLate { .. } | Outcome::Full { .. } => true,
+            Outcome::UnknownModel => self.config.unknown_model == UnknownModel::Reject,
+            _ => false,
+        }
     }
 
     /// Answers the effective request with the configured status (429 or 503), a
@@ -345,6 +367,8 @@ enum Answer {
     LateWhileHeld,
     /// Below priority 0, it arrived at a saturated fleet (or a full hold queue).
     Shed,
+    /// No node had room for it and it could wait no longer (`admission.when_full: reject`).
+    Full,
 }
 
 impl Answer {
@@ -354,6 +378,7 @@ impl Answer {
             Answer::UnknownModel => "unknown_model",
             Answer::Late | Answer::LateWhileHeld => "ttft_budget",
             Answer::Shed => "shed",
+            Answer::Full => "full",
         }
     }
 
@@ -363,6 +388,7 @@ impl Answer {
             Answer::Late => Stat::RejectedTtftBudget,
             Answer::LateWhileHeld => Stat::RejectedTtftBudgetHeld,
             Answer::Shed => Stat::RejectedShed,
+            Answer::Full => Stat::RejectedFull,
         }
     }
 }
@@ -373,6 +399,9 @@ fn refused_body(why: Answer, status: u32, retry_after_s: u64) -> Vec<u8> {
     let message = match why {
         Answer::Shed => format!(
             "The service is saturated and this request's priority may be shed; retry after {retry_after_s} s."
+        ),
+        Answer::Full => format!(
+            "Every server's memory is full and this request could wait no longer for room; retry after {retry_after_s} s."
         ),
         _ => format!(
             "No server can serve this request within its latency budget (time to first token, time per output token); retry after {retry_after_s} s."
@@ -408,7 +437,13 @@ fn model_not_found_body(model: &str) -> Vec<u8> {
 impl<H: Host> State<H> {
     /// Answers the held requests the queue shed to make room for a higher priority
     /// (`HoldQueue::push`), each in its own stream (see `let_go`).
-    pub fn shed_held(&mut self, shed: Vec<Held<Placement>>, now: u64, current: u32) {
+    pub fn shed_held(
+        &mut self,
+        shed: Vec<Held<Placement>>,
+        now: u64,
+        current: u32,
+        replies: Replies,
+    ) {
         let shed = shed
             .into_iter()
             .map(|held| {
@@ -418,19 +453,60 @@ impl<H: Host> State<H> {
                 (held, Outcome::Shed { retry_after_ms })
             })
             .collect();
-        self.let_go(shed, now, current);
+        self.let_go(shed, now, current, replies);
     }
 
     /// Lets requests out of the hold queue with their outcomes: each is placed in its own
     /// stream (`place`), its placement left for the request to adopt, and resumed unless the
     /// filter answered it. Envoy defers the resumption until this VM call returns, so no
     /// callback re-enters the VM here. `current` is the context this runs in, restored as the
-    /// effective context afterwards.
-    fn let_go(&mut self, left: Vec<(Held<Placement>, Outcome)>, now: u64, current: u32) {
+    /// effective context afterwards. With `Replies::Later` the ones to be answered wait in
+    /// `unanswered` for the root context, woken for them.
+    fn let_go(
+        &mut self,
+        left: Vec<(Held<Placement>, Outcome)>,
+        now: u64,
+        current: u32,
+        replies: Replies,
+    ) {
         if left.is_empty() {
             return;
         }
         self.metrics.shift(Stat::HeldNow, -(left.len() as i64));
+        let (later, now_too): (Vec<_>, Vec<_>) = left
+            .into_iter()
+            .partition(|(_, outcome)| replies == Replies::Later && self.answers(outcome));
+        if !later.is_empty() {
+            self.unanswered.extend(later);
+            if let Some(queue) = self.wake_queue {
+                self.host.wake(queue);
+            }
+        }
+        self.release(now_too, now, current);
+    }
+
+    /// Answers the requests let go during another stream's callback (`Replies::Later`); from
+    /// a root context callback.
+    pub fn answer_unanswered(&mut self, now: u64, current: u32) {
+        if let Some(queue) = self.wake_queue {
+            self.host.drain_queue(queue);
+        }
+        let left = std::mem::take(&mut self.unanswered);
+        self.release(left, now, current);
+    }
+
+    /// Takes a request waiting to be answered out of `unanswered` (its client left first).
+    pub fn forget_unanswered(&mut self, id: u32) -> bool {
+        let before = self.unanswered.len();
+        self.unanswered.retain(|(h, _)| h.id != id);
+        self.unanswered.len() < before
+    }
+
+    /// Places each request that left the queue in its own stream (see `let_go`).
+    fn release(&mut self, left: Vec<(Held<Placement>, Outcome)>, now: u64, current: u32) {
+        if left.is_empty() {
+            return;
+        }
         for (held, outcome) in left {
             if self.host.set_effective_context(held.id).is_err() {
                 // The stream is gone without its end being seen: give the booking back.
@@ -461,19 +537,41 @@ impl<H: Host> State<H> {
     }
 }
 
+/// Whether the callback that lets held requests go may answer them itself now.
+///
+/// Envoy's proxy-wasm host stops the processing of the stream whose callback is running after
+/// any local reply sent during it, whichever stream the reply was for (it raises one flag per
+/// VM, `stopNextIteration`, that turns the callback's result into a stop). A request routed
+/// in that callback would then never go upstream, and a response never reach its client. So
+/// a stream's request and response callbacks answer no other stream: those answers wait for
+/// the root context (`Later`), which a wake-up queue brings at once (the tick otherwise). Root
+/// callbacks and a stream's `on_log`, whose results are not a filter status, answer `Now`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replies {
+    Now,
+    Later,
+}
+
 /// Routes the held requests that now have a node (or have waited long enough, or can no
 /// longer meet their budget) and lets them go (`State::let_go`). Called from the root's
 /// callbacks and from a request's first token and end, which free room. `current` is the
-/// context this runs in.
-pub fn admit_held<H: Host>(state: &Shared<H>, current: u32) {
+/// context this runs in, and `replies` whether it may answer other streams now.
+pub fn admit_held<H: Host>(state: &Shared<H>, current: u32, replies: Replies) {
     let Ok(mut guard) = state.try_borrow_mut() else {
         return;
     };
     let Some(s) = guard.as_mut() else { return };
-    if s.held.is_empty() {
+    let answer = replies == Replies::Now && !s.unanswered.is_empty();
+    if !answer && s.held.is_empty() {
         return;
     }
     let now = s.host.now_ms();
+    if answer {
+        s.answer_unanswered(now, current);
+    }
+    if s.held.is_empty() {
+        return;
+    }
     let admitted = s.admit(now);
-    s.let_go(admitted, now, current);
+    s.let_go(admitted, now, current, replies);
 }

@@ -1,12 +1,15 @@
 """Holding under saturation, through the real Envoy: a request that every node would overflow
 waits in the filter (late binding) and goes to the first node that reports room; it is never
-lost — a request held past max_hold_ms is routed anyway, and one whose client leaves while held
+lost — a request held past max_hold_ms is routed anyway (or, with `admission.when_full:
+reject`, answered 429 with Retry-After and never sent), and one whose client leaves while held
 leaves the queue."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
+import random
 import socket
 
 import pytest
@@ -28,10 +31,10 @@ def cluster():
     c.stop()
 
 
-def start_envoy(cluster, max_hold_ms: int) -> Envoy:
+def start_envoy(cluster, max_hold_ms: int, **plugin) -> Envoy:
     cfg = envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
                        plugin={"tick_ms": TICK_MS, "stale_after_ms": 60_000,
-                               "max_hold_ms": max_hold_ms, "hold_kv_ceiling": 0.9})
+                               "max_hold_ms": max_hold_ms, "hold_kv_ceiling": 0.9, **plugin})
     return Envoy(cfg)
 
 
@@ -98,6 +101,33 @@ def test_a_request_held_past_the_limit_is_routed_anyway(cluster):
         envoy.stop()
 
 
+def test_with_when_full_reject_a_request_held_out_is_answered_429_and_never_sent(cluster):
+    envoy = start_envoy(cluster, max_hold_ms=300, admission={"when_full": "reject"})
+    try:
+        fill(cluster[0], 0.95)
+        fill(cluster[1], 0.99)
+        polls_seen(cluster)
+        before = served(cluster)
+        r = envoy.post("/v1/chat/completions", chat("hello", 4), timeout=20)
+        assert r.status == 429, r.body[:200]
+        assert int(r.headers["retry-after"]) >= 1
+        error = json.loads(r.body)["error"]
+        assert error["code"] == "rate_limit_exceeded" and "wait no longer" in error["message"], error
+        debug = r.headers["x-token-balancer"]
+        assert debug.startswith("rejected=full") and "held_ms=" in debug, debug
+        assert served(cluster) == before, "no node saw it"
+        assert envoy.counter("token_balancer.rejected.full") == 1
+        assert envoy.counter("token_balancer.held_routed_over_ceiling") == 0
+        assert envoy.counter("token_balancer.held_now") == 0
+        # With room, the same request is served.
+        cluster[1].reset_health()
+        polls_seen(cluster)
+        r = envoy.post("/v1/chat/completions", chat("hello", 4), timeout=20)
+        assert r.status == 200 and r.headers["x-mock-node"] == "node-b", r.body[:200]
+    finally:
+        envoy.stop()
+
+
 def test_a_client_that_leaves_while_held_leaves_the_queue(cluster):
     envoy = start_envoy(cluster, max_hold_ms=60_000)
     try:
@@ -158,3 +188,34 @@ def test_at_a_cold_start_a_request_waits_for_the_first_reports(cluster, poller):
         assert r.status == 200 and "held_ms" not in r.headers.get("x-token-balancer", ""), r.headers
     finally:
         envoy.stop()
+
+
+def test_under_refusals_every_request_is_answered():
+    """With `when_full: reject`, many held requests are refused while other streams' callbacks
+    (a first token, an end) try the queue. Each is answered, 200 or 429, and none stalls: an
+    answer sent from another stream's callback would stop that stream inside Envoy."""
+    nodes = MockCluster([("l4-a", "gpu=l4,kv_tokens=6000"), ("l4-b", "gpu=l4,kv_tokens=6000")], time_scale=4)
+    plugin = {"tick_ms": 50, "stale_after_ms": 500, "max_hold_ms": 300, "admission": {"when_full": "reject"}}
+    cfg = envoy_config([n.address for n in nodes.nodes], free_port(), free_port(), plugin=plugin,
+                       poller="singleton")
+    envoy = Envoy(cfg, concurrency=2)
+    try:
+        wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 4, 10, "first reports")
+        rng = random.Random(1)
+        bodies = [chat("w " * rng.choice([300, 1500, 3000]), rng.choice([100, 400, 800])) for _ in range(600)]
+
+        def one(body):
+            try:
+                return envoy.post("/v1/chat/completions", body, timeout=30).status
+            except OSError as e:
+                return repr(e)
+
+        with concurrent.futures.ThreadPoolExecutor(48) as pool:
+            statuses = collections.Counter(pool.map(one, bodies))
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses[429] > 0 and statuses[200] > 0, statuses
+        assert envoy.counter("token_balancer.rejected.full") == statuses[429]
+        assert envoy.counter("token_balancer.held_now") == 0
+    finally:
+        envoy.stop()
+        nodes.stop()

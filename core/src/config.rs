@@ -195,6 +195,22 @@ pub struct AdmissionConfig {
     /// or waits; a shorter one goes where its first token comes soonest. 0 (default) keeps no
     /// node.
     pub short_lane_ms: u64,
+    /// What becomes of a request that no node has room for and that may wait no longer: held
+    /// for `max_hold_ms`, or finding the hold queue full (or holding off).
+    pub when_full: WhenFull,
+}
+
+/// What becomes of a request that no node has room for once it may wait no longer
+/// (`admission.when_full`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WhenFull {
+    /// It goes to the node that would overflow least (the default): every request is served,
+    /// and an engine may preempt to make room.
+    #[default]
+    Route,
+    /// The filter answers it itself with `reject_status` and a `Retry-After`: no request is
+    /// sent where it would overflow a node's cache.
+    Reject,
 }
 
 impl Default for AdmissionConfig {
@@ -211,6 +227,7 @@ impl Default for AdmissionConfig {
             max_held_bytes: 64 << 20,
             max_queued_ms: 0,
             short_lane_ms: 0,
+            when_full: WhenFull::Route,
         }
     }
 }
@@ -227,6 +244,7 @@ const ADMISSION_FIELDS: &[&str] = &[
     "max_held_bytes",
     "max_queued_ms",
     "short_lane_ms",
+    "when_full",
 ];
 
 /// The most objectives `admission.objectives` lists.
@@ -286,6 +304,16 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
             "must be below `admission.max_queued_ms` (the lane is a node queued less than the rest may be), or 0",
         ));
     }
+    let when_full = match f.string("when_full")?.as_deref() {
+        None | Some("route") => WhenFull::Route,
+        Some("reject") => WhenFull::Reject,
+        Some(other) => {
+            return Err(err(
+                f.name("when_full"),
+                format!("{other:?} is not a choice (route, reject)"),
+            ))
+        }
+    };
     let a = AdmissionConfig {
         objective_header: header_name(&f, "objective_header", &d.objective_header)?,
         objectives,
@@ -298,6 +326,7 @@ fn parse_admission(value: &Value) -> Result<AdmissionConfig, ConfigError> {
         max_held_bytes,
         max_queued_ms,
         short_lane_ms,
+        when_full,
     };
     // Each header is read for one meaning only.
     let mut seen: Vec<(&str, &str)> = vec![
@@ -1401,11 +1430,12 @@ mod tests {
         assert!(a.objectives.is_empty() && a.priority_header.is_none());
         assert!(a.fairness_from_user);
         assert_eq!((a.reject_status, a.max_held_bytes), (429, 64 << 20));
+        assert_eq!(a.when_full, WhenFull::Route);
         let c = Config::parse(
             br#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":"h","admission":{
                  "objectives":{"premium":100,"batch":-10},"priority_header":"x-priority",
                  "fairness_header":"x-tenant","fairness_from_user":false,"ttft_header":"x-ttft",
-                 "reject_status":503,"max_held_bytes":1000}}"#,
+                 "reject_status":503,"max_held_bytes":1000,"when_full":"reject"}}"#,
         )
         .unwrap();
         let a = c.admission;
@@ -1422,6 +1452,7 @@ mod tests {
         );
         assert_eq!(a.ttft_header, "x-ttft");
         assert_eq!((a.reject_status, a.max_held_bytes), (503, 1000));
+        assert_eq!(a.when_full, WhenFull::Reject);
     }
 
     /// Every rejected `admission` names its field, down to the objective at fault.
@@ -1488,6 +1519,16 @@ mod tests {
                 with(r#"{"fairness_from_user":"yes"}"#),
                 "admission.fairness_from_user",
                 "true or false",
+            ),
+            (
+                with(r#"{"when_full":"drop"}"#),
+                "admission.when_full",
+                "not a choice (route, reject)",
+            ),
+            (
+                with(r#"{"when_full":true}"#),
+                "admission.when_full",
+                "string",
             ),
             (
                 with(r#"{"reject_status":500}"#),

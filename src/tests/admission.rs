@@ -144,6 +144,142 @@ fn a_queue_full_in_bytes_routes_at_once_and_says_so() {
 }
 
 #[test]
+fn with_when_full_reject_a_request_held_out_is_answered_429_not_sent_over_the_ceiling() {
+    let json = config(
+        r#","max_hold_ms":1500,"choices":0,"debug_header":"x-debug","admission":{"when_full":"reject"}"#,
+    );
+    let (host, mut root) = reported(&json, FULL);
+    let (_req, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(2).reply, None, "held first");
+    host.advance(1000);
+    tick(&host, &mut root);
+    answer_health(&host, &mut root, FULL);
+    assert_eq!(host.stream(2).reply, None, "1 s of 1.5 s");
+    host.advance(1000);
+    tick(&host, &mut root);
+    assert_eq!(host.stream(2).reply, Some(429));
+    assert_eq!(host.stream(2).resumed, 0, "answered, never resumed");
+    assert!(host.response_header_of(2, "retry-after").is_some());
+    assert_eq!(
+        host.response_header_of(2, "x-debug").as_deref(),
+        Some("rejected=full; held_ms=2000")
+    );
+    let sent: serde_json::Value =
+        serde_json::from_slice(&host.stream(2).response_body).expect("JSON error body");
+    assert_eq!(sent["error"]["code"], "rate_limit_exceeded");
+    assert!(sent["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("could wait no longer"));
+    assert_eq!(host.metric("token_balancer.rejected.full"), 1);
+    assert_eq!(host.metric("token_balancer.held_routed_over_ceiling"), 0);
+    assert_eq!(host.metric("token_balancer.routed"), 0);
+    assert_eq!(host.metric("token_balancer.held_now"), 0);
+    assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0, "nothing booked");
+}
+
+#[test]
+fn with_when_full_reject_a_full_queue_or_no_holding_answers_at_once() {
+    let json = config(
+        r#","max_hold_ms":60000,"choices":0,"admission":{"max_held_bytes":100,"when_full":"reject"}"#,
+    );
+    let (host, root) = reported(&json, FULL);
+    let (_a, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(2).reply, None, "held");
+    let (_b, action) = post_with(&host, &root, 3, BODY, &[]);
+    assert_eq!(action, Action::Pause, "answered by the filter");
+    assert_eq!(host.stream(3).reply, Some(429));
+    assert!(host.response_header_of(3, "retry-after").is_some());
+    assert_eq!(host.metric("token_balancer.held_queue_full"), 1);
+    assert_eq!(host.metric("token_balancer.rejected.full"), 1);
+    assert_eq!(host.metric("token_balancer.routed_over_vram_ceiling"), 0);
+
+    // Holding off: no room is answered at once, with the configured status.
+    let json = config(r#","choices":0,"admission":{"when_full":"reject","reject_status":503}"#);
+    let (host, root) = reported(&json, FULL);
+    let (_c, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(2).reply, Some(503));
+    assert_eq!(host.metric("token_balancer.rejected.full"), 1);
+    assert_eq!(host.metric("token_balancer.held"), 0);
+    // With room, it is routed as usual.
+    let (host, root) = reported(&json, IDLE);
+    let (_d, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.metric("token_balancer.rejected.full"), 0);
+}
+
+/// Node A routed stream 2 while it had room; then both nodes fill, request 3 is held, and its
+/// hold runs out. Stream 2's first token tries the queue, and request 3 is to be refused. An
+/// answer sent during stream 2's callback would stop stream 2 itself in Envoy, so request 3
+/// is answered from the root context, which the wake-up queue brings.
+fn held_out_during_another_streams_callback() -> (FakeHost, Root<FakeHost>, Request<FakeHost>) {
+    let json = config(
+        r#","max_hold_ms":1500,"stale_after_ms":60000,"choices":0,"admission":{"when_full":"reject"}"#,
+    );
+    let (host, mut root) = reported(&json, IDLE);
+    let (mut running, action) = post_with(&host, &root, 2, BODY, &[]);
+    assert_eq!(action, Action::Continue);
+    host.advance(1000);
+    tick(&host, &mut root);
+    answer_health(&host, &mut root, FULL);
+    let (held, action) = post_with(&host, &root, 3, BODY, &[]);
+    assert_eq!(action, Action::Pause, "held");
+    host.advance(2000);
+    respond(&host, &mut running, 2, "200");
+    let event = b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n".to_vec();
+    host.stream(2).response_body = event.clone();
+    host.enter(2);
+    assert_eq!(
+        running.on_http_response_body(event.len(), false),
+        Action::Continue
+    );
+    assert_eq!(host.stream(3).reply, None, "not from stream 2's callback");
+    assert!(host.world().answered_for_others.is_empty());
+    assert_eq!(
+        host.metric("token_balancer.held_now"),
+        0,
+        "it left the queue"
+    );
+    (host, root, held)
+}
+
+#[test]
+fn a_refusal_let_go_in_another_streams_callback_is_answered_from_the_root_context() {
+    let (host, mut root, _held) = held_out_during_another_streams_callback();
+    assert_eq!(host.queued(), 1, "the root context is woken");
+    host.enter(ROOT);
+    root.on_queue_ready(1);
+    assert_eq!(host.stream(3).reply, Some(429));
+    assert_eq!(host.stream(3).resumed, 0);
+    assert!(host.response_header_of(3, "retry-after").is_some());
+    assert_eq!(host.metric("token_balancer.rejected.full"), 1);
+    assert_eq!(host.queued(), 0, "the queue is emptied");
+    // Nothing is left to answer on the next tick.
+    host.advance(1000);
+    tick(&host, &mut root);
+    assert_eq!(host.metric("token_balancer.rejected.full"), 1);
+}
+
+#[test]
+fn a_refusal_waiting_for_the_root_context_is_answered_on_the_tick_or_dropped_with_its_client() {
+    // Without the wake-up, the next tick answers it.
+    let (host, mut root, _held) = held_out_during_another_streams_callback();
+    tick(&host, &mut root);
+    assert_eq!(host.stream(3).reply, Some(429));
+    // A client that leaves first is counted as gone and not answered.
+    let (host, mut root, mut held) = held_out_during_another_streams_callback();
+    end(&host, &mut held, 3);
+    assert_eq!(host.metric("token_balancer.held_client_gone"), 1);
+    host.enter(ROOT);
+    root.on_queue_ready(1);
+    assert_eq!(host.stream(3).reply, None);
+    assert_eq!(host.metric("token_balancer.rejected.full"), 0);
+}
+
+#[test]
 fn a_client_that_leaves_while_held_is_counted() {
     let (host, root) = reported(&config(r#","max_hold_ms":60000,"choices":0"#), FULL);
     let (mut req, _) = post_with(&host, &root, 2, BODY, &[]);
@@ -250,13 +386,23 @@ fn a_full_queue_sheds_a_lower_priority_for_a_higher_one() {
     let json = config(
         r#","max_hold_ms":60000,"max_held_requests":1,"choices":0,"admission":{"objectives":{"premium":100}}"#,
     );
-    let (host, root) = reported(&json, FULL);
+    let (host, mut root) = reported(&json, FULL);
     let (_standard, action) = post_with(&host, &root, 2, BODY, &[]);
     assert_eq!(action, Action::Pause);
     let objective = "x-gateway-inference-objective";
     let (_premium, action) = post_with(&host, &root, 3, BODY, &[(objective, "premium")]);
     assert_eq!(action, Action::Pause, "held in its place");
     assert_eq!(host.stream(3).reply, None);
+    // Shed during request 3's own callback, it is answered from the root context.
+    assert_eq!(host.stream(2).reply, None);
+    assert!(host.world().answered_for_others.is_empty());
+    assert_eq!(
+        host.world().current,
+        3,
+        "the effective context is the request's again"
+    );
+    host.enter(ROOT);
+    root.on_queue_ready(1);
     assert_eq!(
         host.stream(2).reply,
         Some(429),
@@ -266,11 +412,6 @@ fn a_full_queue_sheds_a_lower_priority_for_a_higher_one() {
     assert_eq!(host.stream(2).resumed, 0);
     assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
     assert_eq!(host.metric("token_balancer.held_now"), 1);
-    assert_eq!(
-        host.world().current,
-        3,
-        "the effective context is the request's again"
-    );
     // Another standard request finds the queue full of a higher priority: routed at once.
     let (_late, action) = post_with(&host, &root, 4, BODY, &[]);
     assert_eq!(action, Action::Continue);

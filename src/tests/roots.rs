@@ -23,6 +23,7 @@ const NAMES: &[&str] = &[
     "rejected.ttft_budget",
     "rejected.ttft_budget_held",
     "rejected.shed",
+    "rejected.full",
     "admission.bad_header",
     "client_routing_header_removed",
     "explain.granted",

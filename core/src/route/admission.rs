@@ -33,7 +33,10 @@
 //! Limits. The queue is bounded in requests and in body bytes (what Envoy buffers for a
 //! paused request); a request that finds it full sheds held requests of a lower priority to
 //! make room (the glue answers them as shed), or, when there are none, is not held. A request held for `max_hold_ms`
-//! is routed anyway, to the node that overflows least. A stream that ends while held leaves
+//! is routed anyway, to the node that overflows least; with `admission.when_full: reject` it
+//! is answered instead (`Outcome::Full`) when no node has room for it yet, as is one that
+//! finds the queue full, so that no request is sent where a cache would overflow (Dynamo's
+//! router answers a full queue the same way). A stream that ends while held leaves
 //! (`remove`), and a reconfiguration lets every held request go (`drain`). The queue is
 //! generic over what the glue keeps per request, so it is tested natively.
 //!
@@ -41,6 +44,7 @@
 //! known when it leaves (a list learned meanwhile counts), so it may also leave as
 //! `UnknownModel` if the last node serving its model stopped listing it.
 
+use crate::config::WhenFull;
 use crate::ingest::claim::Claim;
 use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
@@ -120,6 +124,8 @@ pub struct HoldQueue<T> {
     max_len: usize,
     max_bytes: u64,
     max_hold_ms: u64,
+    /// What becomes of a request held `max_hold_ms` that still finds no room.
+    when_full: WhenFull,
     bytes: u64,
     /// Virtual token counters: tokens served per tenant (see the module).
     served: HashMap<u64, f64>,
@@ -138,6 +144,7 @@ impl<T> HoldQueue<T> {
             max_len,
             max_bytes: u64::MAX,
             max_hold_ms,
+            when_full: WhenFull::Route,
             bytes: 0,
             served: HashMap::new(),
             recent: [None; 2],
@@ -147,6 +154,18 @@ impl<T> HoldQueue<T> {
     /// The same queue, holding at most `max_bytes` of request bodies at once.
     pub fn with_max_bytes(self, max_bytes: u64) -> Self {
         HoldQueue { max_bytes, ..self }
+    }
+
+    /// The same queue, answering as `Outcome::Full` a request held `max_hold_ms` that still
+    /// finds no room, with `WhenFull::Reject` (it is routed over the ceiling otherwise).
+    pub fn when_full(self, when_full: WhenFull) -> Self {
+        HoldQueue { when_full, ..self }
+    }
+
+    /// Whether a request that no node has room for, and that cannot wait here, is answered
+    /// rather than routed over the ceiling.
+    pub fn rejects_when_full(&self) -> bool {
+        self.when_full == WhenFull::Reject
     }
 
     /// Whether a request that finds every node over the ceiling may wait here now.
@@ -355,7 +374,8 @@ impl<T> HoldQueue<T> {
 
     /// Lets out what can go now, deciding with the books `books` gives (see
     /// `Balancer::route`): first the requests whose first-token budget has run out (`TooLate`,
-    /// to be answered), then those held `max_hold_ms` (routed even over the ceiling), then, in
+    /// to be answered), then those held `max_hold_ms` (routed even over the ceiling, or with
+    /// `WhenFull::Reject` answered as `Full` when no node has room), then, in
     /// the queue's order, every request the balancer finds a node with room for, until one
     /// must keep waiting.
     pub fn admit(
@@ -382,13 +402,16 @@ impl<T> HoldQueue<T> {
             .position(|h| now_ms.saturating_sub(h.since_ms) >= self.max_hold_ms)
         {
             let Some(h) = self.entries.get(at) else { break };
+            // Asked as if it could wait, so that "no room" comes back as such rather than as
+            // the least-bad node; a cold start is not a full fleet.
+            let reject = self.when_full == WhenFull::Reject && !balancer.warming(now_ms);
             let terms = Terms {
-                may_hold: false,
+                may_hold: reject,
                 ttft_left_ms: h.ttft_left_ms(now_ms),
                 tpot_ms: h.claim.tpot_ms,
                 lane: false,
             };
-            let outcome = balancer.route_on(
+            let outcome = match balancer.route_on(
                 h.weight,
                 h.model.as_deref(),
                 &h.chain,
@@ -396,7 +419,12 @@ impl<T> HoldQueue<T> {
                 rng,
                 terms,
                 books,
-            );
+            ) {
+                Outcome::Saturated if reject => Outcome::Full {
+                    retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
+                },
+                outcome => outcome,
+            };
             self.leave(at, outcome, now_ms, &mut out);
         }
         while let Some(at) = self.next() {
@@ -604,6 +632,70 @@ mod tests {
             }
         ));
         assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn with_when_full_reject_a_request_held_too_long_is_answered_when_no_node_has_room() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(3);
+        report(&mut b, 0.95, 0);
+        let mut q = HoldQueue::new(8, 1_000).when_full(WhenFull::Reject);
+        assert!(q.rejects_when_full());
+        q.put(1, w(10), None, Chain::NONE, 0, ()).unwrap();
+        q.put(2, w(10), None, Chain::NONE, 600, ()).unwrap();
+        let out = q.admit(1_000, &mut b, &mut rng, &mut OwnBooks);
+        assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
+        assert_eq!(out[0].0.id, 1);
+        assert!(
+            matches!(out[0].1, Outcome::Full { retry_after_ms } if retry_after_ms >= 1000),
+            "{:?}",
+            out[0].1
+        );
+        // Nothing was booked for it.
+        assert_eq!(b.nodes()[0].books().inflight_requests, 0);
+        // Room appears before the second's hold is out: it is routed under the ceiling.
+        report(&mut b, 0.1, 1_100);
+        let out = q.admit(1_600, &mut b, &mut rng, &mut OwnBooks);
+        assert!(matches!(
+            out[..],
+            [(ref h, Outcome::Routed { over_ceiling: false, .. })] if h.id == 2
+        ));
+    }
+
+    #[test]
+    fn with_when_full_reject_a_held_request_that_finds_room_at_its_deadline_is_routed() {
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(5);
+        report(&mut b, 0.95, 0);
+        let mut q = HoldQueue::new(8, 1_000).when_full(WhenFull::Reject);
+        q.put(1, w(10), None, Chain::NONE, 0, ()).unwrap();
+        // The room comes with the report that the deadline's event brings.
+        report(&mut b, 0.2, 1_000);
+        let out = q.admit(1_000, &mut b, &mut rng, &mut OwnBooks);
+        assert!(matches!(
+            out[..],
+            [(
+                _,
+                Outcome::Routed {
+                    over_ceiling: false,
+                    ..
+                }
+            )]
+        ));
+    }
+
+    #[test]
+    fn with_when_full_reject_a_cold_start_is_not_a_full_fleet() {
+        // No node has reported: a request held for the first reports is not refused at its
+        // deadline, it goes to Envoy's balancer.
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(6);
+        assert!(b.warming(0));
+        let mut q = HoldQueue::new(8, 1_000).when_full(WhenFull::Reject);
+        q.put(1, w(10), None, Chain::NONE, 0, ()).unwrap();
+        let out = q.admit(1_000, &mut b, &mut rng, &mut OwnBooks);
+        assert!(b.warming(1_000));
+        assert!(matches!(out[..], [(_, Outcome::NoFreshNodes)]), "{out:?}");
     }
 
     #[test]

@@ -84,6 +84,11 @@ pub enum Outcome {
     /// the hold queue) and the fleet is saturated: the caller answers it at once, telling it to
     /// come back in `retry_after_ms` (see `admission`). Never the balancer's own answer.
     Shed { retry_after_ms: u64 },
+    /// No node has room for the request and it may wait no longer (held `max_hold_ms`, or the
+    /// hold queue full), with `admission.when_full: reject`: the caller answers it at once,
+    /// telling it to come back in `retry_after_ms` (see `admission`). Never the balancer's own
+    /// answer.
+    Full { retry_after_ms: u64 },
 }
 
 /// When a request that no node would decode fast enough is told to come back: a batch's

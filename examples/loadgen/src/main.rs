@@ -392,6 +392,8 @@ fn summarize(records: &[Record], model_span_ms: f64) -> Value {
         "requests": records.len(),
         "ok": ok.len(),
         "errors": records.len() - ok.len(),
+        // Of the errors, the requests the gateway refused (429 or 503 with Retry-After).
+        "refused": records.iter().filter(|r| matches!(r.status, 429 | 503)).count(),
         "ttft_ms": dist(ok.iter().filter_map(|r| r.ttft_ms).collect()),
         "e2e_ms": dist(ok.iter().filter_map(|r| r.e2e_ms).collect()),
         "tpot_ms": dist(ok.iter().filter_map(|r| r.tpot_ms()).collect()),

@@ -37,7 +37,7 @@ use mock_gpu_node::engine::{Engine, EngineConfig, Event as EngineEvent, Request 
 use std::cmp::Reverse;
 use std::collections::HashSet;
 use std::collections::{BinaryHeap, VecDeque};
-use token_balancer_core::config::Config;
+use token_balancer_core::config::{Config, WhenFull};
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::fleet::prefixes::PrefixIndex;
 use token_balancer_core::ingest::prompt::Chain;
@@ -140,6 +140,9 @@ pub struct Outcome {
     pub peak_held: usize,
     /// Routing decisions the balancer could not make (fallback to least_request).
     pub fallbacks: u64,
+    /// Requests arrived after the warm-up that the balancer refused
+    /// (`admission.when_full: reject`).
+    pub refused: u64,
     /// Requests routed over the VRAM ceiling: at once, every node being between the two
     /// ceilings for them, or once held for `max_hold_ms`.
     pub over_ceiling: u64,
@@ -247,6 +250,8 @@ struct Req {
     /// The first-token forecast of the node it was sent to (seconds) and when it was sent
     /// (model ms), for the forecast's accuracy.
     forecast: Option<(f64, f64)>,
+    /// Refused by the balancer (`admission.when_full: reject`): never sent.
+    refused: bool,
 }
 
 struct Replica {
@@ -287,6 +292,9 @@ struct Sim<'a> {
     served: Vec<u64>,
     out: Outcome,
     max_hold_ms: f64,
+    /// `admission.when_full: reject`: a request that no node has room for once it may wait
+    /// no longer is refused rather than routed over the ceiling.
+    reject_when_full: bool,
     /// Requests arrived and not finished.
     outstanding: usize,
     /// Each node's saturated throughput on this request mix, tokens/s.
@@ -419,6 +427,9 @@ pub fn run_jobs(setup: &Setup, jobs: &[Job]) -> Result<Outcome, String> {
         })
         .collect();
     let max_hold_ms = balancer.as_ref().map_or(0, |c| c.max_hold_ms) as f64;
+    let reject_when_full = balancer
+        .as_ref()
+        .is_some_and(|c| c.admission.when_full == WhenFull::Reject);
     let caps = node_capacities(&setup.nodes, sizes, setup.max_tokens);
     let mut sim = Sim {
         setup,
@@ -435,6 +446,7 @@ pub fn run_jobs(setup: &Setup, jobs: &[Job]) -> Result<Outcome, String> {
         served: vec![0; n],
         out: Outcome::default(),
         max_hold_ms,
+        reject_when_full,
         outstanding: 0,
         caps,
         jobs,
@@ -523,6 +535,7 @@ impl Sim<'_> {
             ticket: None,
             generated: 0,
             forecast: None,
+            refused: false,
         });
         self.place(id, books, true);
     }
@@ -560,7 +573,11 @@ impl Sim<'_> {
                     .front()
                     .filter(|(h, _)| *h == id)
                     .map_or(0.0, |(_, since)| now - since);
-                let may_hold = self.max_hold_ms > 0.0 && waited < self.max_hold_ms;
+                let holding = self.max_hold_ms > 0.0 && waited < self.max_hold_ms;
+                // Refusing is asked as holding is, so that "no room" comes back as such; a
+                // cold start is not a full fleet.
+                let refusing = self.reject_when_full && !b.warming(now as u64);
+                let may_hold = holding || refusing;
                 // The chain the filter would hash from this prompt, when it prices prefixes.
                 // Every prompt has one, shared or not, as in the filter.
                 let chain = match (b.chain_block_chars(), self.jobs.get(req.job)) {
@@ -601,6 +618,14 @@ impl Sim<'_> {
                         }
                         node
                     }
+                    Routed::Saturated if refusing && !holding => {
+                        // It may wait no longer and no node has room: refused, never sent.
+                        if let Some(r) = self.requests.get_mut(id) {
+                            r.refused = true;
+                        }
+                        self.outstanding = self.outstanding.saturating_sub(1);
+                        return true;
+                    }
                     Routed::Saturated => {
                         if fresh {
                             rep.held.push_back((id, now));
@@ -613,7 +638,8 @@ impl Sim<'_> {
                     Routed::NoFreshNodes
                     | Routed::UnknownModel
                     | Routed::TooLate { .. }
-                    | Routed::Shed { .. } => {
+                    | Routed::Shed { .. }
+                    | Routed::Full { .. } => {
                         self.out.fallbacks += 1;
                         self.least_request(req.replica)
                     }
@@ -918,6 +944,7 @@ impl Sim<'_> {
         let mut out = std::mem::take(&mut self.out);
         for r in self.requests.iter().filter(|r| r.arrive_ms >= warm) {
             out.arrived += 1;
+            out.refused += u64::from(r.refused);
             if let (Some(first), Some(done)) = (r.first_ms, r.done_ms) {
                 out.completed += 1;
                 out.ttft_ms.push(first - r.arrive_ms);
@@ -1065,6 +1092,23 @@ mod tests {
             assert_eq!(out.completed, out.arrived, "load {load}");
             assert_eq!(out.inflight_left, 0, "load {load}");
         }
+    }
+
+    /// Far past saturation with `when_full: reject` some requests are refused and never sent;
+    /// every other one completes, none is routed over the ceiling after a full hold, and with
+    /// the default the same traffic is all served.
+    #[test]
+    fn refused_requests_are_counted_and_never_sent() {
+        let sizes = synthetic_sizes(2000, 4);
+        let mut s = setup(4, 1, 3.0, r#"tb:{"admission":{"when_full":"reject"}}"#);
+        s.duration_ms = 60_000.0;
+        let out = run(&s, &sizes).unwrap();
+        assert!(out.refused > 0, "nothing refused at load 3");
+        assert_eq!(out.completed as u64 + out.refused, out.arrived as u64);
+        assert_eq!(out.inflight_left, 0);
+        s.policy = Policy::parse("tb").unwrap().1;
+        let routed = run(&s, &sizes).unwrap();
+        assert_eq!((routed.refused, routed.completed), (0, routed.arrived));
     }
 
     #[test]

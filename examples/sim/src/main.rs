@@ -244,7 +244,7 @@ fn main() {
                 .iter()
                 .find(|(n, _, _)| n == "oracle")
                 .map(|(_, o, _)| (o.p("ttft", 0.99), o.p("e2e", 0.99)));
-            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows (routed over the ceiling) | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | first token / forecast p10 / p50 / p90, forecasts >= 0.2 s | completed | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+            let header = "| policy | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | p99 TTFT / oracle | p99 e2e / oracle | VRAM overflows (routed over the ceiling) | max/mean utilization | prefix hits (bound) | p90 TTFT per GPU class, fast first (ms) | first token / forecast p10 / p50 / p90, forecasts >= 0.2 s | completed (refused) | held peak | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
             let mut table = format!(
                 "\n**{nodes} nodes, {replicas} replicas, load {}**\n\n{header}",
                 args.load
@@ -253,7 +253,7 @@ fn main() {
                 let ratio =
                     |v: f64, r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.2}", v / r));
                 let line = format!(
-                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} ({}) | {:.2} | {:.1}% ({:.1}%) | {} | {} | {}/{} | {} | {:.1} |\n",
+                    "| {name} | {:.0} / {:.0} | {:.0} / {:.0} | {} | {} | {} ({}) | {:.2} | {:.1}% ({:.1}%) | {} | {} | {}/{} ({}) | {} | {:.1} |\n",
                     o.p("ttft", 0.5),
                     o.p("ttft", 0.99),
                     o.p("e2e", 0.5),
@@ -269,6 +269,7 @@ fn main() {
                     o.forecast_accuracy(0.2).map(|x| format!("{x:.2}")).join(" / "),
                     o.completed,
                     o.arrived,
+                    o.refused,
                     o.peak_held,
                     wall
                 );
@@ -280,6 +281,7 @@ fn main() {
                     "overflows": o.overflows, "max_over_mean_utilization": o.imbalance(),
                     "arrived": o.arrived, "completed": o.completed, "peak_held": o.peak_held,
                     "peak_queue": o.peak_queue, "fallbacks": o.fallbacks, "over_ceiling": o.over_ceiling,
+                    "refused": o.refused,
                     "inflight_left": o.inflight_left, "wall_s": wall,
                     "prefix_hit_rate": o.hit_rate(), "prefix_hit_bound": o.hit_bound(),
                     "ttft_p90_ms_by_class_fast_first": o.ttft_by_class(0.9),

@@ -27,6 +27,33 @@ fn post_with(
     (req, action)
 }
 
+/// Stream `id` was answered with a 429's OpenAI-shaped error body whose message says `why`.
+fn assert_error_body(host: &FakeHost, id: u32, why: &str) {
+    let sent: serde_json::Value =
+        serde_json::from_slice(&host.stream(id).response_body).expect("JSON error body");
+    assert_eq!(sent["error"]["code"], "rate_limit_exceeded");
+    let message = sent["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(why), "{message}");
+}
+
+/// Request 2 with `headers` is held at a full fleet (a short prompt: 1.5 s of budget or of
+/// hold is enough to wait), still waits 1 s later, and is answered 429 with `Retry-After`
+/// on the tick 2 s after it came, never resumed.
+fn held_then_refused(host: &FakeHost, root: &mut Root<FakeHost>, headers: &[(&str, &str)]) {
+    let (_req, action) = post_with(host, root, 2, BODY, headers);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(2).reply, None, "held first");
+    host.advance(1000);
+    tick(host, root);
+    answer_health(host, root, FULL);
+    assert_eq!(host.stream(2).reply, None, "1 s of 1.5 s");
+    host.advance(1000);
+    tick(host, root);
+    assert_eq!(host.stream(2).reply, Some(429));
+    assert_eq!(host.stream(2).resumed, 0, "answered, never resumed");
+    assert!(host.response_header_of(2, "retry-after").is_some());
+}
+
 /// A prompt of about 2,600 tokens: 2.6 s of prefill at the fake nodes' 1,000 tokens/s.
 fn long_body() -> String {
     format!(
@@ -52,13 +79,7 @@ fn a_budget_no_node_meets_is_answered_429_with_retry_after_at_once() {
         host.response_header_of(2, "x-debug").as_deref(),
         Some("rejected=ttft_budget")
     );
-    let sent: serde_json::Value =
-        serde_json::from_slice(&host.stream(2).response_body).expect("JSON error body");
-    assert_eq!(sent["error"]["code"], "rate_limit_exceeded");
-    assert!(sent["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("latency budget"));
+    assert_error_body(&host, 2, "latency budget");
     assert_eq!(host.metric("token_balancer.rejected.ttft_budget"), 1);
     assert_eq!(host.metric("token_balancer.routed"), 0);
     assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0, "nothing booked");
@@ -111,18 +132,7 @@ fn under_saturation_a_sheddable_request_is_shed_and_others_are_held() {
 #[test]
 fn a_held_request_whose_budget_runs_out_is_answered_on_the_next_event() {
     let (host, mut root) = reported(&config(r#","max_hold_ms":60000,"choices":0"#), FULL);
-    let (_req, action) = post_with(&host, &root, 2, BODY, &[("x-slo-ttft-ms", "1500")]);
-    assert_eq!(action, Action::Pause);
-    assert_eq!(host.stream(2).reply, None, "held: its own prompt is short");
-    host.advance(1000);
-    tick(&host, &mut root);
-    answer_health(&host, &mut root, FULL);
-    assert_eq!(host.stream(2).reply, None, "1 s of 1.5 s");
-    host.advance(1000);
-    tick(&host, &mut root);
-    assert_eq!(host.stream(2).reply, Some(429));
-    assert_eq!(host.stream(2).resumed, 0, "answered, never resumed");
-    assert!(host.response_header_of(2, "retry-after").is_some());
+    held_then_refused(&host, &mut root, &[("x-slo-ttft-ms", "1500")]);
     assert_eq!(host.metric("token_balancer.rejected.ttft_budget_held"), 1);
     assert_eq!(host.metric("token_balancer.held_now"), 0);
 }
@@ -149,29 +159,12 @@ fn with_when_full_reject_a_request_held_out_is_answered_429_not_sent_over_the_ce
         r#","max_hold_ms":1500,"choices":0,"debug_header":"x-debug","admission":{"when_full":"reject"}"#,
     );
     let (host, mut root) = reported(&json, FULL);
-    let (_req, action) = post_with(&host, &root, 2, BODY, &[]);
-    assert_eq!(action, Action::Pause);
-    assert_eq!(host.stream(2).reply, None, "held first");
-    host.advance(1000);
-    tick(&host, &mut root);
-    answer_health(&host, &mut root, FULL);
-    assert_eq!(host.stream(2).reply, None, "1 s of 1.5 s");
-    host.advance(1000);
-    tick(&host, &mut root);
-    assert_eq!(host.stream(2).reply, Some(429));
-    assert_eq!(host.stream(2).resumed, 0, "answered, never resumed");
-    assert!(host.response_header_of(2, "retry-after").is_some());
+    held_then_refused(&host, &mut root, &[]);
     assert_eq!(
         host.response_header_of(2, "x-debug").as_deref(),
         Some("rejected=full; held_ms=2000")
     );
-    let sent: serde_json::Value =
-        serde_json::from_slice(&host.stream(2).response_body).expect("JSON error body");
-    assert_eq!(sent["error"]["code"], "rate_limit_exceeded");
-    assert!(sent["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("could wait no longer"));
+    assert_error_body(&host, 2, "could wait no longer");
     assert_eq!(host.metric("token_balancer.rejected.full"), 1);
     assert_eq!(host.metric("token_balancer.held_routed_over_ceiling"), 0);
     assert_eq!(host.metric("token_balancer.routed"), 0);

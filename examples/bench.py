@@ -86,6 +86,8 @@ VARIANTS = {"tb_no_hold": {"max_hold_ms": 0},
             # A request that no node has room for once it may wait no longer is answered 429
             # with Retry-After instead of being sent over the VRAM ceiling.
             "tb_reject_full": {"admission": {"when_full": "reject"}},
+            # The same, holding at the VRAM ceiling rather than at the whole cache.
+            "tb_reject_full_at_ceiling": {"admission": {"when_full": "reject"}, "hold_kv_ceiling": 0.9},
             # Every node polled every tick, quiet or not (quiet_poll_ms = the tick).
             "tb_every_tick": {"quiet_poll_ms": SHIPPED_TICK_MS}}
 # Envoy's own ring_hash, hashing the header a stock-Envoy user would set for affinity (the

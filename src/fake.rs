@@ -111,7 +111,7 @@ impl FakeHost {
         w.caller = context_id;
     }
 
-    /// Tokens waiting in the wake-up queue registered as `name`-something, if any is.
+    /// Tokens waiting in the wake-up queues registered (a test registers one, by its VM).
     pub fn queued(&self) -> u32 {
         self.world().queues.iter().map(|(_, n)| n).sum()
     }

@@ -562,16 +562,16 @@ pub fn admit_held<H: Host>(state: &Shared<H>, current: u32, replies: Replies) {
     };
     let Some(s) = guard.as_mut() else { return };
     let answer = replies == Replies::Now && !s.unanswered.is_empty();
-    if !answer && s.held.is_empty() {
+    let admit = !s.held.is_empty();
+    if !(answer || admit) {
         return;
     }
     let now = s.host.now_ms();
     if answer {
         s.answer_unanswered(now, current);
     }
-    if s.held.is_empty() {
-        return;
+    if admit {
+        let admitted = s.admit(now);
+        s.let_go(admitted, now, current, replies);
     }
-    let admitted = s.admit(now);
-    s.let_go(admitted, now, current, replies);
 }

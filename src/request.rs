@@ -36,6 +36,7 @@ use token_balancer_core::ingest::request::{self, Api, Unreadable, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{Outcome, Terms};
+use token_balancer_core::share::sync::Reads;
 use token_balancer_core::share::Change;
 
 /// Output tokens a stream delivers between two writes of its progress to the shared books: a
@@ -192,6 +193,22 @@ impl<H: Host> Request<H> {
                 lane: s.held.others_active(claim.tenant, now),
             };
             let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
+            // A request that cannot wait for room (the queue is full, or no node would hold it
+            // even empty): answered with `when_full: reject` unless nothing is known yet,
+            // routed over the ceiling now otherwise.
+            let without_waiting = |s: &mut State<H>, reads: Reads| {
+                if rejects && !s.balancer.warming(now) {
+                    let retry_after_ms = s.held.wait_ms(claim.priority, weight, &s.balancer, now);
+                    let full = Outcome::Full { retry_after_ms };
+                    return s.place(full, weight, m, None, reads, explain);
+                }
+                let terms = Terms {
+                    may_hold: false,
+                    ..terms
+                };
+                let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
+                s.place(outcome, weight, m, None, reads, explain)
+            };
             let placed = match outcome {
                 // Cold starts are waited out whatever the priority: nothing is known yet.
                 Outcome::Saturated if claim.sheddable() && !s.balancer.warming(now) => {
@@ -223,28 +240,17 @@ impl<H: Host> Request<H> {
                             return Err(placement);
                         }
                         // Full (in count or bytes), or holding off (a sheddable request at a
-                        // cold start, or any with `when_full: reject`): answered with
-                        // `when_full: reject` unless nothing is known yet, routed over the
-                        // ceiling now otherwise.
+                        // cold start, or any with `when_full: reject`).
                         Err(_) => {
                             if s.held.holds() {
                                 s.metrics.bump(Stat::HeldQueueFull);
                             }
-                            if rejects && !s.balancer.warming(now) {
-                                let retry_after_ms =
-                                    s.held.wait_ms(claim.priority, weight, &s.balancer, now);
-                                let full = Outcome::Full { retry_after_ms };
-                                return Ok(s.place(full, weight, m, None, reads, explain));
-                            }
-                            let terms = Terms {
-                                may_hold: false,
-                                ..terms
-                            };
-                            let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
-                            s.place(outcome, weight, m, None, reads, explain)
+                            without_waiting(s, reads)
                         }
                     }
                 }
+                // Waiting makes no room for it (see `Outcome::Oversized`).
+                Outcome::Oversized => without_waiting(s, reads),
                 outcome => s.place(outcome, weight, m, None, reads, explain),
             };
             if let Some(ticket) = &placed.ticket {

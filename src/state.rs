@@ -233,7 +233,7 @@ impl<H: Host> State<H> {
                     answered: false,
                 }
             }
-            Outcome::NoFreshNodes | Outcome::Saturated => {
+            Outcome::NoFreshNodes | Outcome::Saturated | Outcome::Oversized => {
                 self.metrics.bump(Stat::FallbackNoFreshNodes);
                 Placed {
                     ticket: None,

@@ -410,3 +410,41 @@ fn a_full_queue_sheds_a_lower_priority_for_a_higher_one() {
     assert_eq!(action, Action::Continue);
     assert_eq!(host.metric("token_balancer.held_queue_full"), 1);
 }
+
+#[test]
+fn a_request_no_node_would_hold_even_empty_is_never_held() {
+    // Caches of 1,000 tokens (1,000 bytes a token), 99% full: a short prompt waits for room,
+    // a prompt of about 2,600 tokens never fits, however empty the nodes get.
+    const SMALL_FULL: &str = r#"{"tokens_per_sec_load":100,"tokens_per_sec_capacity":1000,"vram_used_bytes":990000,"vram_total_bytes":1000000}"#;
+    let long = long_body();
+    for when_full in ["route", "reject"] {
+        let json = config(&format!(
+            r#","max_hold_ms":60000,"choices":0,"kv_bytes_per_token":1000,"admission":{{"when_full":"{when_full}"}}"#
+        ));
+        let (host, root) = reported(&json, SMALL_FULL);
+        let (_a, action) = post_with(&host, &root, 2, BODY, &[]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(
+            host.stream(2).reply,
+            None,
+            "{when_full}: the short prompt is held"
+        );
+        let (_b, action) = post_with(&host, &root, 3, &long, &[]);
+        assert_eq!(
+            host.metric("token_balancer.held"),
+            1,
+            "{when_full}: only the short one"
+        );
+        if when_full == "route" {
+            assert_eq!(action, Action::Continue, "routed at once");
+            assert_eq!(host.metric("token_balancer.routed_over_vram_ceiling"), 1);
+        } else {
+            assert_eq!(action, Action::Pause, "answered by the filter");
+            assert_eq!(host.stream(3).reply, Some(429));
+            assert!(host.response_header_of(3, "retry-after").is_some());
+            assert_eq!(host.metric("token_balancer.rejected.full"), 1);
+            assert_eq!(host.metric("token_balancer.routed_over_vram_ceiling"), 0);
+        }
+        assert_eq!(host.metric("token_balancer.held_queue_full"), 0);
+    }
+}

@@ -420,7 +420,7 @@ impl<T> HoldQueue<T> {
                 terms,
                 books,
             ) {
-                Outcome::Saturated if reject => Outcome::Full {
+                Outcome::Saturated | Outcome::Oversized if reject => Outcome::Full {
                     retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
                 },
                 outcome => outcome,
@@ -444,9 +444,29 @@ impl<T> HoldQueue<T> {
                 terms,
                 books,
             );
-            if matches!(outcome, Outcome::Saturated) {
-                break;
-            }
+            let outcome = match outcome {
+                Outcome::Saturated => break,
+                // No node would hold it even empty (the fleet changed since it came): it waits
+                // no longer, as at its deadline.
+                Outcome::Oversized if self.rejects_when_full() && !balancer.warming(now_ms) => {
+                    Outcome::Full {
+                        retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
+                    }
+                }
+                Outcome::Oversized => balancer.route_on(
+                    h.weight,
+                    h.model.as_deref(),
+                    &h.chain,
+                    now_ms,
+                    rng,
+                    Terms {
+                        may_hold: false,
+                        ..terms
+                    },
+                    books,
+                ),
+                outcome => outcome,
+            };
             self.leave(at, outcome, now_ms, &mut out);
         }
         out
@@ -682,6 +702,91 @@ mod tests {
                 }
             )]
         ));
+    }
+
+    #[test]
+    fn a_request_no_node_would_hold_even_empty_is_not_held() {
+        // One node of 1,000 tokens, holding ceiling 0.9, nearly full.
+        let mut b = balancer();
+        let mut rng = SplitMix64::new(7);
+        report(&mut b, 0.95, 0);
+        let hold = Terms {
+            may_hold: true,
+            ..Terms::default()
+        };
+        let mut ask = |b: &mut Balancer, prompt: u64, terms: Terms| {
+            b.route_on(
+                w(prompt),
+                None,
+                &Chain::NONE,
+                10,
+                &mut rng,
+                terms,
+                &mut OwnBooks,
+            )
+        };
+        // 300 tokens fit once the node empties: held for room.
+        assert_eq!(ask(&mut b, 300, hold), Outcome::Saturated);
+        // 950 never fit under 0.9 of 1,000, however empty the node gets: not held.
+        assert_eq!(ask(&mut b, 950, hold), Outcome::Oversized);
+        assert_eq!(b.nodes()[0].books().inflight_requests, 0, "nothing booked");
+        // Asked again without holding, it goes to the node with the most room, over the ceiling.
+        assert!(matches!(
+            ask(&mut b, 950, Terms::default()),
+            Outcome::Routed {
+                over_ceiling: true,
+                ..
+            }
+        ));
+    }
+
+    /// Two nodes, 10,000 and 1,000 tokens of cache, holding ceiling 0.9, reports stale after
+    /// 2 s: the large one full at 0 ms, the small one empty and reporting until `small_until`.
+    fn large_node_goes_quiet(small_until: u64) -> Balancer {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","choices":0,"stale_after_ms":2000,"hold_kv_ceiling":0.9,
+                 "nodes":[{"address":"10.0.0.1:8000","kv_cache_tokens":10000},
+                          {"address":"10.0.0.2:8000","kv_cache_tokens":1000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let full =
+            r#""tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":0.95"#;
+        let empty = r#""tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"kv_cache_usage":0"#;
+        health(&mut b, 0, full, 0);
+        for t in (0..=small_until).step_by(500) {
+            health(&mut b, 1, empty, t);
+        }
+        b
+    }
+
+    #[test]
+    fn a_held_request_the_fleet_can_no_longer_hold_leaves_at_once() {
+        for when_full in [WhenFull::Route, WhenFull::Reject] {
+            let mut b = large_node_goes_quiet(0);
+            let mut rng = SplitMix64::new(8);
+            let mut q = HoldQueue::new(8, 60_000).when_full(when_full);
+            // 2,000 tokens fit only the large node, once it empties: held.
+            q.put(1, w(2_000), None, Chain::NONE, 0, ()).unwrap();
+            assert!(q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty());
+            // The large node stops reporting; the small one goes on. Nothing left could hold
+            // the request even empty: it leaves long before its hold is out.
+            let mut b = large_node_goes_quiet(3_000);
+            let out = q.admit(3_000, &mut b, &mut rng, &mut OwnBooks);
+            match when_full {
+                WhenFull::Route => assert!(
+                    matches!(
+                        &out[..],
+                        [(_, Outcome::Routed { over_ceiling: true, ticket, .. })] if ticket.node == 1
+                    ),
+                    "{out:?}"
+                ),
+                WhenFull::Reject => assert!(
+                    matches!(&out[..], [(_, Outcome::Full { retry_after_ms })] if *retry_after_ms >= 1000),
+                    "{out:?}"
+                ),
+            }
+        }
     }
 
     #[test]

@@ -75,6 +75,11 @@ pub enum Outcome {
     /// Every fresh node would pass its VRAM ceiling and the caller may hold the request:
     /// nothing was booked; ask again when a stream ends or a report arrives (see `admission`).
     Saturated,
+    /// Every fresh node would pass its VRAM ceiling, the caller may hold the request, and no
+    /// node would hold it even with an empty cache (`choice::fits_empty`): no stream ending
+    /// makes room for it, so it is not held. Nothing was booked; the caller routes it at once
+    /// (asking again without holding), or with `admission.when_full: reject` answers it.
+    Oversized,
     /// Every node is known not to serve the request's model: nothing was booked.
     UnknownModel,
     /// No node would give the request its first token within its budget: nothing was booked;
@@ -770,6 +775,10 @@ impl Balancer {
                         if let Some(late) = budget.and_then(|b| too_late(&r, b)) {
                             return late;
                         }
+                        // Nor is it held for room that cannot come.
+                        if !self.fits_somewhere(&ask, now_ms) {
+                            return Outcome::Oversized;
+                        }
                         return Outcome::Saturated;
                     }
                     Decision::AllOverCeiling(r) => (r, true),
@@ -883,6 +892,19 @@ impl Balancer {
                 n.fresh_report(now_ms, self.params.stale_after_ms)
                     .is_some_and(|r| choice::room_now(n, r, ask, &self.params, &self.outputs))
             })
+    }
+
+    /// Whether some fresh node that may serve the request would hold it under the holding
+    /// ceiling with nothing else in its cache (`choice::fits_empty`): whether holding it can
+    /// ever find it room.
+    fn fits_somewhere(&self, ask: &Ask, now_ms: u64) -> bool {
+        let stale = self.params.stale_after_ms;
+        self.fleet.nodes().iter().any(|n| {
+            choice::may_serve(n, ask)
+                && n.fresh_report(now_ms, stale).is_some_and(|r| {
+                    choice::fits_empty(n, r, ask, &self.params, self.hold_kv_ceiling)
+                })
+        })
     }
 
     /// How long the fresh nodes together take to serve `tokens` of work at their capacities,

@@ -247,6 +247,25 @@ fn still_to_come(n: &NodeState, r: &Report, growth: &Growth) -> f64 {
     (n.books().growth_tokens as f64).max(reported_growth(r, growth))
 }
 
+/// Whether node `n` (report `r`) would hold the request under `ceiling` with nothing else in
+/// its cache: its prompt, its own output reserve and the margin of one stream. A request that
+/// no node would hold even empty waits in vain for room: no stream ending makes it (see
+/// `Balancer::route_on`). A node whose cache size is not known is taken to hold it: nothing
+/// says it cannot.
+pub fn fits_empty(n: &NodeState, r: &Report, ask: &Ask, p: &Params, ceiling: f64) -> bool {
+    let own = ask
+        .weight
+        .prompt_tokens
+        .saturating_add(ask.growth.own)
+        .saturating_add(ask.growth.margin_per_sqrt.ceil() as u64);
+    let empty = Report {
+        vram_used_bytes: r.vram_used_bytes.map(|_| 0.0),
+        kv_cache_usage: r.kv_cache_usage.map(|_| 0.0),
+        ..*r
+    };
+    kv_fraction(n, &empty, own, p).map_or(true, |f| f <= ceiling)
+}
+
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
 /// its engine, and under the ceiling its KV in use and what is still to come on it with the
 /// request (`to_come_now`).

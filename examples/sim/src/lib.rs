@@ -586,7 +586,7 @@ impl Sim<'_> {
                     }
                     _ => Chain::NONE,
                 };
-                match b.route(
+                let mut outcome = b.route(
                     weight,
                     None,
                     &chain,
@@ -594,7 +594,21 @@ impl Sim<'_> {
                     &mut self.rng,
                     may_hold,
                     &mut OwnBooks,
-                ) {
+                );
+                // No node would hold it even empty: not held, routed at once (or refused).
+                if matches!(outcome, Routed::Oversized) && !refusing {
+                    outcome = b.route(
+                        weight,
+                        None,
+                        &chain,
+                        now as u64,
+                        &mut self.rng,
+                        false,
+                        &mut OwnBooks,
+                    );
+                }
+                let oversized = matches!(outcome, Routed::Oversized);
+                match outcome {
                     Routed::Routed {
                         ticket,
                         over_ceiling,
@@ -618,7 +632,9 @@ impl Sim<'_> {
                         }
                         node
                     }
-                    Routed::Saturated if refusing && !holding => {
+                    Routed::Oversized | Routed::Saturated
+                        if refusing && (!holding || oversized) =>
+                    {
                         // It may wait no longer and no node has room: refused, never sent.
                         if let Some(r) = self.requests.get_mut(id) {
                             r.refused = true;
@@ -639,7 +655,8 @@ impl Sim<'_> {
                     | Routed::UnknownModel
                     | Routed::TooLate { .. }
                     | Routed::Shed { .. }
-                    | Routed::Full { .. } => {
+                    | Routed::Full { .. }
+                    | Routed::Oversized => {
                         self.out.fallbacks += 1;
                         self.least_request(req.replica)
                     }

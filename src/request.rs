@@ -196,10 +196,13 @@ impl<H: Host> Request<H> {
             // A request that cannot wait for room (the queue is full, or no node would hold it
             // even empty): answered with `when_full: reject` unless nothing is known yet,
             // routed over the ceiling now otherwise.
-            let without_waiting = |s: &mut State<H>, reads: Reads| {
+            let without_waiting = |s: &mut State<H>, reads: Reads, fits: bool| {
                 if rejects && !s.balancer.warming(now) {
                     let retry_after_ms = s.held.wait_ms(claim.priority, weight, &s.balancer, now);
-                    let full = Outcome::Full { retry_after_ms };
+                    let full = Outcome::Full {
+                        retry_after_ms,
+                        fits,
+                    };
                     return s.place(full, weight, m, None, reads, explain);
                 }
                 let terms = Terms {
@@ -245,12 +248,12 @@ impl<H: Host> Request<H> {
                             if s.held.holds() {
                                 s.metrics.bump(Stat::HeldQueueFull);
                             }
-                            without_waiting(s, reads)
+                            without_waiting(s, reads, true)
                         }
                     }
                 }
                 // Waiting makes no room for it (see `Outcome::Oversized`).
-                Outcome::Oversized => without_waiting(s, reads),
+                Outcome::Oversized => without_waiting(s, reads, false),
                 outcome => s.place(outcome, weight, m, None, reads, explain),
             };
             if let Some(ticket) = &placed.ticket {

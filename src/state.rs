@@ -214,8 +214,12 @@ impl<H: Host> State<H> {
             Outcome::Shed { retry_after_ms } => {
                 self.refuse(Answer::Shed, retry_after_ms, cap, model, held_ms, explain)
             }
-            Outcome::Full { retry_after_ms } => {
-                self.refuse(Answer::Full, retry_after_ms, cap, model, held_ms, explain)
+            Outcome::Full {
+                retry_after_ms,
+                fits,
+            } => {
+                let why = if fits { Answer::Full } else { Answer::TooLarge };
+                self.refuse(why, retry_after_ms, cap, model, held_ms, explain)
             }
             Outcome::TooLate { retry_after_ms } => {
                 let why = if held_ms.is_some() {
@@ -369,6 +373,9 @@ enum Answer {
     Shed,
     /// No node had room for it and it could wait no longer (`admission.when_full: reject`).
     Full,
+    /// No node would hold it even with an empty cache (`admission.when_full: reject`); counted
+    /// and named as `Full`, with its own message.
+    TooLarge,
 }
 
 impl Answer {
@@ -378,7 +385,7 @@ impl Answer {
             Answer::UnknownModel => "unknown_model",
             Answer::Late | Answer::LateWhileHeld => "ttft_budget",
             Answer::Shed => "shed",
-            Answer::Full => "full",
+            Answer::Full | Answer::TooLarge => "full",
         }
     }
 
@@ -388,7 +395,7 @@ impl Answer {
             Answer::Late => Stat::RejectedTtftBudget,
             Answer::LateWhileHeld => Stat::RejectedTtftBudgetHeld,
             Answer::Shed => Stat::RejectedShed,
-            Answer::Full => Stat::RejectedFull,
+            Answer::Full | Answer::TooLarge => Stat::RejectedFull,
         }
     }
 }
@@ -403,6 +410,7 @@ fn refused_body(why: Answer, status: u32, retry_after_s: u64) -> Vec<u8> {
         Answer::Full => format!(
             "Every server's memory is full and this request could wait no longer for room; retry after {retry_after_s} s."
         ),
+        Answer::TooLarge => "No server's memory can hold this request, even with nothing else running: its prompt and the output it may generate are too large. A shorter prompt or a lower max_tokens may fit.".to_string(),
         _ => format!(
             "No server can serve this request within its latency budget (time to first token, time per output token); retry after {retry_after_s} s."
         ),

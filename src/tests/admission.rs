@@ -442,6 +442,7 @@ fn a_request_no_node_would_hold_even_empty_is_never_held() {
             assert_eq!(action, Action::Pause, "answered by the filter");
             assert_eq!(host.stream(3).reply, Some(429));
             assert!(host.response_header_of(3, "retry-after").is_some());
+            assert_error_body(&host, 3, "even with nothing else running");
             assert_eq!(host.metric("token_balancer.rejected.full"), 1);
             assert_eq!(host.metric("token_balancer.routed_over_vram_ceiling"), 0);
         }

@@ -420,8 +420,9 @@ impl<T> HoldQueue<T> {
                 terms,
                 books,
             ) {
-                Outcome::Saturated | Outcome::Oversized if reject => Outcome::Full {
+                outcome @ (Outcome::Saturated | Outcome::Oversized) if reject => Outcome::Full {
                     retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
+                    fits: outcome == Outcome::Saturated,
                 },
                 outcome => outcome,
             };
@@ -451,6 +452,7 @@ impl<T> HoldQueue<T> {
                 Outcome::Oversized if self.rejects_when_full() && !balancer.warming(now_ms) => {
                     Outcome::Full {
                         retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
+                        fits: false,
                     }
                 }
                 Outcome::Oversized => balancer.route_on(
@@ -667,7 +669,7 @@ mod tests {
         assert_eq!(out.len(), 1, "only the request held for 1 s leaves");
         assert_eq!(out[0].0.id, 1);
         assert!(
-            matches!(out[0].1, Outcome::Full { retry_after_ms } if retry_after_ms >= 1000),
+            matches!(out[0].1, Outcome::Full { retry_after_ms, fits: true } if retry_after_ms >= 1000),
             "{:?}",
             out[0].1
         );
@@ -782,7 +784,7 @@ mod tests {
                     "{out:?}"
                 ),
                 WhenFull::Reject => assert!(
-                    matches!(&out[..], [(_, Outcome::Full { retry_after_ms })] if *retry_after_ms >= 1000),
+                    matches!(&out[..], [(_, Outcome::Full { retry_after_ms, fits: false })] if *retry_after_ms >= 1000),
                     "{out:?}"
                 ),
             }

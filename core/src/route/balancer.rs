@@ -90,10 +90,11 @@ pub enum Outcome {
     /// come back in `retry_after_ms` (see `admission`). Never the balancer's own answer.
     Shed { retry_after_ms: u64 },
     /// No node has room for the request and it may wait no longer (held `max_hold_ms`, or the
-    /// hold queue full), with `admission.when_full: reject`: the caller answers it at once,
-    /// telling it to come back in `retry_after_ms` (see `admission`). Never the balancer's own
-    /// answer.
-    Full { retry_after_ms: u64 },
+    /// hold queue full, or no node would hold it even empty), with `admission.when_full:
+    /// reject`: the caller answers it at once, telling it to come back in `retry_after_ms`
+    /// (see `admission`). `fits`: some node would hold it once room frees (false: none would
+    /// even with an empty cache, see `Oversized`). Never the balancer's own answer.
+    Full { retry_after_ms: u64, fits: bool },
 }
 
 /// When a request that no node would decode fast enough is told to come back: a batch's

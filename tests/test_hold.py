@@ -1,8 +1,8 @@
 """Holding under saturation, through the real Envoy: a request that every node would overflow
 waits in the filter (late binding) and goes to the first node that reports room; it is never
 lost — a request held past max_hold_ms is routed anyway (or, with `admission.when_full:
-reject`, answered 429 with Retry-After and never sent), and one whose client leaves while held
-leaves the queue."""
+reject`, answered 429 with Retry-After and never sent), a prompt no node could hold even empty
+is not held at all, and one whose client leaves while held leaves the queue."""
 
 from __future__ import annotations
 
@@ -124,6 +124,33 @@ def test_with_when_full_reject_a_request_held_out_is_answered_429_and_never_sent
         polls_seen(cluster)
         r = envoy.post("/v1/chat/completions", chat("hello", 4), timeout=20)
         assert r.status == 200 and r.headers["x-mock-node"] == "node-b", r.body[:200]
+    finally:
+        envoy.stop()
+
+
+@pytest.mark.parametrize("when_full", ["route", "reject"])
+def test_a_prompt_no_node_could_hold_even_empty_is_not_held(cluster, when_full):
+    # About 25,000 tokens against caches of 20,000: no stream ending makes room for it, so
+    # it does not wait out the minute of holding for nothing.
+    envoy = start_envoy(cluster, max_hold_ms=60_000, admission={"when_full": when_full})
+    try:
+        fill(cluster[0], 0.95)
+        fill(cluster[1], 0.95)
+        polls_seen(cluster)
+        before = served(cluster)
+        r = envoy.post("/v1/chat/completions", chat("word " * 25_000, 4), timeout=30)
+        assert envoy.counter("token_balancer.held") == 0, "never held"
+        if when_full == "route":
+            assert r.status == 200, r.body[:200]
+            assert "held_ms=" not in r.headers["x-token-balancer"]
+            assert envoy.counter("token_balancer.routed_over_vram_ceiling") == 1
+        else:
+            assert r.status == 429, r.body[:200]
+            assert int(r.headers["retry-after"]) >= 1
+            error = json.loads(r.body)["error"]
+            assert "even with nothing else running" in error["message"], error
+            assert served(cluster) == before, "no node saw it"
+            assert envoy.counter("token_balancer.rejected.full") == 1
     finally:
         envoy.stop()
 

@@ -213,8 +213,11 @@ impl<H: Host> Request<H> {
                 s.place(outcome, weight, m, None, reads, explain)
             };
             let placed = match outcome {
-                // Cold starts are waited out whatever the priority: nothing is known yet.
-                Outcome::Saturated if claim.sheddable() && !s.balancer.warming(now) => {
+                // Cold starts are waited out whatever the priority: nothing is known yet. A
+                // request no node would hold even empty finds the fleet saturated too.
+                Outcome::Saturated | Outcome::Oversized
+                    if claim.sheddable() && !s.balancer.warming(now) =>
+                {
                     let retry_after_ms = s.held.wait_ms(claim.priority, weight, &s.balancer, now);
                     let shed = Outcome::Shed { retry_after_ms };
                     s.place(shed, weight, m, None, reads, explain)

@@ -447,5 +447,16 @@ fn a_request_no_node_would_hold_even_empty_is_never_held() {
             assert_eq!(host.metric("token_balancer.routed_over_vram_ceiling"), 0);
         }
         assert_eq!(host.metric("token_balancer.held_queue_full"), 0);
+        // A sheddable one is shed, as at any saturated fleet.
+        let json = config(&format!(
+            r#","max_hold_ms":60000,"choices":0,"kv_bytes_per_token":1000,"admission":{{"when_full":"{when_full}","objectives":{{"batch":-10}}}}"#
+        ));
+        let (host, root) = reported(&json, SMALL_FULL);
+        let objective = [("x-gateway-inference-objective", "batch")];
+        let (_c, action) = post_with(&host, &root, 4, &long, &objective);
+        assert_eq!(action, Action::Pause, "answered by the filter");
+        assert_eq!(host.stream(4).reply, Some(429));
+        assert_eq!(host.metric("token_balancer.rejected.shed"), 1);
+        assert_eq!(host.metric("token_balancer.routed"), 0);
     }
 }

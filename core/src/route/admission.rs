@@ -32,16 +32,17 @@
 //!
 //! Limits. The queue is bounded in requests and in body bytes (what Envoy buffers for a
 //! paused request); a request that finds it full sheds held requests of a lower priority to
-//! make room (the glue answers them as shed), or, when there are none, is not held. A request held for `max_hold_ms`
-//! is routed anyway, to the node that overflows least; with `admission.when_full: reject` it
-//! is answered instead (`Outcome::Full`) when no node has room for it yet, as is one that
-//! finds the queue full, so that no request is sent where a cache would overflow (Dynamo's
-//! router answers a full queue the same way). A request that no node would hold even with an
-//! empty cache is not held (`Outcome::Oversized`): no stream ending makes room for it, so it
-//! goes at once, or is answered at once with `reject`; a held one that the fleet can no longer
-//! hold (the nodes large enough fell silent) leaves the same way. A stream that ends while held leaves
-//! (`remove`), and a reconfiguration lets every held request go (`drain`). The queue is
-//! generic over what the glue keeps per request, so it is tested natively.
+//! make room (the glue answers them as shed), or, when there are none, is not held. A
+//! request held for `max_hold_ms` is routed anyway, to the node that overflows least; with
+//! `admission.when_full: reject` it is answered instead (`Outcome::Full`) when no node has
+//! room for it yet, as is one that finds the queue full, so that no request is sent where a
+//! cache would overflow (Dynamo's router answers a full queue the same way). A request that
+//! no node would hold even with an empty cache is not held (`Outcome::Oversized`): no stream
+//! ending makes room for it, so it goes at once, or is answered at once with `reject`; a held
+//! one that the fleet can no longer hold (the nodes large enough fell silent) leaves the same
+//! way. A stream that ends while held leaves (`remove`), and a reconfiguration lets every held
+//! request go (`drain`). The queue is generic over what the glue keeps per request, so it is
+//! tested natively.
 //!
 //! A held request keeps its model: it is admitted only to a node serving it, with the sets
 //! known when it leaves (a list learned meanwhile counts), so it may also leave as

@@ -376,6 +376,44 @@ impl<T> HoldQueue<T> {
         out.push((held, outcome));
     }
 
+    /// Where held request `h`, which may wait no longer (held `max_hold_ms`, or no node would
+    /// hold it even empty), goes: routed, over the ceiling if need be, or, with
+    /// `WhenFull::Reject`, answered as `Full` when no node has room for it. It is asked as if
+    /// it could wait, so that "no room" comes back as such rather than as the least-bad node;
+    /// a cold start is not a full fleet.
+    fn without_waiting(
+        &self,
+        h: &Held<T>,
+        lane: bool,
+        now_ms: u64,
+        balancer: &mut Balancer,
+        rng: &mut dyn Rng,
+        books: &mut dyn BookSource,
+    ) -> Outcome {
+        let reject = self.rejects_when_full() && !balancer.warming(now_ms);
+        let terms = Terms {
+            may_hold: reject,
+            ttft_left_ms: h.ttft_left_ms(now_ms),
+            tpot_ms: h.claim.tpot_ms,
+            lane,
+        };
+        match balancer.route_on(
+            h.weight,
+            h.model.as_deref(),
+            &h.chain,
+            now_ms,
+            rng,
+            terms,
+            books,
+        ) {
+            outcome @ (Outcome::Saturated | Outcome::Oversized) if reject => Outcome::Full {
+                retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
+                fits: outcome == Outcome::Saturated,
+            },
+            outcome => outcome,
+        }
+    }
+
     /// Lets out what can go now, deciding with the books `books` gives (see
     /// `Balancer::route`): first the requests whose first-token budget has run out (`TooLate`,
     /// to be answered), then those held `max_hold_ms` (routed even over the ceiling, or with
@@ -406,30 +444,7 @@ impl<T> HoldQueue<T> {
             .position(|h| now_ms.saturating_sub(h.since_ms) >= self.max_hold_ms)
         {
             let Some(h) = self.entries.get(at) else { break };
-            // Asked as if it could wait, so that "no room" comes back as such rather than as
-            // the least-bad node; a cold start is not a full fleet.
-            let reject = self.when_full == WhenFull::Reject && !balancer.warming(now_ms);
-            let terms = Terms {
-                may_hold: reject,
-                ttft_left_ms: h.ttft_left_ms(now_ms),
-                tpot_ms: h.claim.tpot_ms,
-                lane: false,
-            };
-            let outcome = match balancer.route_on(
-                h.weight,
-                h.model.as_deref(),
-                &h.chain,
-                now_ms,
-                rng,
-                terms,
-                books,
-            ) {
-                outcome @ (Outcome::Saturated | Outcome::Oversized) if reject => Outcome::Full {
-                    retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
-                    fits: outcome == Outcome::Saturated,
-                },
-                outcome => outcome,
-            };
+            let outcome = self.without_waiting(h, false, now_ms, balancer, rng, books);
             self.leave(at, outcome, now_ms, &mut out);
         }
         while let Some(at) = self.next() {
@@ -453,24 +468,9 @@ impl<T> HoldQueue<T> {
                 Outcome::Saturated => break,
                 // No node would hold it even empty (the fleet changed since it came): it waits
                 // no longer, as at its deadline.
-                Outcome::Oversized if self.rejects_when_full() && !balancer.warming(now_ms) => {
-                    Outcome::Full {
-                        retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
-                        fits: false,
-                    }
+                Outcome::Oversized => {
+                    self.without_waiting(h, terms.lane, now_ms, balancer, rng, books)
                 }
-                Outcome::Oversized => balancer.route_on(
-                    h.weight,
-                    h.model.as_deref(),
-                    &h.chain,
-                    now_ms,
-                    rng,
-                    Terms {
-                        may_hold: false,
-                        ..terms
-                    },
-                    books,
-                ),
                 outcome => outcome,
             };
             self.leave(at, outcome, now_ms, &mut out);

@@ -165,13 +165,13 @@ impl<H: Host> State<H> {
             {
                 continue;
             }
-            // Requests in flight there: this VM's own books, or (the poller service) the
-            // books the workers share.
-            let in_flight = || match service {
-                Some(service) => service.in_flight(&mut *host, i),
-                None => balancer.books(i).is_some_and(|b| b.inflight_requests > 0),
+            // Prompts sent there whose first token has not come back: this VM's own books,
+            // or (the poller service) the books the workers share.
+            let prefilling = || match service {
+                Some(service) => service.prefilling(&mut *host, i),
+                None => balancer.books(i).is_some_and(|b| b.prefilling()),
             };
-            if !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, in_flight) {
+            if !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, prefilling) {
                 continue;
             }
             send_health(host, config, balancer, polls, metrics, i);

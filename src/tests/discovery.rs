@@ -294,8 +294,9 @@ fn quiet_nodes_are_polled_less_often_until_their_reports_move() {
     assert_eq!(host.metric("token_balancer.health.failed"), 0);
 }
 
-/// A quiet node that runs one of this VM's requests is polled every tick until the request
-/// ends: the burst's effect on it is followed as closely as without quiet polling.
+/// A quiet node that runs one of this VM's requests whose first token has not come back is
+/// polled every tick until the request ends: the burst's effect on it is followed as closely
+/// as without quiet polling.
 #[test]
 fn a_quiet_node_with_a_request_in_flight_is_polled_every_tick() {
     let (host, mut root) = configured(&config(
@@ -332,6 +333,71 @@ fn a_quiet_node_with_a_request_in_flight_is_polled_every_tick() {
     let _ = count(&host, &mut root, 4);
     let after = count(&host, &mut root, 8);
     assert!(after.get(node).copied().unwrap_or(0) <= 3, "{after:?}");
+}
+
+/// A node decoding this VM's stream, its prompt done, is polled at the longer period while
+/// its reports show room to spare, though they move; every tick again once one shows a queue.
+#[test]
+fn a_node_decoding_with_room_to_spare_is_polled_less_often() {
+    let (host, mut root) = configured(&config(
+        r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":400"#,
+    ));
+    // Reports that move every poll (one or two running, KV use 20% or 25%) with room to spare,
+    // and reports that move with requests waiting.
+    let slack = |n: usize| {
+        format!(
+            r#"{{"tokens_per_sec_load":{},"tokens_per_sec_capacity":1000,"running_requests":{},"queue_depth":0,"kv_cache_usage":{}}}"#,
+            100 + 100 * (n % 2),
+            1 + n % 2,
+            0.2 + 0.05 * (n % 2) as f64
+        )
+    };
+    let queued = |n: usize| {
+        format!(
+            r#"{{"tokens_per_sec_load":900,"tokens_per_sec_capacity":1000,"running_requests":8,"queue_depth":{},"kv_cache_usage":0.3}}"#,
+            3 + n % 2
+        )
+    };
+    // Answers so far by node: each node's next report differs from its last.
+    let mut answered = std::collections::HashMap::<String, usize>::new();
+    let mut run = |host: &FakeHost, root: &mut Root<FakeHost>, ticks: usize, waiting: bool| {
+        let mut polls = std::collections::HashMap::<String, usize>::new();
+        for _ in 0..ticks {
+            tick(host, root);
+            for c in host.take_calls() {
+                *polls.entry(c.authority.clone()).or_default() += 1;
+                let n = answered.entry(c.authority.clone()).or_default();
+                *n += 1;
+                let body = if waiting { queued(*n) } else { slack(*n) };
+                answer(host, root, c.token, Some("200"), &body);
+            }
+            host.advance(100);
+        }
+        polls
+    };
+    let _ = run(&host, &mut root, 8, false);
+    let (mut req, _, _) = post(&host, &root, 7, BODY);
+    let node = if inflight(&root, 0) == 1 { A } else { B };
+    // Its prompt has not started: every tick.
+    let prefilling = run(&host, &mut root, 6, false);
+    assert_eq!(prefilling.get(node).copied(), Some(6), "{prefilling:?}");
+    // The first token came back: the stream decodes, and the node is polled as a quiet one.
+    respond(&host, &mut req, 7, "200");
+    host.stream(7).response_body = b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n".to_vec();
+    host.enter(7);
+    assert_eq!(req.on_http_response_body(40, false), Action::Continue);
+    assert_eq!(inflight(&root, usize::from(node == B)), 1, "still running");
+    let _ = run(&host, &mut root, 4, false);
+    let decoding = run(&host, &mut root, 8, false);
+    assert!(
+        decoding.get(node).copied().unwrap_or(0) <= 3,
+        "{decoding:?}"
+    );
+    // Requests wait there: every tick again, within a period.
+    let _ = run(&host, &mut root, 4, true);
+    let busy = run(&host, &mut root, 8, true);
+    assert_eq!(busy.get(node).copied(), Some(8), "{busy:?}");
+    end(&host, &mut req, 7);
 }
 
 /// What the engines say of their prefix caches reaches the per-node gauges: vLLM's counters

@@ -59,6 +59,13 @@ fn add(v: u64, d: i64) -> u64 {
 }
 
 impl Books {
+    /// Whether prompts counted here wait for their first token (queued or prefilling at the
+    /// engine): what the node does with them is what these books cannot know, so the node is
+    /// polled every tick meanwhile (see `fleet::polling`).
+    pub fn prefilling(&self) -> bool {
+        self.prefill_tokens > 0
+    }
+
     /// Empty books of `tenant`.
     pub fn of(tenant: u64) -> Books {
         Books {

@@ -56,25 +56,35 @@ pub struct Fleet {
     /// The settings of a member the configuration does not list; `None` when the nodes do not
     /// follow a cluster.
     defaults: Option<NodeConfig>,
+    /// How each node starts: its hysteresis and what a report with room to spare is.
+    start: Start,
+}
+
+/// The fleet-wide settings every node starts with.
+#[derive(Debug, Clone, Copy)]
+struct Start {
     /// Failed and good polls in a row that eject and readmit a node.
-    hysteresis: (u32, u32),
+    unhealthy: u32,
+    healthy: u32,
+    /// KV-cache use at or below which a report shows room to spare: half the VRAM ceiling.
+    slack_kv: f64,
 }
 
 impl Fleet {
     /// The configuration's nodes, each in the slot of its place in the list.
     pub fn new(cfg: &Config) -> Fleet {
-        let hysteresis = (cfg.unhealthy_after_failures, cfg.healthy_after_successes);
+        let start = Start {
+            unhealthy: cfg.unhealthy_after_failures,
+            healthy: cfg.healthy_after_successes,
+            slack_kv: cfg.vram_ceiling / 2.0,
+        };
         Fleet {
-            nodes: cfg
-                .nodes
-                .iter()
-                .map(|n| node_state(n, hysteresis))
-                .collect(),
+            nodes: cfg.nodes.iter().map(|n| node_state(n, start)).collect(),
             configs: cfg.nodes.clone(),
             listed: cfg.nodes.len(),
             listed_configs: cfg.nodes.clone(),
             defaults: cfg.membership.as_ref().map(|m| m.node_defaults.clone()),
-            hysteresis,
+            start,
         }
     }
 
@@ -130,7 +140,7 @@ impl Fleet {
                 address: address.clone(),
                 ..defaults.clone()
             };
-            let state = node_state(&config, self.hysteresis);
+            let state = node_state(&config, self.start);
             let reusable = (self.listed..self.nodes.len()).find(|&i| {
                 self.nodes
                     .get(i)
@@ -197,7 +207,7 @@ impl Fleet {
                     address: address.to_string(),
                     ..defaults.clone()
                 });
-            let state = node_state(&config, self.hysteresis).with_member(member);
+            let state = node_state(&config, self.start).with_member(member);
             match (self.nodes.get_mut(i), self.configs.get_mut(i)) {
                 (Some(n), Some(c)) => {
                     if n.member() && !member {
@@ -227,9 +237,10 @@ impl Fleet {
 }
 
 /// A node's state as its settings start it.
-fn node_state(n: &NodeConfig, (unhealthy, healthy): (u32, u32)) -> NodeState {
+fn node_state(n: &NodeConfig, start: Start) -> NodeState {
     let state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
-        .with_hysteresis(unhealthy, healthy)
+        .with_hysteresis(start.unhealthy, start.healthy)
+        .with_slack_kv(start.slack_kv)
         .with_format(n.format)
         .with_probe(Probe::new(n.health_path.as_deref(), n.filter_metrics));
     match &n.models {

@@ -115,9 +115,12 @@ pub struct NodeState {
     books: Books,
     /// Health polls failed in a row (reset by a good one).
     failures_in_row: u32,
-    /// Good reports in a row that moved nothing since the one before (`Report::quiet_since`),
-    /// ended by any other answer: how much less often the node is polled (see `polling`).
+    /// Good reports in a row that moved nothing since the one before (`Report::quiet_since`)
+    /// or showed room to spare (`Report::slack`), ended by any other answer: how much less
+    /// often the node is polled (see `polling`).
     quiet_reports: u32,
+    /// KV-cache use at or below which a report shows room to spare (`Report::slack`).
+    slack_kv: f64,
     /// Good polls in a row (reset by a failed one).
     successes_in_row: u32,
     /// Taken out of the choice by failed polls, until enough good ones bring it back.
@@ -186,6 +189,10 @@ impl Stream {
 /// grows with the streams it follows (about 0.2 us each inside the `.wasm` under V8,
 /// `examples/choice_cost.rs`); vLLM runs at most 256 sequences at a time by default.
 pub const MAX_STREAMS: usize = 512;
+
+/// KV-cache use at or below which a report shows room to spare, until the fleet sets it
+/// (half the VRAM ceiling; this is half the default ceiling).
+pub const DEFAULT_SLACK_KV: f64 = 0.45;
 
 /// A time-per-output-token budget held on a node while its stream runs (`hold_budget`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -274,6 +281,7 @@ impl NodeState {
             books: Books::of(tenant_of(address)),
             failures_in_row: 0,
             quiet_reports: 0,
+            slack_kv: DEFAULT_SLACK_KV,
             successes_in_row: 0,
             ejected: false,
             unhealthy_after: 2,
@@ -382,6 +390,13 @@ impl NodeState {
         self
     }
 
+    /// Sets the KV-cache use at or below which a report shows room to spare (half the VRAM
+    /// ceiling, `Fleet`): such a node is polled as a quiet one is.
+    pub fn with_slack_kv(mut self, slack_kv: f64) -> Self {
+        self.slack_kv = slack_kv;
+        self
+    }
+
     /// Sets what the node's health endpoint serves.
     pub fn with_format(mut self, format: HealthFormat) -> Self {
         self.format = format;
@@ -400,14 +415,15 @@ impl NodeState {
     }
 
     /// Whether the node is polled in a slice of its due at `now_ms` (see `polling::due`):
-    /// every tick while its reports move or it has requests in flight (`in_flight`, asked
-    /// only of a quiet node), less often while it is quiet and idle.
+    /// every tick while its reports move with no room to spare or prompts sent there have not
+    /// started (`prefilling`, asked only of a quiet node), less often while it is quiet or
+    /// slack and runs nothing of this router's but streams already decoding.
     pub fn poll_due(
         &self,
         now_ms: u64,
         tick_ms: u64,
         quiet_poll_ms: u64,
-        in_flight: impl FnOnce() -> bool,
+        prefilling: impl FnOnce() -> bool,
     ) -> bool {
         polling::due(
             self.report.as_ref().map(|(_, at)| *at),
@@ -415,10 +431,10 @@ impl NodeState {
             now_ms,
             tick_ms,
             quiet_poll_ms,
-        ) || in_flight()
+        ) || prefilling()
     }
 
-    /// Good reports in a row that moved nothing (see `poll_due`).
+    /// Good reports in a row that moved nothing or showed room to spare (see `poll_due`).
     pub fn quiet_reports(&self) -> u32 {
         self.quiet_reports
     }
@@ -643,7 +659,7 @@ impl NodeState {
         let quiet = self
             .report
             .as_ref()
-            .is_some_and(|(before, _)| report.quiet_since(before));
+            .is_some_and(|(before, _)| report.quiet_since(before) || report.slack(self.slack_kv));
         self.quiet_reports = if quiet {
             self.quiet_reports.saturating_add(1)
         } else {
@@ -1004,12 +1020,43 @@ mod tests {
         assert!(n.poll_due(t + 100, tick, quiet, || false));
         let t = step(&mut n, 500.0);
         assert_eq!(n.quiet_reports(), 1);
-        // Requests in flight: every tick, however quiet its reports.
+        // Prompts not started there: every tick, however quiet its reports.
         assert!(!n.poll_due(t + 100, tick, quiet, || false));
         assert!(n.poll_due(t + 100, tick, quiet, || true));
         let _ = n.note_failure();
         assert_eq!(n.quiet_reports(), 0);
         assert!(n.poll_due(t + 1, tick, quiet, || false));
+    }
+
+    /// Reports that move but show room to spare (`Report::slack`) lengthen the period as quiet
+    /// ones do, under the fleet's limit; one past it brings the node back to every tick.
+    #[test]
+    fn reports_with_room_to_spare_lengthen_the_poll_period_though_they_move() {
+        let mut n = NodeState::new("10.0.0.1:8000", None, None).with_slack_kv(0.3);
+        let (tick, quiet) = (100, 400);
+        let busy = |running: f64, kv: f64| Report {
+            load_tokens_per_sec: 1000.0 * running,
+            capacity_tokens_per_sec: Some(20_000.0),
+            kv_cache_usage: Some(kv),
+            queue_depth: Some(0.0),
+            running_requests: Some(running),
+            ..Report::default()
+        };
+        n.accept_report(busy(1.0, 0.1), 100);
+        n.accept_report(busy(3.0, 0.2), 200);
+        n.accept_report(busy(2.0, 0.15), 300);
+        assert_eq!(n.quiet_reports(), 2);
+        assert!(!n.poll_due(400, tick, quiet, || false));
+        assert!(n.poll_due(700, tick, quiet, || false));
+        // KV use past the limit: every tick.
+        n.accept_report(busy(4.0, 0.35), 700);
+        assert_eq!(n.quiet_reports(), 0);
+        assert!(n.poll_due(800, tick, quiet, || false));
+        // The same report under the default limit (half the default ceiling) has room.
+        let mut d = NodeState::new("10.0.0.1:8000", None, None);
+        d.accept_report(busy(1.0, 0.1), 100);
+        d.accept_report(busy(4.0, 0.35), 200);
+        assert_eq!(d.quiet_reports(), 1);
     }
 
     /// (polls, expected ejected after each) for a node ejected after 2 failures and readmitted

@@ -14,19 +14,27 @@
 //! once a tick, not once a slice.
 //!
 //! Quiet nodes are polled less often (`due`). A poll is worth its cost when the answer can
-//! change a decision; a node whose reports move nothing the choice reads (the same requests
-//! running and waiting, KV-cache use within a point, load within 5 %: `Report::quiet_since`)
-//! and that runs none of this Envoy's requests is telling the balancer what its own books
-//! already say. So each quiet report in a row doubles the node's poll period, from `tick_ms`
-//! up to `quiet_poll_ms` (by default half of `stale_after_ms`, so its report never goes stale,
-//! and at most four ticks), and any report that moves, any failed poll, or any request in
-//! flight there (the caller says, `NodeState::poll_due`) brings it back to every tick: a burst
-//! sent to an idle node is followed as closely as before. Requests this Envoy sends are in its
-//! books at once, as always; what a longer period delays is news of work that others sent
-//! (another Envoy replica) to a node that was idle, by at most `quiet_poll_ms`. An idle fleet
-//! costs a quarter of the polls with the shipped settings; a busy one is polled every tick as
-//! before. The idea is the adaptive scrape interval of monitoring systems, keyed here to what
-//! the balancer reads and sends.
+//! change a decision. Two kinds of node are telling the balancer little it does not know:
+//! - a quiet one, whose reports move nothing the choice reads (the same requests running and
+//!   waiting, KV-cache use within a point, load within 5 %: `Report::quiet_since`);
+//! - a slack one, whose reports move but show room to spare (nothing waiting, KV-cache use at
+//!   most half the VRAM ceiling, at most half its capacity in use: `Report::slack`). Whatever
+//!   it reports next, a request sent there starts at once and fits: no decision is close there.
+//!
+//! Each such report in a row doubles the node's poll period, from `tick_ms` up to
+//! `quiet_poll_ms` (by default half of `stale_after_ms`, so its report never goes stale, and at
+//! most four ticks). Any other report, any failed poll, or any prompt of this Envoy's there whose
+//! first token has not come back (the caller says, `NodeState::poll_due`) brings it back to
+//! every tick: a burst sent to an idle node is followed as closely as before, since what an
+//! engine does with prompts it has not started (queues them, admits them, how fast) is what the
+//! books cannot know. Streams already decoding are followed by the books themselves (every
+//! token that comes back), so they alone keep a node at every tick no longer. What a longer
+//! period delays is news of work that others sent (another Envoy replica) to a node that had
+//! room, by at most `quiet_poll_ms`, and the KV its decoding streams wrote since the report,
+//! which a node with half its ceiling free has room for. An idle fleet costs a quarter of the
+//! polls with the shipped settings, and so does the share of a busy fleet with room to spare; a
+//! node near a decision is polled every tick as before. The idea is the adaptive scrape interval
+//! of monitoring systems, keyed here to what the balancer reads and sends.
 
 /// Polls started together at most, but for the cap on slices (a bigger fleet has bigger
 /// slices rather than slices shorter than `MIN_SLICE_MS`).

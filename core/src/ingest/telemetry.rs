@@ -49,14 +49,7 @@ impl Report {
             (None, None) => true,
             _ => false,
         };
-        let kv = |r: &Report| {
-            r.kv_cache_usage
-                .or(match (r.vram_used_bytes, r.vram_total_bytes) {
-                    (Some(u), Some(t)) if t > 0.0 => Some(u / t),
-                    _ => None,
-                })
-        };
-        let kv_same = match (kv(self), kv(before)) {
+        let kv_same = match (self.kv_fraction(), before.kv_fraction()) {
             (Some(a), Some(b)) => (a - b).abs() <= 0.01,
             (None, None) => true,
             _ => false,
@@ -66,6 +59,29 @@ impl Report {
             && kv_same
             && near(self.load_tokens_per_sec, before.load_tokens_per_sec)
             && same(self.capacity_tokens_per_sec, before.capacity_tokens_per_sec)
+    }
+
+    /// KV-cache use as a fraction 0..1: the reported fraction, else used over total bytes.
+    pub fn kv_fraction(&self) -> Option<f64> {
+        self.kv_cache_usage
+            .or(match (self.vram_used_bytes, self.vram_total_bytes) {
+                (Some(u), Some(t)) if t > 0.0 => Some(u / t),
+                _ => None,
+            })
+    }
+
+    /// Whether the node had room to spare at this report, so that news of it cannot be close
+    /// to turning a decision: nothing waiting, KV-cache use at most `kv_limit`, and (when it
+    /// says its capacity) at most half of that in use. A node that does not report its queue
+    /// or its KV use is never judged slack.
+    /// A slack node is polled as a quiet one is (see `fleet::polling`).
+    pub fn slack(&self, kv_limit: f64) -> bool {
+        let idle_queue = self.queue_depth.is_some_and(|q| q < 0.5);
+        let room = self.kv_fraction().is_some_and(|kv| kv <= kv_limit);
+        let spare = self
+            .capacity_tokens_per_sec
+            .map_or(true, |c| self.load_tokens_per_sec <= 0.5 * c);
+        idle_queue && room && spare
     }
 }
 
@@ -230,6 +246,76 @@ mod tests {
         ];
         for (name, before, after, want) in cases {
             assert_eq!(after.quiet_since(&before), want, "{name}");
+        }
+    }
+
+    /// (case, report, slack under a KV limit of 0.45): what a report must show for the node
+    /// to have room to spare.
+    #[test]
+    fn slack_reports_table() {
+        let busy = Report {
+            load_tokens_per_sec: 12_000.0,
+            capacity_tokens_per_sec: Some(40_000.0),
+            kv_cache_usage: Some(0.30),
+            queue_depth: Some(0.0),
+            running_requests: Some(24.0),
+            ..Report::default()
+        };
+        let with = |f: fn(&mut Report)| {
+            let mut r = busy;
+            f(&mut r);
+            r
+        };
+        let cases: Vec<(&str, Report, bool)> = vec![
+            ("running, nothing waiting, room in the cache", busy, true),
+            (
+                "KV use at the limit",
+                with(|r| r.kv_cache_usage = Some(0.45)),
+                true,
+            ),
+            (
+                "KV use past the limit",
+                with(|r| r.kv_cache_usage = Some(0.46)),
+                false,
+            ),
+            (
+                "one request waiting",
+                with(|r| r.queue_depth = Some(1.0)),
+                false,
+            ),
+            (
+                "past half its capacity",
+                with(|r| r.load_tokens_per_sec = 20_001.0),
+                false,
+            ),
+            (
+                "no capacity said: the load is not judged",
+                with(|r| r.capacity_tokens_per_sec = None),
+                true,
+            ),
+            ("queue not said", with(|r| r.queue_depth = None), false),
+            ("KV use not said", with(|r| r.kv_cache_usage = None), false),
+            (
+                "KV in bytes",
+                with(|r| {
+                    r.kv_cache_usage = None;
+                    r.vram_used_bytes = Some(40.0);
+                    r.vram_total_bytes = Some(100.0);
+                }),
+                true,
+            ),
+            (
+                "KV in bytes, past the limit",
+                with(|r| {
+                    r.kv_cache_usage = None;
+                    r.vram_used_bytes = Some(50.0);
+                    r.vram_total_bytes = Some(100.0);
+                }),
+                false,
+            ),
+        ];
+        for (name, r, want) in cases {
+            assert_eq!(r.slack(0.45), want, "{name}");
         }
     }
 

@@ -128,11 +128,12 @@ impl Picker {
             else {
                 continue;
             };
-            // A quiet node (reports that move nothing the choice reads) only once its longer
-            // period is up, as the filter's poller (`NodeState::poll_due`).
+            // A quiet or slack node (reports that move nothing the choice reads, or show room
+            // to spare) only once its longer period is up, as the filter's poller
+            // (`NodeState::poll_due`).
             if !polls.health.is_asked(i, state.tenant())
                 && state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, || {
-                    balancer.books(i).is_some_and(|b| b.inflight_requests > 0)
+                    balancer.books(i).is_some_and(|b| b.prefilling())
                 })
             {
                 let token = polls.token();

@@ -145,10 +145,15 @@ impl Service {
         self.keys.get(slot)?.as_ref()
     }
 
-    /// Whether slot `slot`'s shared books have requests in flight (one read; books that
-    /// cannot be read count as busy, the side that polls).
-    pub fn in_flight<S: Store>(&self, store: &mut S, slot: usize) -> bool {
-        self.key(slot).is_some_and(|k| books_busy(store, &k.key))
+    /// Whether slot `slot`'s shared books have prompts whose first token has not come back
+    /// (one read; books that cannot be read count as prefilling, the side that polls): such
+    /// a node is polled every tick (see `fleet::polling`).
+    pub fn prefilling<S: Store>(&self, store: &mut S, slot: usize) -> bool {
+        self.key(slot).is_some_and(|k| match store.get(&k.key) {
+            Ok(Some((bytes, _))) => Books::decode(&bytes).map_or(true, |b| b.prefilling()),
+            Ok(None) => false,
+            Err(StoreFailed) => true,
+        })
     }
 }
 

@@ -412,27 +412,31 @@ fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
 }
 
 #[test]
-fn the_service_sees_which_slots_have_requests_in_flight() {
+fn the_service_sees_which_slots_have_prompts_not_started() {
     let mut store = Mem::default();
     let (s, _) = started(&mut store, &[A, B], 1000);
-    assert!(!s.in_flight(&mut store, 0) && !s.in_flight(&mut store, 1));
+    assert!(!s.prefilling(&mut store, 0) && !s.prefilling(&mut store, 1));
     let (mut r, mut rb) = (Reader::default(), balancer(&[A, B]));
     assert!(r.sync(&mut store, &mut rb, 1000, STALE).usable);
     let t = ticket(1, B);
+    assert!(t.prefill() > 0);
     r.write(&mut store, &rb, &t, Change::dispatch(&t), None);
-    assert!(!s.in_flight(&mut store, 0));
-    assert!(s.in_flight(&mut store, 1));
+    assert!(!s.prefilling(&mut store, 0));
+    assert!(s.prefilling(&mut store, 1));
     // One read of one key.
     let calls = store.calls;
-    s.in_flight(&mut store, 1);
+    s.prefilling(&mut store, 1);
     assert_eq!(store.calls, calls + 1);
     // A slot the service does not know: nothing there.
-    assert!(!s.in_flight(&mut store, 9));
-    r.write(&mut store, &rb, &t, Change::release(&t, 0), None);
-    assert!(!s.in_flight(&mut store, 1));
-    // Books that cannot be read count as busy: the node is polled.
+    assert!(!s.prefilling(&mut store, 9));
+    // The first token came back: the stream decodes, its prompt is no longer to come.
+    r.write(&mut store, &rb, &t, Change::progress(&t, 0, 16), None);
+    assert!(!s.prefilling(&mut store, 1));
+    r.write(&mut store, &rb, &t, Change::release(&t, 16), None);
+    assert!(!s.prefilling(&mut store, 1));
+    // Books that cannot be read count as prefilling: the node is polled.
     store.fail = true;
-    assert!(s.in_flight(&mut store, 0));
+    assert!(s.prefilling(&mut store, 0));
 }
 
 /// Held requests let out together, behind the poller service: each is routed knowing where

@@ -255,6 +255,10 @@ impl<H: Host> State<H> {
     /// came from the chosen node (or from one the filter does not know).
     pub fn served_by(&mut self, ticket: &Ticket, upstream: &str, chain: &Chain) -> Option<Ticket> {
         let moved = self.balancer.moved(ticket, upstream, chain)?;
+        // The chosen node refused or reset the request: none of this VM's requests go there
+        // until a report taken after this shows it answering.
+        let now = self.host.now_ms();
+        self.balancer.note_failed_request(ticket.node, now);
         self.share(ticket, Change::release(ticket, 0), None);
         self.share(&moved, Change::dispatch(&moved), None);
         self.publish_placements();

@@ -204,6 +204,33 @@ fn the_booking_follows_the_node_that_served_the_request() {
     end(&host, &mut req, 3);
     assert_eq!(inflight(&root, 0) + inflight(&root, 1), 0);
     assert_eq!(host.metric("token_balancer.inflight_now"), 0);
+    let failed = if chosen == 0 { A } else { B };
+    let failed_header = |host: &FakeHost, id: u32| {
+        host.request_header_of(id, ROUTING)
+            .is_some_and(|h| h.starts_with(failed))
+    };
+    // The node that could not serve it is out of the choice until a report taken after that.
+    for id in 4..10 {
+        let (mut req, _, _) = post(&host, &root, id, BODY);
+        assert!(!failed_header(&host, id), "request {id} went to {failed}");
+        end(&host, &mut req, id);
+    }
+    // It is polled at the next tick, and its answer brings it back.
+    host.advance(1000);
+    let mut root = root;
+    tick(&host, &mut root);
+    let calls = host.take_calls();
+    assert!(calls.iter().any(|c| c.authority == failed), "{calls:?}");
+    for c in calls {
+        answer(&host, &mut root, c.token, Some("200"), IDLE);
+    }
+    let back = (10..30).any(|id| {
+        let (mut req, _, _) = post(&host, &root, id, BODY);
+        let there = failed_header(&host, id);
+        end(&host, &mut req, id);
+        there
+    });
+    assert!(back, "{failed} never chosen again");
 }
 
 #[test]

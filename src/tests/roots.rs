@@ -347,6 +347,15 @@ fn a_request_served_on_another_node_is_booked_there_in_the_shared_books() {
     assert_eq!(shared_books(&host, chosen).inflight_requests, 0);
     assert_eq!(shared_books(&host, other).inflight_requests, 0);
     assert_eq!(host.metric("token_balancer.shared.failed"), 0);
+    // The worker sends nothing more to the node that could not serve it while the poller's
+    // fleet shows no report taken after that.
+    let chosen_address = if chosen == 0 { A } else { B };
+    for id in 3..9 {
+        let (mut req, _, _) = post(&host, &worker, id, BODY);
+        let header = host.request_header_of(id, ROUTING).unwrap();
+        assert!(!header.starts_with(chosen_address), "{header}");
+        end(&host, &mut req, id);
+    }
 }
 
 #[test]

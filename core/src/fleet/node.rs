@@ -121,6 +121,10 @@ pub struct NodeState {
     quiet_reports: u32,
     /// KV-cache use at or below which a report shows room to spare (`Report::slack`).
     slack_kv: f64,
+    /// When a request sent here last failed there (Envoy served it on another node of the
+    /// routing header: a refused or reset connection), ms: the node is out of the choice
+    /// until a report taken after it (`fresh_report`).
+    failed_at: Option<u64>,
     /// Good polls in a row (reset by a failed one).
     successes_in_row: u32,
     /// Taken out of the choice by failed polls, until enough good ones bring it back.
@@ -282,6 +286,7 @@ impl NodeState {
             failures_in_row: 0,
             quiet_reports: 0,
             slack_kv: DEFAULT_SLACK_KV,
+            failed_at: None,
             successes_in_row: 0,
             ejected: false,
             unhealthy_after: 2,
@@ -691,19 +696,35 @@ impl NodeState {
         None
     }
 
+    /// A request sent here at or before `now_ms` could not be served here: Envoy's retries
+    /// took it to another node (the node refused or reset the connection). Until a report
+    /// taken after this, the node is out of the choice, so that requests stop going to a node
+    /// that may have died without waiting for failed polls to eject it; and it is polled at
+    /// the next tick, whatever its period.
+    pub fn note_failed_request(&mut self, now_ms: u64) {
+        self.failed_at = Some(self.failed_at.map_or(now_ms, |t| t.max(now_ms)));
+        self.quiet_reports = 0;
+    }
+
     /// The last change of health since this was last asked.
     pub fn take_transition(&mut self) -> Option<Transition> {
         self.transition.take()
     }
 
-    /// The last report, if it is younger than `stale_after_ms` and the node is neither ejected
-    /// nor out of the cluster.
+    /// The last report, if it is younger than `stale_after_ms`, was taken after any request
+    /// failed there (`note_failed_request`), and the node is neither ejected nor out of the
+    /// cluster.
     pub fn fresh_report(&self, now_ms: u64, stale_after_ms: u64) -> Option<&Report> {
         if self.ejected || !self.member {
             return None;
         }
         match &self.report {
-            Some((r, at)) if now_ms.saturating_sub(*at) <= stale_after_ms => Some(r),
+            Some((r, at))
+                if now_ms.saturating_sub(*at) <= stale_after_ms
+                    && self.failed_at.map_or(true, |f| *at > f) =>
+            {
+                Some(r)
+            }
             _ => None,
         }
     }
@@ -1026,6 +1047,27 @@ mod tests {
         let _ = n.note_failure();
         assert_eq!(n.quiet_reports(), 0);
         assert!(n.poll_due(t + 1, tick, quiet, || false));
+    }
+
+    /// A request that failed at the node takes it out of the choice until a report taken
+    /// after the failure, and brings its polls back to every tick.
+    #[test]
+    fn a_failed_request_takes_the_node_out_until_a_later_report() {
+        let mut n = NodeState::new("10.0.0.1:8000", None, None);
+        n.accept_report(report(0.0), 1000);
+        n.accept_report(report(0.0), 1100);
+        assert_eq!(n.quiet_reports(), 1);
+        assert!(n.fresh_report(1200, 3000).is_some());
+        n.note_failed_request(1200);
+        assert_eq!(n.quiet_reports(), 0);
+        assert!(n.poll_due(1250, 100, 400, || false));
+        assert!(n.fresh_report(1250, 3000).is_none());
+        // A report from before the failure (a snapshot taken earlier) does not bring it back.
+        n.adopt_report(Some((report(0.0), 1150)), 7);
+        assert!(n.fresh_report(1250, 3000).is_none());
+        // One taken after it does.
+        n.accept_report(report(0.0), 1300);
+        assert!(n.fresh_report(1300, 3000).is_some());
     }
 
     /// Reports that move but show room to spare (`Report::slack`) lengthen the period as quiet

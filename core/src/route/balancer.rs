@@ -980,6 +980,15 @@ impl Balancer {
         self.book(to, booking, chain)
     }
 
+    /// A request sent to node `node` failed there and was served elsewhere (see `moved`): the
+    /// node is out of the choice until its next report (`NodeState::note_failed_request`).
+    pub fn note_failed_request(&mut self, node: usize, now_ms: u64) {
+        if let Some(n) = self.fleet.nodes_mut().get_mut(node) {
+            n.note_failed_request(now_ms);
+            self.pool.invalidate();
+        }
+    }
+
     /// Books a request on node `node` (its in-flight books, its time-per-token budget) and
     /// records its prompt there in the prefix index (kept for the other workers too, see
     /// `take_placements`): what routing a request there means to this balancer, whether it

@@ -49,3 +49,20 @@ def test_overhead_benchmark_produces_a_well_formed_report():
     assert "Targets for token-balancer" in table
     assert "| 4 | ext_proc picker (same core, gRPC) |" in table, table
     assert "token-balancer against the ext_proc picker" in table, table
+
+
+def test_host_call_cost_benchmark_produces_a_well_formed_report():
+    """examples/host_call_cost.py: the floor filter with a probe of host calls, beside none."""
+    name = "ci-host-call-cost-smoke"
+    r = subprocess.run([sys.executable, str(ROOT / "examples/host_call_cost.py"), "--kinds", "metric,shared_get",
+                        "--calls", "4", "--rounds", "1", "--seconds", "1", "--name", name],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = ROOT / "results" / name
+    doc = json.loads((out / "host_call_cost.json").read_text())
+    assert [row["kind"] for row in doc["rows"]] == ["metric", "shared_get"], doc["rows"]
+    for kind in ("none", "metric", "shared_get"):
+        [us] = doc["runs"][kind]
+        assert us > 0, (kind, us)
+    table = (out / "host_call_cost.md").read_text()
+    assert "| shared data read (96 bytes) |" in table and "| counter increment |" in table, table

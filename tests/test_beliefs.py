@@ -12,7 +12,8 @@ from harness import (ENVOY_YAML, Envoy, MockCluster, chat, envoy_config, free_po
                      operator_plugin, request, wait_until)
 
 TICK_MS = 100
-NODE_FIELDS = {"address", "slot", "member", "ejected", "failures_in_row", "telemetry", "report",
+NODE_FIELDS = {"address", "slot", "member", "ejected", "failures_in_row", "failed_request_since_report",
+               "telemetry", "report",
                "in_flight", "models", "time_per_token", "predicted_typical"}
 REPORT_FIELDS = {"age_ms", "fresh", "load_tokens_per_sec", "capacity_tokens_per_sec",
                  "sustained_tokens_per_sec", "forecast_tokens_per_sec",

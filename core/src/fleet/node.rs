@@ -706,6 +706,16 @@ impl NodeState {
         self.quiet_reports = 0;
     }
 
+    /// Whether a request failed here after the last report (`note_failed_request`): the node
+    /// is out of the choice until the next one.
+    pub fn failed_since_report(&self) -> bool {
+        match (self.failed_at, &self.report) {
+            (Some(f), Some((_, at))) => *at <= f,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
+
     /// The last change of health since this was last asked.
     pub fn take_transition(&mut self) -> Option<Transition> {
         self.transition.take()
@@ -1058,7 +1068,9 @@ mod tests {
         n.accept_report(report(0.0), 1100);
         assert_eq!(n.quiet_reports(), 1);
         assert!(n.fresh_report(1200, 3000).is_some());
+        assert!(!n.failed_since_report());
         n.note_failed_request(1200);
+        assert!(n.failed_since_report());
         assert_eq!(n.quiet_reports(), 0);
         assert!(n.poll_due(1250, 100, 400, || false));
         assert!(n.fresh_report(1250, 3000).is_none());
@@ -1068,6 +1080,7 @@ mod tests {
         // One taken after it does.
         n.accept_report(report(0.0), 1300);
         assert!(n.fresh_report(1300, 3000).is_some());
+        assert!(!n.failed_since_report());
     }
 
     /// Reports that move but show room to spare (`Report::slack`) lengthen the period as quiet

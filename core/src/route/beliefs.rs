@@ -157,6 +157,10 @@ fn node(
     out.insert("ejected".into(), json!(n.ejected()));
     out.insert("failures_in_row".into(), json!(n.failures_in_row()));
     out.insert(
+        "failed_request_since_report".into(),
+        json!(n.failed_since_report()),
+    );
+    out.insert(
         "telemetry".into(),
         json!({
             "path": n.health_path(),
@@ -307,6 +311,14 @@ mod tests {
         assert_eq!(later["nodes"][0]["report"]["fresh"], false);
         assert_eq!(later["nodes"][0]["report"]["age_ms"], 8_000);
         assert_eq!(later["nodes"][0]["predicted_typical"], Value::Null);
+        // A request failed at node 1 after its report: out of the choice, and said so.
+        assert_eq!(n1["failed_request_since_report"], false);
+        b.note_failed_request(1, 2_100);
+        let failed = render(&b, 2_200, &mut OwnBooks, None);
+        assert_eq!(failed["nodes"][1]["failed_request_since_report"], true);
+        assert_eq!(failed["nodes"][1]["report"]["fresh"], true);
+        assert_eq!(failed["nodes"][1]["predicted_typical"], Value::Null);
+        assert_eq!(failed["nodes"][0]["failed_request_since_report"], false);
     }
 
     #[test]

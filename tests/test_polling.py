@@ -1,12 +1,18 @@
-"""Integration test: how often the real Envoy polls nodes whose reports do not move.
+"""Integration test: how often the real Envoy polls nodes whose reports do not move, or show
+room to spare.
 
-With `tick_ms` 100 and `stale_after_ms` 1000 (one poller per Envoy), an idle node's reports move nothing, so it is
-polled once per `quiet_poll_ms` (500 ms by default here) instead of ten times a second; its
-report never goes stale, so requests are still routed by the filter; and a node whose report
-moves is polled every tick again (the cadence itself is unit-tested in the glue's tests)."""
+With `tick_ms` 100 and `stale_after_ms` 1000 (one poller per Envoy), an idle node's reports move
+nothing, so it is polled once per `quiet_poll_ms` (500 ms by default here) instead of ten times a
+second; its report never goes stale, so requests are still routed by the filter. A node decoding
+a stream of this Envoy's, with room to spare (nothing waiting, little of its cache in use), is
+polled at the quiet period too, though its reports move; once its reports show requests
+waiting, every tick again (the cadence itself is unit-tested in the glue's tests)."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import threading
 import time
 
 from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
@@ -41,6 +47,77 @@ def test_idle_nodes_are_polled_at_the_quiet_period_and_stay_fresh():
             # node's report and bring it back to the tick for a while).
             assert all(r <= 5.0 for r in rates), rates
             assert sum(rates) / len(rates) <= 4.0, rates
+        finally:
+            envoy.stop()
+    finally:
+        c.stop()
+
+
+def stream(port: int, body: dict, first_token: threading.Event, out: dict):
+    """Streams one chat completion through Envoy; sets `first_token` at its first chunk and
+    records the node that served it and when it ended."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        out["node"] = r.getheader("x-mock-node")
+        while r.read1(65536):
+            first_token.set()
+    except (OSError, http.client.HTTPException):
+        pass  # cut when the test stops Envoy
+    finally:
+        out["ended_at"] = time.monotonic()
+        first_token.set()
+        conn.close()
+
+
+def test_a_node_decoding_with_room_to_spare_is_polled_at_the_quiet_period():
+    c = MockCluster([("node-a", "gpu=h100"), ("node-b", "gpu=h100")])
+    try:
+        cfg = envoy_config([n.address for n in c.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": 100, "stale_after_ms": 1000}, poller="singleton")
+        envoy = Envoy(cfg)
+        try:
+            wait_until(lambda: envoy.counter("token_balancer.health.quiet_nodes") == 2, 10, "both nodes quiet")
+            first_token, out = threading.Event(), {}
+            t = threading.Thread(target=stream, daemon=True,
+                                 args=(envoy.port, chat("tell me a long story", 1500), first_token, out))
+            t.start()
+            assert first_token.wait(10), "no first token"
+            node = next(n for n in c.nodes if n.name == out["node"])
+
+            def rate(seconds: float) -> float:
+                before, t0 = node.stats()["health_requests_total"], time.monotonic()
+                wait_until(lambda: time.monotonic() >= t0 + seconds, seconds + 2, "the window")
+                return (node.stats()["health_requests_total"] - before) / (time.monotonic() - t0)
+
+            # Decoding, its reports moving (its KV use and load grow), with room to spare:
+            # about two polls a second, not ten.
+            h = node.health()
+            assert h["running_requests"] == 1 and h["queue_depth"] == 0 and h["kv_cache_usage"] < 0.1, h
+            decoding = rate(2.0)
+            assert t.is_alive(), "the stream ended before the window did"
+            assert decoding <= 5.0, decoding
+            # Its reports now show requests waiting, a queue that moves: every tick again.
+            stop = threading.Event()
+
+            def queue_moves():
+                depth = 3
+                while not stop.wait(0.03):
+                    depth += 1
+                    node.set_health(queue_depth=depth)
+
+            mover = threading.Thread(target=queue_moves, daemon=True)
+            mover.start()
+            try:
+                rates: list[float] = []
+                wait_until(lambda: rates.append(rate(0.5)) or rates[-1] >= 6.0, 5,
+                           lambda: f"polls every tick with requests waiting: {rates} a second")
+            finally:
+                stop.set()
+                mover.join(2)
+                node.reset_health()
         finally:
             envoy.stop()
     finally:

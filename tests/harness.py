@@ -357,6 +357,34 @@ class Envoy:
         self.log.close()
 
 
+def stream_until_closed(port: int, body: dict, started: threading.Event, out: dict):
+    """Streams one chat completion through the Envoy on `port` until it closes; sets `started`
+    at the first chunk of the answer (the first token), and records in `out` the node that
+    served it (`node`), the status, how it ended (`end`: "complete" with its `[DONE]`, else
+    "error") and when (`ended_at`, monotonic)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        out["node"] = r.getheader("x-mock-node")
+        out["status"] = r.status
+        data = b""
+        while True:
+            chunk = r.read1(65536)
+            if not chunk:
+                break
+            data += chunk
+            started.set()
+        out["end"] = "complete" if b"[DONE]" in data else "error"
+    except (OSError, http.client.HTTPException):
+        out["end"] = "error"
+    finally:
+        out["ended_at"] = time.monotonic()
+        started.set()
+        conn.close()
+
+
 def chat(prompt: str, max_tokens: int = 8, **extra) -> dict:
     return {"model": "mock-model", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, **extra}

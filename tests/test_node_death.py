@@ -17,36 +17,11 @@ import threading
 import time
 
 from harness import (Envoy, MockCluster, chat, envoy_config, free_port, node_stat, operator_plugin, request,
-                     wait_until)
+                     stream_until_closed, wait_until)
 
 TICK_MS = 100
 # Far longer than the ejection takes: exclusion must come from the failed polls, not staleness.
 STALE_MS = 5_000
-
-
-def stream_until_closed(port: int, body: dict, started: threading.Event, out: dict):
-    """Opens a stream; records how it ended: 'complete', or 'error' with the time it took."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
-                     headers={"content-type": "application/json"})
-        r = conn.getresponse()
-        out["node"] = r.getheader("x-mock-node")
-        out["status"] = r.status
-        started.set()
-        data = b""
-        while True:
-            chunk = r.read1(65536)
-            if not chunk:
-                break
-            data += chunk
-        out["end"] = "complete" if b"[DONE]" in data else "error"
-    except (OSError, http.client.HTTPException):
-        out["end"] = "error"
-    finally:
-        out["ended_at"] = time.monotonic()
-        started.set()
-        conn.close()
 
 
 def test_a_node_killed_under_load(tmp_path):

@@ -10,12 +10,10 @@ waiting, every tick again (the cadence itself is unit-tested in the glue's tests
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 
-from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
+from harness import Envoy, MockCluster, chat, envoy_config, free_port, stream_until_closed, wait_until
 
 
 def test_idle_nodes_are_polled_at_the_quiet_period_and_stay_fresh():
@@ -53,25 +51,6 @@ def test_idle_nodes_are_polled_at_the_quiet_period_and_stay_fresh():
         c.stop()
 
 
-def stream(port: int, body: dict, first_token: threading.Event, out: dict):
-    """Streams one chat completion through Envoy; sets `first_token` at its first chunk and
-    records the node that served it and when it ended."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
-                     headers={"content-type": "application/json"})
-        r = conn.getresponse()
-        out["node"] = r.getheader("x-mock-node")
-        while r.read1(65536):
-            first_token.set()
-    except (OSError, http.client.HTTPException):
-        pass  # cut when the test stops Envoy
-    finally:
-        out["ended_at"] = time.monotonic()
-        first_token.set()
-        conn.close()
-
-
 def test_a_node_decoding_with_room_to_spare_is_polled_at_the_quiet_period():
     c = MockCluster([("node-a", "gpu=h100"), ("node-b", "gpu=h100")])
     try:
@@ -81,7 +60,7 @@ def test_a_node_decoding_with_room_to_spare_is_polled_at_the_quiet_period():
         try:
             wait_until(lambda: envoy.counter("token_balancer.health.quiet_nodes") == 2, 10, "both nodes quiet")
             first_token, out = threading.Event(), {}
-            t = threading.Thread(target=stream, daemon=True,
+            t = threading.Thread(target=stream_until_closed, daemon=True,
                                  args=(envoy.port, chat("tell me a long story", 1500), first_token, out))
             t.start()
             assert first_token.wait(10), "no first token"

@@ -186,14 +186,7 @@ fn gateway_profile<'a>(
 ) -> Vec<Ranked> {
     let nodes: Vec<(usize, f64, f64)> = fresh
         .map(|(i, _, r)| {
-            let kv = r
-                .kv_cache_usage
-                .or(match (r.vram_used_bytes, r.vram_total_bytes) {
-                    (Some(u), Some(t)) if t > 0.0 => Some(u / t),
-                    _ => None,
-                })
-                .unwrap_or(0.0)
-                .clamp(0.0, 1.0);
+            let kv = r.kv_fraction().unwrap_or(0.0).clamp(0.0, 1.0);
             (i, r.queue_depth.unwrap_or(0.0), kv)
         })
         .collect();

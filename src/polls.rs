@@ -33,6 +33,9 @@ pub struct Polls {
     pub members_due_ms: u64,
     /// Which slices of the fleet to poll when (see `polling`).
     pub schedule: Schedule,
+    /// When the poller service last added up every node's shared books for its gauges
+    /// (`State::report_books`), ms.
+    pub books_reported_ms: Option<u64>,
 }
 
 impl Polls {
@@ -48,6 +51,7 @@ impl Polls {
             members: None,
             members_due_ms: 0,
             schedule: Schedule::default(),
+            books_reported_ms: None,
         }
     }
 

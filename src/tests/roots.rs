@@ -488,3 +488,42 @@ fn a_routed_request_costs_at_most_25_host_calls() {
         "{routed:#?}\n{answered:#?}"
     );
 }
+
+/// The poller service adds up every node's shared books for its gauges once a second, not
+/// every round: each is a read of a node's books (a crossing into Envoy that returns data).
+#[test]
+fn the_service_reads_every_nodes_books_for_its_gauges_once_a_second() {
+    let (host, mut service, worker) =
+        singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":100"#);
+    let round = |host: &FakeHost, service: &mut Root<FakeHost>| {
+        host.advance(100);
+        tick(host, service);
+        for c in host.take_calls() {
+            answer(host, service, c.token, Some("200"), IDLE);
+        }
+    };
+    round(&host, &mut service);
+    host.take_host_calls();
+    // Two seconds of rounds, every node polled every tick: the only reads of the books are
+    // the gauges' (no quiet node is asked whether prompts wait there).
+    for _ in 0..20 {
+        round(&host, &mut service);
+    }
+    let reads = host
+        .take_host_calls()
+        .iter()
+        .filter(|c| c.starts_with("shared get token_balancer.books."))
+        .count();
+    assert!(
+        reads <= 2 * 3,
+        "{reads} reads of the books in 2 s of 20 rounds"
+    );
+    assert!(reads >= 2 * 2, "{reads}: the gauges are still kept");
+    // A worker's request shows in the gauge within a second.
+    let (mut req, _, _) = post(&host, &worker, 9, BODY);
+    for _ in 0..10 {
+        round(&host, &mut service);
+    }
+    assert_eq!(host.metric("token_balancer.shared.inflight_requests"), 1);
+    end(&host, &mut req, 9);
+}

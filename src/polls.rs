@@ -35,8 +35,13 @@ pub struct Polls {
     pub schedule: Schedule,
     /// When the poller service last added up every node's shared books for its gauges
     /// (`State::report_books`), ms.
-    pub books_reported_ms: Option<u64>,
+    books_reported_ms: Option<u64>,
 }
+
+/// How often the poller service adds up every node's shared books for the
+/// `shared.inflight_*` gauges: a read of each node's books (about 1 us of Envoy's each), so
+/// once a second rather than every round.
+const BOOKS_REPORT_MS: u64 = 1000;
 
 impl Polls {
     pub fn new(config: &Config) -> Polls {
@@ -53,6 +58,18 @@ impl Polls {
             schedule: Schedule::default(),
             books_reported_ms: None,
         }
+    }
+
+    /// Whether the shared books' gauges are due at `now_ms` (see `BOOKS_REPORT_MS`); if so,
+    /// they count as reported now.
+    pub fn books_report_due(&mut self, now_ms: u64) -> bool {
+        let due = self
+            .books_reported_ms
+            .map_or(true, |at| now_ms >= at.saturating_add(BOOKS_REPORT_MS));
+        if due {
+            self.books_reported_ms = Some(now_ms);
+        }
+        due
     }
 
     /// Node `i` is new in its slot: its model list is asked afresh.

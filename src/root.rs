@@ -27,9 +27,6 @@ use token_balancer_core::share::POLLER_ROOT_ID;
 /// Delay before the first poll, so a freshly started Envoy has data within a fraction of a
 /// second instead of a whole tick.
 const FIRST_POLL: Duration = Duration::from_millis(50);
-/// How often the poller service adds up every node's shared books for the
-/// `shared.inflight_*` gauges: a read of each node's books, so not every round.
-const BOOKS_REPORT_MS: u64 = 1000;
 
 pub struct Root<H: Host> {
     context_id: u32,
@@ -125,17 +122,12 @@ impl<H: Host> State<H> {
         let round_polled = self.role.polls().is_some_and(|p| p.schedule.round_polled());
         if matches!(self.role, Role::Service(..)) && round_polled {
             self.publish(now_ms);
-            // The gauges of the shared books read every node's books: once a second, not
-            // every round (a read a node, about 1 us of Envoy's each).
-            let due = self.role.polls().is_some_and(|p| {
-                p.books_reported_ms
-                    .map_or(true, |at| now_ms >= at.saturating_add(BOOKS_REPORT_MS))
-            });
-            if due {
+            if self
+                .role
+                .polls()
+                .is_some_and(|p| p.books_report_due(now_ms))
+            {
                 self.report_books();
-                if let Some(p) = self.role.polls() {
-                    p.books_reported_ms = Some(now_ms);
-                }
             }
         }
         period

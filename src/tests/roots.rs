@@ -262,21 +262,24 @@ fn singleton_with(extra: &str) -> (FakeHost, Root<FakeHost>, Root<FakeHost>) {
     (host, service, worker)
 }
 
+/// A round of the poller service 100 ms after the last: its tick, every callout answered
+/// with an idle report; the addresses it polled.
+fn round(host: &FakeHost, service: &mut Root<FakeHost>) -> Vec<String> {
+    host.advance(100);
+    tick(host, service);
+    let calls = host.take_calls();
+    for c in &calls {
+        answer(host, service, c.token, Some("200"), IDLE);
+    }
+    calls.into_iter().map(|c| c.authority).collect()
+}
+
 /// The poller service polls a quiet node every tick while a worker's request is in flight
 /// there, as the node's shared books show it, and at the longer period again once it ends.
 #[test]
 fn the_service_polls_a_quiet_node_every_tick_while_a_workers_request_runs_there() {
     let (host, mut service, worker) =
         singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":400"#);
-    let round = |host: &FakeHost, service: &mut Root<FakeHost>| {
-        host.advance(100);
-        tick(host, service);
-        let calls = host.take_calls();
-        for c in &calls {
-            answer(host, service, c.token, Some("200"), IDLE);
-        }
-        calls.into_iter().map(|c| c.authority).collect::<Vec<_>>()
-    };
     for _ in 0..8 {
         round(&host, &mut service);
     }
@@ -495,13 +498,6 @@ fn a_routed_request_costs_at_most_25_host_calls() {
 fn the_service_reads_every_nodes_books_for_its_gauges_once_a_second() {
     let (host, mut service, worker) =
         singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":100"#);
-    let round = |host: &FakeHost, service: &mut Root<FakeHost>| {
-        host.advance(100);
-        tick(host, service);
-        for c in host.take_calls() {
-            answer(host, service, c.token, Some("200"), IDLE);
-        }
-    };
     round(&host, &mut service);
     host.take_host_calls();
     // Two seconds of rounds, every node polled every tick: the only reads of the books are

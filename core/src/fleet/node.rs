@@ -730,8 +730,7 @@ impl NodeState {
         }
         match &self.report {
             Some((r, at))
-                if now_ms.saturating_sub(*at) <= stale_after_ms
-                    && self.failed_at.map_or(true, |f| *at > f) =>
+                if now_ms.saturating_sub(*at) <= stale_after_ms && !self.failed_since_report() =>
             {
                 Some(r)
             }

@@ -113,6 +113,26 @@ impl<T> Held<T> {
         }
     }
 
+    /// Where the balancer would send it now, on `terms`.
+    fn route(
+        &self,
+        terms: Terms,
+        now_ms: u64,
+        balancer: &mut Balancer,
+        rng: &mut dyn Rng,
+        books: &mut dyn BookSource,
+    ) -> Outcome {
+        balancer.route_on(
+            self.weight,
+            self.model.as_deref(),
+            &self.chain,
+            now_ms,
+            rng,
+            terms,
+            books,
+        )
+    }
+
     /// Milliseconds of its first-token budget left at `now_ms` (none without a budget).
     fn ttft_left_ms(&self, now_ms: u64) -> Option<u64> {
         let ttft = self.claim.ttft_ms?;
@@ -397,15 +417,7 @@ impl<T> HoldQueue<T> {
             tpot_ms: h.claim.tpot_ms,
             lane,
         };
-        match balancer.route_on(
-            h.weight,
-            h.model.as_deref(),
-            &h.chain,
-            now_ms,
-            rng,
-            terms,
-            books,
-        ) {
+        match h.route(terms, now_ms, balancer, rng, books) {
             outcome @ (Outcome::Saturated | Outcome::Oversized) if reject => Outcome::Full {
                 retry_after_ms: self.wait_ms(h.claim.priority, h.weight, balancer, now_ms),
                 fits: outcome == Outcome::Saturated,
@@ -455,16 +467,7 @@ impl<T> HoldQueue<T> {
                 tpot_ms: h.claim.tpot_ms,
                 lane: self.others_active(h.claim.tenant, now_ms),
             };
-            let outcome = balancer.route_on(
-                h.weight,
-                h.model.as_deref(),
-                &h.chain,
-                now_ms,
-                rng,
-                terms,
-                books,
-            );
-            let outcome = match outcome {
+            let outcome = match h.route(terms, now_ms, balancer, rng, books) {
                 Outcome::Saturated => break,
                 // No node would hold it even empty (the fleet changed since it came): it waits
                 // no longer, as at its deadline.

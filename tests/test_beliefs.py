@@ -20,7 +20,8 @@ REPORT_FIELDS = {"age_ms", "fresh", "load_tokens_per_sec", "capacity_tokens_per_
                  "capacity_used_tokens_per_sec", "kv_cache_usage", "kv_cache_tokens",
                  "vram_used_bytes", "vram_total_bytes", "queue_depth", "running_requests"}
 IN_FLIGHT_FIELDS = {"requests", "tokens", "sent_since_report_requests", "sent_since_report_tokens",
-                    "sent_since_report_prompt_tokens", "kv_growth_to_come_tokens",
+                    "sent_since_report_prompt_tokens", "ended_since_report_requests",
+                    "kv_growth_to_come_tokens",
                     "prefill_to_come_tokens", "tightest_tpot_budget_ms"}
 
 

@@ -47,6 +47,10 @@ pub struct Books {
     /// Prompt tokens (less what the node is believed to have cached) of the in-flight
     /// requests that have not received their first token: prefill not done yet.
     pub prefill_tokens: u64,
+    /// Requests dispatched before the report of `epoch`, so counted by it, that have ended
+    /// since: with the in-flight requests it counts, what that report shows of this router's
+    /// (`in_report_requests`).
+    pub ended_requests: u64,
 }
 
 /// `v` moved by `d`, saturating at both ends.
@@ -81,11 +85,24 @@ impl Books {
             self.unreflected_tokens = 0;
             self.unreflected_requests = 0;
             self.unreflected_prompt_tokens = 0;
+            self.ended_requests = 0;
         }
         self
     }
 
-    /// The books after `c` (whose unreflected part counts only at the books' epoch).
+    /// This router's requests the report of `epoch` counts, as far as the books can tell:
+    /// those in flight that were dispatched before it, and those that have ended since. A
+    /// report a second old still shows streams that ended in that second; leaving them out
+    /// would read them as other routers' work (see `choice::routers_at`).
+    pub fn in_report_requests(&self) -> u64 {
+        self.inflight_requests
+            .saturating_sub(self.unreflected_requests)
+            .saturating_add(self.ended_requests)
+    }
+
+    /// The books after `c`. Its unreflected part counts only at the books' epoch; a release
+    /// booked at an older epoch is of a request the books' report counts, and counts as ended
+    /// since that report.
     pub fn apply(mut self, c: &Change) -> Books {
         self.inflight_requests = add(self.inflight_requests, c.requests);
         self.inflight_tokens = add(self.inflight_tokens, c.tokens);
@@ -97,6 +114,8 @@ impl Books {
                 self.unreflected_tokens = add(self.unreflected_tokens, u.tokens);
                 self.unreflected_prompt_tokens =
                     add(self.unreflected_prompt_tokens, u.prompt_tokens);
+            } else if u.epoch < self.epoch && u.requests < 0 {
+                self.ended_requests = add(self.ended_requests, -u.requests);
             }
         }
         self
@@ -116,15 +135,18 @@ impl Books {
                 .saturating_add(o.unreflected_prompt_tokens),
             growth_tokens: self.growth_tokens.saturating_add(o.growth_tokens),
             prefill_tokens: self.prefill_tokens.saturating_add(o.prefill_tokens),
+            ended_requests: self.ended_requests.saturating_add(o.ended_requests),
             ..self
         }
     }
 
-    /// Nothing in flight, nothing unreflected (the epoch and tenant aside).
+    /// Nothing in flight, nothing unreflected (the epoch, the tenant and the requests ended
+    /// since the report aside).
     pub fn is_zero(&self) -> bool {
         Books {
             epoch: 0,
             tenant: 0,
+            ended_requests: 0,
             ..*self
         } == Books::default()
     }
@@ -219,7 +241,9 @@ impl Change {
 
     /// Both changes, as one. Of two unreflected parts at different epochs only the newer is
     /// kept: the older could only apply to books still at its epoch, and the books have
-    /// passed it by the time the newer one was booked (epochs never go back).
+    /// passed it by the time the newer one was booked (epochs never go back). A release in
+    /// the older part is then not counted as ended: `in_report_requests` is one short until
+    /// the next report, as it was before that count existed.
     pub fn merge(self, o: Change) -> Change {
         let unreflected = match (self.unreflected, o.unreflected) {
             (Some(a), Some(b)) if a.epoch == b.epoch => Some(Unreflected {
@@ -334,6 +358,47 @@ mod tests {
         assert_eq!(b.at_epoch(2).epoch, 4);
     }
 
+    /// What the books' report counts of this router's: the requests in flight it saw, and
+    /// those that ended since it was taken; a newer report starts the count again.
+    #[test]
+    fn requests_the_report_counts_include_those_ended_since() {
+        let (a, b, c) = (
+            ticket(3, 10, 10, 10),
+            ticket(3, 20, 10, 10),
+            ticket(4, 5, 5, 5),
+        );
+        let books = Books::of(7)
+            .at_epoch(3)
+            .apply(&Change::dispatch(&a))
+            .apply(&Change::dispatch(&b));
+        // Both sent since the report of epoch 3: that report shows neither.
+        assert_eq!(books.in_report_requests(), 0);
+        let books = books.at_epoch(4).apply(&Change::dispatch(&c));
+        assert_eq!(books.in_report_requests(), 2, "a and b, not c");
+        // a ends: the report of epoch 4 still shows it.
+        let books = books.apply(&Change::release(&a, 0));
+        assert_eq!((books.inflight_requests, books.ended_requests), (2, 1));
+        assert_eq!(books.in_report_requests(), 2);
+        // c ends before any report shows it: it was never in one.
+        let books = books.apply(&Change::release(&c, 0));
+        assert_eq!((books.ended_requests, books.in_report_requests()), (1, 2));
+        // A newer report no longer shows a.
+        let books = books.at_epoch(5);
+        assert_eq!((books.ended_requests, books.in_report_requests()), (0, 1));
+        let books = books.apply(&Change::release(&b, 0));
+        assert_eq!(books.in_report_requests(), 1);
+        assert!(books.at_epoch(6).is_zero(), "{books:?}");
+        // Two releases of the report's requests merged into one write count as two.
+        let two = Change::release(&a, 0).merge(Change::release(&b, 0));
+        let books = Books::of(7)
+            .at_epoch(3)
+            .apply(&Change::dispatch(&a))
+            .apply(&Change::dispatch(&b))
+            .at_epoch(4)
+            .apply(&two);
+        assert_eq!((books.inflight_requests, books.ended_requests), (0, 2));
+    }
+
     /// Figures read from shared memory may be anything: applying a change never wraps.
     #[test]
     fn figures_saturate_at_both_ends() {
@@ -347,6 +412,7 @@ mod tests {
             unreflected_prompt_tokens: u64::MAX,
             growth_tokens: u64::MAX,
             prefill_tokens: u64::MAX,
+            ended_requests: u64::MAX,
         };
         let huge = ticket(1, u64::MAX, u64::MAX, u64::MAX);
         let b = full.apply(&Change::dispatch(&huge));

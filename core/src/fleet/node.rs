@@ -1346,6 +1346,7 @@ mod tests {
             unreflected_prompt_tokens: u64::MAX,
             growth_tokens: u64::MAX,
             prefill_tokens: u64::MAX,
+            ended_requests: u64::MAX,
         };
         n.set_books(&full);
         assert_eq!(

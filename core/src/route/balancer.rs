@@ -1339,6 +1339,7 @@ mod tests {
             unreflected_prompt_tokens: u64::MAX,
             growth_tokens: u64::MAX,
             prefill_tokens: u64::MAX,
+            ended_requests: u64::MAX,
         };
         b.set_books(0, &full);
         let Outcome::Routed { ticket, .. } = b.route(

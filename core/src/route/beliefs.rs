@@ -178,6 +178,7 @@ fn node(
             "sent_since_report_requests": books.unreflected_requests,
             "sent_since_report_tokens": books.unreflected_tokens,
             "sent_since_report_prompt_tokens": books.unreflected_prompt_tokens,
+            "ended_since_report_requests": books.ended_requests,
             "kv_growth_to_come_tokens": books.growth_tokens,
             "prefill_to_come_tokens": books.prefill_tokens,
             "tightest_tpot_budget_ms": n.tightest_budget_ms(),

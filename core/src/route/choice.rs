@@ -222,14 +222,11 @@ fn prompts_to_come(n: &NodeState, r: &Report) -> f64 {
 }
 
 /// How many routers' requests node `n` runs for each of this router's, as its report `r`
-/// shows them: the requests it reports running and queued over this router's in flight there
-/// that the report already counts; 1 when this router has none there, at most
-/// `MAX_ROUTERS`.
+/// shows them: the requests it reports running and queued over this router's that the
+/// report counts (`Books::in_report_requests`: in flight before it, or ended since); 1 when
+/// this router has none there, at most `MAX_ROUTERS`.
 fn routers_at(n: &NodeState, r: &Report) -> f64 {
-    let books = n.books();
-    let own = books
-        .inflight_requests
-        .saturating_sub(books.unreflected_requests) as f64;
+    let own = n.books().in_report_requests() as f64;
     let there = r.running_requests.unwrap_or(0.0) + r.queue_depth.unwrap_or(0.0);
     if own < 1.0 || !there.is_finite() {
         return 1.0;
@@ -908,6 +905,39 @@ mod tests {
         assert_eq!(kv(0.0), (Some(0.25), false));
         // At most sixteen routers.
         assert_eq!(kv(100.0), (Some(2.5), true));
+    }
+
+    /// A report taken before this router's streams there ended still counts them: they are
+    /// its own, not other routers' work, until a newer report drops them.
+    #[test]
+    fn requests_ended_since_the_report_are_not_other_routers() {
+        let report = |running: f64| Report {
+            running_requests: Some(running),
+            ..kv_report(0.0)
+        };
+        let fleet = FleetWide {
+            assumed_capacity: 1000.0,
+            mean_request_tokens: 100.0,
+        };
+        let mut n = node(Some(report(0.0)));
+        // Four requests sent before the report, which shows the four running; three end.
+        let tickets: Vec<_> = (0..4).map(|_| n.dispatch(0, w(150, 0), 0)).collect();
+        n.accept_report(report(4.0), 1500);
+        for t in tickets.iter().skip(1) {
+            n.release(t, 0);
+        }
+        let kv = |n: &NodeState, running: f64| {
+            let (r, _) = evaluate(0, n, &report(running), &ask(w(100, 0), None), &fleet, &P);
+            r.kv_fraction
+        };
+        // The one left still to come, once: the report's four are all this router's.
+        assert_eq!(kv(&n, 4.0), Some(0.25));
+        // Four more than its own there, as the report saw them: other routers' too.
+        assert_eq!(kv(&n, 8.0), Some(0.4));
+        // A newer report shows only the one left.
+        n.accept_report(report(1.0), 1750);
+        assert_eq!(kv(&n, 1.0), Some(0.25));
+        assert_eq!(kv(&n, 4.0), Some(0.7));
     }
 
     /// The room-now check follows this router's streams by their ages once answers have been

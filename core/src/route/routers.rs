@@ -107,9 +107,9 @@ impl Routers {
             }
             reported += there;
             counted = true;
-            // Dispatches since the report are in no engine's count yet.
-            let b = n.books();
-            own += b.inflight_requests.saturating_sub(b.unreflected_requests) as f64;
+            // Dispatches since the report are in no engine's count yet; requests ended since
+            // still are.
+            own += n.books().in_report_requests() as f64;
         }
         // Nothing reported counts (every report stale, or no engine tells): nothing learned.
         if !counted {

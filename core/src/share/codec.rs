@@ -289,7 +289,9 @@ impl Snapshot {
 }
 
 /// Bytes of encoded books.
-pub const BOOKS_LEN: usize = 72;
+pub const BOOKS_LEN: usize = 80;
+/// Bytes of books as builds before `ended_requests` wrote them: read with none ended.
+const BOOKS_LEN_BEFORE_ENDED: usize = 72;
 /// Bytes of books as builds before `prefill_tokens` wrote them: read with no prefill.
 const BOOKS_LEN_BEFORE_PREFILL: usize = 64;
 
@@ -302,7 +304,7 @@ impl Books {
         out
     }
 
-    fn fields(&self) -> [u64; 9] {
+    fn fields(&self) -> [u64; 10] {
         [
             self.epoch,
             self.tenant,
@@ -313,6 +315,7 @@ impl Books {
             self.unreflected_prompt_tokens,
             self.growth_tokens,
             self.prefill_tokens,
+            self.ended_requests,
         ]
     }
 
@@ -328,6 +331,11 @@ impl Books {
             unreflected_prompt_tokens: r.u64()?,
             growth_tokens: r.u64()?,
             prefill_tokens: if bytes.len() == BOOKS_LEN_BEFORE_PREFILL {
+                0
+            } else {
+                r.u64()?
+            },
+            ended_requests: if bytes.len() <= BOOKS_LEN_BEFORE_ENDED {
                 0
             } else {
                 r.u64()?
@@ -353,24 +361,34 @@ mod tests {
             unreflected_prompt_tokens: 5,
             growth_tokens: u64::MAX,
             prefill_tokens: 6,
+            ended_requests: 8,
         };
         assert_eq!(Books::decode(&b.encode()), Some(b));
         assert_eq!(Books::decode(&b.encode()[..BOOKS_LEN - 1]), None);
-        // Books an earlier build wrote, without the prefill: read with none.
+        // Books earlier builds wrote, without the ended count (and the prefill): read with
+        // none.
+        assert_eq!(
+            Books::decode(&b.encode()[..BOOKS_LEN_BEFORE_ENDED]),
+            Some(Books {
+                ended_requests: 0,
+                ..b
+            })
+        );
         assert_eq!(
             Books::decode(&b.encode()[..BOOKS_LEN_BEFORE_PREFILL]),
             Some(Books {
                 prefill_tokens: 0,
+                ended_requests: 0,
                 ..b
             })
         );
-        // The layout other VMs read: nine little-endian u64s, in order.
+        // The layout other VMs read: ten little-endian u64s, in order.
         let bytes = b.encode();
         let words: Vec<u64> = bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
             .collect();
-        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX, 6]);
+        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX, 6, 8]);
         let v = Version {
             version: 3,
             heartbeat_ms: 99,

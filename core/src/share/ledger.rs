@@ -309,12 +309,19 @@ mod tests {
         l.update(&mut s, K, T, 2, Change::release(&a, 0), None);
         let now = shared(&mut s, K);
         assert_eq!((now.unreflected_tokens, now.inflight_tokens), (0, 15));
+        // The report still shows a: ended since, so the workers read it as theirs.
+        assert_eq!((now.ended_requests, now.in_report_requests()), (1, 2));
         let c = ticket(2, 1, 1);
         l.update(&mut s, K, T, 2, Change::dispatch(&c), None);
         l.update(&mut s, K, T, 2, Change::release(&b, 0), None);
         assert_eq!(shared(&mut s, K).unreflected_tokens, 2, "c's stays");
         l.update(&mut s, K, T, 2, Change::release(&c, 0), None);
-        assert!(shared(&mut s, K).is_zero());
+        let now = shared(&mut s, K);
+        assert!(now.is_zero());
+        assert_eq!(now.ended_requests, 2, "a and b, not c");
+        // The next report starts the count again.
+        l.update(&mut s, K, T, 3, Change::default(), None);
+        assert_eq!(shared(&mut s, K).ended_requests, 0);
     }
 
     /// A dispatch written from the read its decision made costs one host call; a read that

@@ -110,7 +110,7 @@ impl<H: Host> State<H> {
         );
         let (reads, counts) = books.finish();
         self.metrics.count(&counts);
-        self.publish_placements();
+        self.publish_placements(now_ms);
         (outcome, reads)
     }
 
@@ -123,10 +123,11 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Reader: publishes this VM's placements for the other workers.
-    pub(crate) fn publish_placements(&mut self) {
+    /// Reader: publishes this VM's placements for the other workers (those gathered into a
+    /// batch once it is due, `share::journal`).
+    pub(crate) fn publish_placements(&mut self, now_ms: u64) {
         if let Role::Reader(reader) = &mut self.role {
-            let c = reader.publish_placements(&mut self.host, &mut self.balancer);
+            let c = reader.publish_placements(&mut self.host, &mut self.balancer, now_ms);
             self.metrics.count_journal(&c);
         }
     }
@@ -165,7 +166,7 @@ impl<H: Host> State<H> {
             .admit(now_ms, &mut self.balancer, &mut self.rng, &mut books);
         let (_, counts) = books.finish();
         self.metrics.count(&counts);
-        self.publish_placements();
+        self.publish_placements(now_ms);
         admitted
     }
 

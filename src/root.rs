@@ -112,6 +112,8 @@ impl<H: Host> State<H> {
             // No polls to hurry: the configured tick from the first on.
             self.sync_fleet(now_ms);
             self.flush_books();
+            // Placements gathered in the last moments of a burst go out.
+            self.publish_placements(now_ms);
             return self.config.tick_ms;
         }
         self.poll_members(now_ms);

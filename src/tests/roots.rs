@@ -444,6 +444,57 @@ fn a_workers_placements_reach_the_other_workers_prefix_index() {
     assert_eq!(host.request_header_of(4, ROUTING).unwrap(), routed);
 }
 
+/// A worker routing many requests a second publishes their placements in batches: the
+/// requests within `FOLLOW_MS` of the last batch make no call on the journal, and what they
+/// gathered goes out with the next request after it or at the worker's tick, where the other
+/// workers find it.
+#[test]
+fn a_busy_worker_publishes_its_placements_in_batches() {
+    let (host, _service, mut first) = singleton();
+    host.enter(200);
+    let mut second = Root::new(200, host.clone());
+    assert!(second.on_configure(0));
+    let prompt = |i: usize| {
+        format!(
+            r#"{{"model":"m","prompt":"{}","max_tokens":20}}"#,
+            format!("Question {i} of many: tell me about routing. ").repeat(40)
+        )
+    };
+    let journal = |calls: &[String]| {
+        calls
+            .iter()
+            .filter(|c| c.contains("token_balancer.placements"))
+            .count()
+    };
+    let published = || host.metric("token_balancer.prefix.shared_published");
+    // A first request's placement goes out at once: a read and a swap of the head, a write
+    // of the entry (after the look at the head for the others' placements).
+    host.take_host_calls();
+    let (mut req, _, _) = post(&host, &first, 2, &prompt(0));
+    end(&host, &mut req, 2);
+    assert_eq!(journal(&host.take_host_calls()), 1 + 3);
+    assert_eq!(published(), 1);
+    // Three more within FOLLOW_MS: no call on the journal.
+    for id in 3..6 {
+        host.advance(2);
+        let (mut req, _, _) = post(&host, &first, id, &prompt(id as usize));
+        end(&host, &mut req, id);
+    }
+    assert_eq!(journal(&host.take_host_calls()), 0);
+    assert_eq!(published(), 1);
+    // The worker's tick, past FOLLOW_MS, publishes the three as one entry.
+    host.advance(10);
+    host.enter(200);
+    first.on_tick();
+    assert_eq!(journal(&host.take_host_calls()), 3);
+    assert_eq!(published(), 4);
+    // The other worker's next decision takes in all four.
+    let (mut req, _, _) = post(&host, &second, 7, BODY);
+    end(&host, &mut req, 7);
+    assert_eq!(host.metric("token_balancer.prefix.shared_taken"), 4);
+    assert_eq!(host.metric("token_balancer.prefix.shared_dropped"), 0);
+}
+
 /// The host calls of one routed request in a worker of the poller service, from its headers
 /// to its end: each is a crossing into Envoy, and Envoy's work on the filter's behalf is most
 /// of what the filter costs there (docs/BENCHMARKS.md, "Cost inside Envoy").

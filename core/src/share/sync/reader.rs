@@ -80,20 +80,25 @@ pub struct Reader {
 
 impl Reader {
     /// Publishes the placements `balancer` made since the last call (`share::journal`), for
-    /// the other workers' prefix indexes. A placement on a node without books key (not in
-    /// the poller's fleet) is not published.
+    /// the other workers' prefix indexes: at once, or gathered into a batch that goes out
+    /// once due (this call publishes one that is). A placement on a node without books key
+    /// (not in the poller's fleet) is not published.
     pub fn publish_placements<S: Store>(
         &mut self,
         store: &mut S,
         balancer: &mut Balancer,
+        now_ms: u64,
     ) -> JournalCounts {
         let mut counts = JournalCounts::default();
         for (node, blocks) in balancer.take_placements() {
             if let Some(Some(book)) = self.keys.get(node) {
-                let c = self.journal.publish(store, book.slot, book.tenant, &blocks);
+                let c = self
+                    .journal
+                    .place(store, now_ms, book.slot, book.tenant, &blocks);
                 counts.add(c);
             }
         }
+        counts.add(self.journal.flush(store, now_ms));
         counts
     }
 

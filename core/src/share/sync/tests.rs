@@ -385,7 +385,10 @@ fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
         panic!("{out:?}")
     };
     let address = b1.nodes()[ticket.node].address().to_string();
-    assert_eq!(r1.publish_placements(&mut store, &mut b1).published, 1);
+    assert_eq!(
+        r1.publish_placements(&mut store, &mut b1, 1000).published,
+        1
+    );
     assert!(b1.take_placements().is_empty(), "taken once");
     // The second reader lists the nodes in another order: found by slot and address.
     let taken = r2.follow_placements(&mut store, &mut b2, 1000);
@@ -401,7 +404,7 @@ fn placements_reach_the_other_readers_index_by_slot_and_never_a_new_tenant() {
     // A placement whose slot now counts for another address is dropped.
     let slot = r1.key(ticket.node).unwrap().slot;
     r1.journal
-        .publish(&mut store, slot, tenant_of("10.9.9.9:1"), &[21, 22]);
+        .place(&mut store, 1010, slot, tenant_of("10.9.9.9:1"), &[21, 22]);
     assert_eq!(
         r2.follow_placements(&mut store, &mut b2, 1000 + 10).taken,
         1

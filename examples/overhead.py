@@ -34,7 +34,9 @@ the added latency, the req/s kept and the CPU added are taken within each round 
 stretch of machine time) before the median over rounds. The filter's background work (health
 polls of every node each tick, by the poller service on Envoy's main thread) is counted against
 it. Memory: the filter's `vm_memory_bytes` gauge (every VM's linear memory) with one worker and
-with four, and each Envoy's resident set.
+with four, and each Envoy's resident set. With --profile, after each measurement Envoy runs the
+same load again under perf, and its CPU per request is split by binary: the filter's Wasm code
+as V8 compiled it, Envoy's own binary (V8's runtime and the host calls included), the kernel.
 
 Output: a table on stdout and results/<name>/overhead.json and overhead.md.
 """
@@ -51,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -403,8 +406,38 @@ def measured(kind: str, e: Envoy, wrk: Wrk, args) -> dict:
         m["routed_share"] = min(1.0, routed / sent) if sent else 0.0
     if kind in FILTERS:
         m["vm_memory_bytes"] = gauge(e, "vm_memory_bytes")
+    if args.profile:
+        m["profile"] = profile(e, wrk, args)
     m["rss_bytes"] = rss_bytes(e.proc.pid) + (rss_bytes(e.picker.proc.pid) if e.picker else 0)
     return m
+
+
+def profile(e: Envoy, wrk: Wrk, args) -> dict[str, float]:
+    """Where Envoy's CPU goes under the throughput load: perf's samples of the Envoy process by
+    binary, as shares. `vm` is the filters' Wasm code as V8 compiled it (perf's `[JIT]`);
+    `envoy` is Envoy's own binary, V8's runtime included (the host calls, the crossings into
+    and out of the VM); `kernel` the kernel's; `other` the C library and the rest."""
+    load = threading.Thread(target=wrk.run, args=(e.port, args.connections, args.seconds))
+    load.start()
+    with tempfile.TemporaryDirectory(prefix="tb-perf-") as d:
+        data = Path(d) / "perf.data"
+        time.sleep(min(1.0, args.seconds / 4))
+        subprocess.run(["perf", "record", "-q", "-F", "999", "-o", str(data), "-p", str(e.proc.pid),
+                        "--", "sleep", str(max(1.0, args.seconds - 2))],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        load.join()
+        report = subprocess.run(["perf", "report", "-i", str(data), "--sort", "dso", "--stdio", "-q"],
+                                capture_output=True, text=True, check=True).stdout
+    shares = {"vm": 0.0, "envoy": 0.0, "kernel": 0.0, "other": 0.0}
+    for line in report.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) != 2 or not parts[0].endswith("%"):
+            continue
+        share, dso = float(parts[0].rstrip("%")) / 100, parts[1].strip()
+        key = ("vm" if dso.startswith("[JIT]") else "envoy" if dso == "envoy"
+               else "kernel" if dso.startswith("[kernel") else "other")
+        shares[key] += share
+    return shares
 
 
 def median(rows: list[dict], *path: str) -> float:
@@ -485,6 +518,12 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
                 r["cpu_us_per_request"] / x["cpu_us_per_request"] for r, x in zip(tb, ext)),
         }
     out["vm_memory_bytes"] = {"1_worker": one, "4_workers": four, "per_added_worker": (four - one) // 3}
+    if args.profile:
+        # Each round's shares times its CPU per request, then the median.
+        for kind in KINDS:
+            out[kind]["cpu_split_us"] = {
+                part: statistics.median(r["profile"][part] * r["cpu_us_per_request"] for r in runs[kind])
+                for part in ("vm", "envoy", "kernel", "other")}
     # Ratios within each round (the same stretch of machine time), then their median.
     for kind in KINDS[1:]:
         out[kind]["p50_added_us"] = statistics.median(
@@ -536,6 +575,18 @@ def table(results: list[dict], args, pinned: str) -> str:
             + (f" / {ext['rss_bytes'] / mib:.0f}" if ext else "") + " MiB "
             f"| {r['routed_share']:.1%}"
             + (f" / {r['extproc_routed_share']:.1%}" if ext else "") + " |")
+    if args.profile:
+        lines += ["", "Where Envoy's CPU per request goes (perf's samples of the Envoy process by binary, "
+                  "each round's shares times its CPU per request, medians; the picker's process is not "
+                  "in it): the filter's Wasm code as V8 compiled it, Envoy's own binary (V8's runtime, "
+                  "the host calls and the crossings into the VM included), the kernel, the rest.",
+                  "", "| nodes | Envoy | Wasm code (us) | Envoy's binary (us) | kernel (us) | other (us) |",
+                  "|---|---|---|---|---|---|"]
+        for r in results:
+            for kind in KINDS:
+                c = r[kind]["cpu_split_us"]
+                lines.append(f"| {r['nodes']} | {LABELS[kind]} | {c['vm']:.1f} | {c['envoy']:.1f} "
+                             f"| {c['kernel']:.1f} | {c['other']:.1f} |")
     lines += ["", "Targets for token-balancer: p50 added <= {p50_added_us:.0f} us, p99 added <= "
               "{p99_added_us:.0f} us, req/s kept >= {rps_kept:.2f}.".format(**TARGETS)]
     for r in results:
@@ -607,7 +658,13 @@ def main():
     ap.add_argument("--routed-floor", action="store_true",
                     help="also run the floor filter naming each request's node in turn (override_host "
                          "sends it there), beside the floor that leaves the choice to least_request")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each measurement, profile Envoy under the same load with perf and "
+                         "split its CPU per request by binary: the filter's Wasm code, Envoy's own, "
+                         "the kernel (needs perf)")
     args = ap.parse_args()
+    if args.profile and not shutil.which("perf"):
+        ap.error("--profile needs perf (Debian: apt-get install linux-perf)")
     PLUGIN.update(json.loads(args.plugin))
     PREVIOUS_PLUGIN.update(json.loads(args.previous_plugin))
     if args.no_extproc:

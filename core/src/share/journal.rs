@@ -198,6 +198,10 @@ impl Journal {
             return c;
         };
         let blocks = blocks.get(..MAX_BLOCKS).unwrap_or(blocks);
+        if blocks.is_empty() {
+            // Nothing to learn from: a prompt without a whole block.
+            return c;
+        }
         if self.batch_blocks.saturating_add(blocks.len()) > MAX_ENTRY_BLOCKS {
             c.add(self.publish(store, now_ms));
         }
@@ -534,6 +538,9 @@ mod tests {
         w.place(&mut s, 100, 0, 1, &longer);
         let (got, _) = follow(&mut Journal::default(), &mut s, 100);
         assert_eq!(got.last().unwrap().2.len(), MAX_BLOCKS);
+        // A prompt without a whole block has nothing to place.
+        assert_eq!(w.place(&mut s, 200, 0, 1, &[]), JournalCounts::default());
+        assert_eq!(w.gathered(), 0);
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! prompt tokens of the requests whose first token has not come back yet (prefill still to do
 //! there, whatever the reports say: an engine may count a request it is prefilling as running,
 //! not queued, and a burst is in no report until the next tick). The choice adds them to the
-//! node's last report (see `choice`).
+//! node's last report (see `choice`). One figure is not in flight: the requests the last
+//! report still shows that have ended since, so that what the report counts of this router's
+//! is known (`in_report_requests`) and the rest read as other routers' work.
 //!
 //! The same books are kept in two places: by a balancer for itself (`NodeState`), and in the
 //! shared data every VM of one Envoy writes (`share::Ledger`). Both change them only by
@@ -19,7 +21,8 @@
 //! - **The epoch rule**: a node's report epoch grows with every report taken. A report newer
 //!   than the books' epoch reflects their unreflected part, which resets (`at_epoch`); a
 //!   change's unreflected part applies only to books still at the epoch it was booked at, so a
-//!   release never takes away work a newer report already cleared.
+//!   release never takes away work a newer report already cleared; a release booked at an
+//!   older epoch counts as ended since the report instead, until the next one.
 //! - **Saturation**: every figure stays within `0..=u64::MAX` whatever the deltas (the shared
 //!   books are read from memory any VM may have written): a count never wraps.
 

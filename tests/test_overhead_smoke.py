@@ -14,13 +14,17 @@ from harness import ROOT
 KINDS = ["plain", "floor", "token_balancer", "extproc"]
 
 
-def test_overhead_benchmark_produces_a_well_formed_report():
-    name = "ci-overhead-smoke"
-    r = subprocess.run([sys.executable, str(ROOT / "examples/overhead.py"), "--nodes", "4",
-                        "--seconds", "1", "--warmup", "1", "--rounds", "1", "--name", name],
+def run_benchmark(script: str, name: str, *args: str):
+    """Runs examples/<script> with `args` and `--name name`; returns its results directory."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args, "--name", name],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = ROOT / "results" / name
+    return ROOT / "results" / name
+
+
+def test_overhead_benchmark_produces_a_well_formed_report():
+    out = run_benchmark("overhead.py", "ci-overhead-smoke", "--nodes", "4", "--seconds", "1",
+                        "--warmup", "1", "--rounds", "1")
     doc = json.loads((out / "overhead.json").read_text())
     [fleet] = doc["results"]
     assert fleet["nodes"] == 4
@@ -53,12 +57,8 @@ def test_overhead_benchmark_produces_a_well_formed_report():
 
 def test_host_call_cost_benchmark_produces_a_well_formed_report():
     """examples/host_call_cost.py: the floor filter with a probe of host calls, beside none."""
-    name = "ci-host-call-cost-smoke"
-    r = subprocess.run([sys.executable, str(ROOT / "examples/host_call_cost.py"), "--kinds", "metric,shared_get",
-                        "--calls", "4", "--rounds", "1", "--seconds", "1", "--name", name],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = ROOT / "results" / name
+    out = run_benchmark("host_call_cost.py", "ci-host-call-cost-smoke", "--kinds", "metric,shared_get",
+                        "--calls", "4", "--rounds", "1", "--seconds", "1")
     doc = json.loads((out / "host_call_cost.json").read_text())
     assert [row["kind"] for row in doc["rows"]] == ["metric", "shared_get"], doc["rows"]
     for kind in ("none", "metric", "shared_get"):

@@ -25,7 +25,7 @@ use tokio::net::TcpStream;
 
 const USAGE: &str = "\
 usage: loadgen --url http://HOST:PORT
-               --trace azure:PATH|mooncake:PATH|tenants:N|hot|prefill|decode|mixed|long|two-tenants
+               --trace azure:PATH|mooncake:PATH|sharegpt:PATH|tenants:N|hot|prefill|decode|mixed|long|two-tenants
                [options]
 
   --start-s S        skip the trace's first S seconds (default 0)
@@ -165,6 +165,7 @@ fn parse_args() -> Result<Args, String> {
     a.trace = match kind {
         "azure" => trace::parse_azure(&read()?)?,
         "mooncake" => trace::parse_mooncake(&read()?)?,
+        "sharegpt" => trace::parse_sharegpt(&read()?, a.seed)?,
         "tenants" => trace::tenants(
             path.parse().map_err(|_| {
                 format!("--trace tenants:N needs a number of tenants, not {path:?}")
@@ -175,12 +176,10 @@ fn parse_args() -> Result<Args, String> {
         "two-tenants" => trace::two_tenants(a.seed),
         shape => match trace::Shape::parse(shape) {
             Some(s) => trace::shaped(s, a.seed),
-            None => {
-                return Err(format!(
-                    "unknown trace kind {kind:?} (azure, mooncake, tenants, hot, prefill, \
+            None => return Err(format!(
+                "unknown trace kind {kind:?} (azure, mooncake, sharegpt, tenants, hot, prefill, \
                      decode, mixed, long, two-tenants)"
-                ))
-            }
+            )),
         },
     };
     if a.bursts {

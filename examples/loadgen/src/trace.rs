@@ -4,6 +4,11 @@
 //!   `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as `YYYY-MM-DD HH:MM:SS.fffffff`.
 //! - Mooncake trace (FAST'25), JSONL: `timestamp` (ms), `input_length`, `output_length`,
 //!   `hash_ids` (512-token prefix blocks; equal leading ids are a shared prefix).
+//! - ShareGPT conversation lengths (the filtered statistics Sarathi-Serve, OSDI'24, publishes;
+//!   Llama-2 tokenizer, at most 8k tokens), CSV: `num_prefill_tokens,num_decode_tokens,...`.
+//!   It has no times: the requests come in file order, Poisson at `GENERATED_RATE` (seeded).
+//!   Prompts around 1,700 tokens and answers around 400: heavier on both sides than the Azure
+//!   trace, and no policy here was tuned on it.
 //!
 //! And two generated workloads with shared prefixes (seeded, Poisson arrivals; the shared
 //! parts are Mooncake-style blocks, so equal blocks become equal text):
@@ -113,6 +118,35 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, String> {
             prompt_tokens: p as u64,
             output_tokens: (o as u64).max(1),
             blocks,
+            tenant: None,
+        });
+    }
+    Ok(out)
+}
+
+/// ShareGPT's lengths in file order, at Poisson times of `GENERATED_RATE` drawn from `seed`.
+pub fn parse_sharegpt(text: &str, seed: u64) -> Result<Vec<TraceRequest>, String> {
+    let mut g = Gen(seed ^ 0x5a4e_6e70);
+    let mut at = 0.0;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().skip(1) {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let mut f = line.split(',').map(str::trim);
+        let (Some(Ok(p)), Some(Ok(o))) = (f.next().map(str::parse), f.next().map(str::parse))
+        else {
+            return Err(format!(
+                "sharegpt lengths line {}: cannot parse {line:?}",
+                i + 1
+            ));
+        };
+        at += g.gap_ms(GENERATED_RATE);
+        out.push(TraceRequest {
+            at_ms: at,
+            prompt_tokens: p,
+            output_tokens: u64::max(o, 1),
+            blocks: vec![],
             tenant: None,
         });
     }
@@ -515,6 +549,20 @@ mod tests {
             (BURST_REQUESTS.0..=BURST_REQUESTS.1).contains(&in_first),
             "{in_first}"
         );
+    }
+
+    #[test]
+    fn sharegpt_rows() {
+        let text = "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n\
+                    74,918,992,0.08\n290,0,290,inf\n";
+        let t = parse_sharegpt(text, 1).unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!((t[0].prompt_tokens, t[0].output_tokens), (74, 918));
+        assert_eq!((t[1].prompt_tokens, t[1].output_tokens), (290, 1));
+        assert!(0.0 < t[0].at_ms && t[0].at_ms < t[1].at_ms);
+        assert_eq!(t, parse_sharegpt(text, 1).unwrap(), "seeded");
+        assert_ne!(t[1].at_ms, parse_sharegpt(text, 2).unwrap()[1].at_ms);
+        assert!(parse_sharegpt("h\nx,y\n", 1).is_err());
     }
 
     #[test]

@@ -43,7 +43,7 @@ fn usage() -> ! {
          [--policies tb,argmin-stale,least-request,round-robin,oracle] [--duration-s 120] \
          [--warmup-s 20] [--tick-ms 250] [--max-tokens 1024] [--seed 1] \
          [--data ../shared/data] [--out results/sim-NAME] \
-         [--workload azure|tenants|hot|mooncake|prefill|decode|mixed|long] [--tenants 40] \
+         [--workload azure|tenants|hot|mooncake|sharegpt|prefill|decode|mixed|long] [--tenants 40] \
          [--arrivals poisson|bursts] [--fleet mixed|h100:1,a100:2,l4:1]\n\
          a policy may carry configuration overrides: tb:{{\"choices\":0}}"
     );
@@ -164,6 +164,30 @@ fn main() {
             workload::hot(&sizes, 20_000, args.seed),
             format!("one 2k-token system prompt in every request, then {source}"),
         ),
+        "sharegpt" => {
+            let path = args
+                .data
+                .join("sharegpt_8k_filtered_stats_llama2_tokenizer.csv");
+            let lengths = std::fs::read_to_string(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|text| loadgen::trace::parse_sharegpt(&text, args.seed));
+            match lengths {
+                Ok(t) => {
+                    let sizes: Vec<(u64, u64)> = t
+                        .iter()
+                        .map(|r| (r.prompt_tokens, r.output_tokens))
+                        .collect();
+                    (
+                        workload::from_sizes(&sizes),
+                        format!("ShareGPT lengths from {}", path.display()),
+                    )
+                }
+                Err(e) => {
+                    eprintln!("sim: cannot read {}: {e}", path.display());
+                    std::process::exit(2)
+                }
+            }
+        }
         "mooncake" => {
             let path = args.data.join("mooncake_synthetic_trace.jsonl");
             match std::fs::read_to_string(&path) {

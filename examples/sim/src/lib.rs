@@ -882,6 +882,11 @@ impl Sim<'_> {
         self.outstanding = self.outstanding.saturating_sub(1);
         let (prompt, output, replica, generated) =
             (req.prompt, req.output, req.replica, req.generated);
+        // Seconds per output token after the first, as the filter measures a completed stream.
+        let tpot = req
+            .first_ms
+            .filter(|_| generated > 1)
+            .map(|first| (now - first) / 1000.0 / (generated - 1) as f64);
         let ticket = req.ticket.take();
         if req.arrive_ms >= self.setup.warmup_ms {
             if let Some(s) = self.served.get_mut(node) {
@@ -899,6 +904,9 @@ impl Sim<'_> {
         }
         if let Some(b) = rep.balancer.as_mut() {
             if let Some(t) = ticket {
+                if let Some(seconds) = tpot {
+                    b.observe_tpot(&t, seconds, now as u64);
+                }
                 b.release(&t, generated);
             }
             b.observe_output(prompt, generated);

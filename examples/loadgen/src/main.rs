@@ -176,10 +176,12 @@ fn parse_args() -> Result<Args, String> {
         "two-tenants" => trace::two_tenants(a.seed),
         shape => match trace::Shape::parse(shape) {
             Some(s) => trace::shaped(s, a.seed),
-            None => return Err(format!(
-                "unknown trace kind {kind:?} (azure, mooncake, sharegpt, tenants, hot, prefill, \
-                     decode, mixed, long, two-tenants)"
-            )),
+            None => {
+                return Err(format!(
+                    "unknown trace kind {kind:?} (azure, mooncake, sharegpt, tenants, hot, \
+                     prefill, decode, mixed, long, two-tenants)"
+                ))
+            }
         },
     };
     if a.bursts {

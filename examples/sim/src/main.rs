@@ -128,6 +128,18 @@ fn split_policies(v: &str) -> Vec<String> {
     out
 }
 
+/// The text of `name` in the data folder and its path, or the simulator stops saying why.
+fn data_file(args: &Args, name: &str) -> (String, String) {
+    let path = args.data.join(name);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => (text, path.display().to_string()),
+        Err(e) => {
+            eprintln!("sim: cannot read {}: {e}", path.display());
+            std::process::exit(2)
+        }
+    }
+}
+
 fn main() {
     let args = parse_args();
     let trace = args.data.join("AzureLLMInferenceTrace_conv.csv");
@@ -165,38 +177,21 @@ fn main() {
             format!("one 2k-token system prompt in every request, then {source}"),
         ),
         "sharegpt" => {
-            let path = args
-                .data
-                .join("sharegpt_8k_filtered_stats_llama2_tokenizer.csv");
-            let lengths = std::fs::read_to_string(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|text| loadgen::trace::parse_sharegpt(&text, args.seed));
-            match lengths {
-                Ok(t) => {
-                    let sizes: Vec<(u64, u64)> = t
-                        .iter()
-                        .map(|r| (r.prompt_tokens, r.output_tokens))
-                        .collect();
-                    (
-                        workload::from_sizes(&sizes),
-                        format!("ShareGPT lengths from {}", path.display()),
-                    )
-                }
+            let (text, path) = data_file(&args, "sharegpt_8k_filtered_stats_llama2_tokenizer.csv");
+            match loadgen::trace::parse_sharegpt(&text, args.seed) {
+                Ok(t) => (
+                    workload::from_trace(&t),
+                    format!("ShareGPT lengths from {path}"),
+                ),
                 Err(e) => {
-                    eprintln!("sim: cannot read {}: {e}", path.display());
+                    eprintln!("sim: {e}");
                     std::process::exit(2)
                 }
             }
         }
         "mooncake" => {
-            let path = args.data.join("mooncake_synthetic_trace.jsonl");
-            match std::fs::read_to_string(&path) {
-                Ok(text) => (workload::mooncake(&text), format!("{}", path.display())),
-                Err(e) => {
-                    eprintln!("sim: cannot read {}: {e}", path.display());
-                    std::process::exit(2)
-                }
-            }
+            let (text, path) = data_file(&args, "mooncake_synthetic_trace.jsonl");
+            (workload::mooncake(&text), path)
         }
         shape => match loadgen::trace::Shape::parse(shape) {
             Some(s) => (

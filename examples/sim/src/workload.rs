@@ -121,8 +121,13 @@ fn output(rng: &mut SplitMix64) -> u64 {
 
 /// The load generator's `shape` workload (see the module).
 pub fn shaped(shape: loadgen::trace::Shape, seed: u64) -> Vec<Job> {
-    loadgen::trace::shaped(shape, seed)
-        .into_iter()
+    from_trace(&loadgen::trace::shaped(shape, seed))
+}
+
+/// A trace's requests as jobs, by their sizes alone (their times are the simulator's to draw).
+pub fn from_trace(trace: &[loadgen::trace::TraceRequest]) -> Vec<Job> {
+    trace
+        .iter()
         .map(|r| Job {
             prompt: r.prompt_tokens,
             output: r.output_tokens,

@@ -24,7 +24,9 @@ fast as a real HTTP server gets, so what differs is the proxy):
   the nodes itself; it is pinned to Envoy's CPU (the proxy side has one core in every kind), and
   its CPU time is added to Envoy's. It is measured once Envoy sends requests where it says.
 The load is wrk (Debian package `wrk`, installed when missing) posting one chat completion with
-a 4 KiB body: latency with one connection (one request at a time, wrk -c1), p50 and p99;
+a 4 KiB body (answered whole with one token; with --stream-tokens K, streamed as K token events,
+each its own chunk, --token-gap-us apart, as engines stream: what following a streamed answer
+costs, per token): latency with one connection (one request at a time, wrk -c1), p50 and p99;
 throughput with --connections connections (wrk -c32): requests per second, and Envoy's CPU time
 per request (user + system of the Envoy process over the run, plus the picker's for the ext_proc
 peer: the steadiest figure on a shared machine). With two CPUs or more, Envoy (and the picker)
@@ -84,12 +86,16 @@ def ensure_wrk() -> str:
     return path
 
 
-def body_of(size: int) -> bytes:
-    """A chat completion request of exactly `size` bytes (the user message pads it)."""
+def body_of(size: int, stream: bool = False) -> bytes:
+    """A chat completion request of exactly `size` bytes (the user message pads it); with
+    `stream`, one that asks for its answer as server-sent events."""
     def make(n: int) -> bytes:
         words = ("the quick brown fox jumps over the lazy dog " * (n // 44 + 1))[:n]
-        return json.dumps({"model": "mock-model", "max_tokens": 16,
-                           "messages": [{"role": "user", "content": words}]}).encode()
+        req = {"model": "mock-model", "max_tokens": 16,
+               "messages": [{"role": "user", "content": words}]}
+        if stream:
+            req["stream"] = True
+        return json.dumps(req).encode()
     empty = len(make(0))
     b = make(max(0, size - empty))
     assert len(b) == size, (len(b), size)
@@ -458,7 +464,10 @@ PREVIOUS_WASM: Path | None = None
 
 def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
     print(f"== {n} nodes: starting the mock nodes (instant)", flush=True)
-    mock = MockCluster([(f"n{i}", "instant=1") for i in range(n)])
+    spec = "instant=1"
+    if args.stream_tokens:
+        spec += f",instant_tokens={args.stream_tokens},instant_gap_us={args.token_gap_us}"
+    mock = MockCluster([(f"n{i}", spec) for i in range(n)])
     pin(mock.proc.pid, other_cpus)
     try:
         nodes = [node.address for node in mock.nodes]
@@ -544,8 +553,11 @@ def table(results: list[dict], args, pinned: str) -> str:
         "",
         f"One worker, {args.rounds} rounds of {args.seconds:g} s per measurement after "
         f"{args.warmup:g} s of warm-up (medians; "
-        f"differences and ratios taken within each round), 4 KiB chat body, one connection for "
-        f"latency, {args.connections} for throughput. {pinned}"
+        f"differences and ratios taken within each round), {args.body_bytes}-byte chat body, "
+        + (f"answers streamed as {args.stream_tokens} token events {args.token_gap_us} us apart "
+           f"(each its own chunk) and the SSE closing events, " if args.stream_tokens else
+           "answered whole with one token, ")
+        + f"one connection for latency, {args.connections} for throughput. {pinned}"
         + (f" Filter settings over the shipped ones: `{json.dumps(PLUGIN)}`." if PLUGIN else "")
         + (f" For tb_previous: `{json.dumps(PREVIOUS_PLUGIN)}`." if PREVIOUS_PLUGIN else ""),
         "",
@@ -561,6 +573,12 @@ def table(results: list[dict], args, pinned: str) -> str:
                      f"| {k['cpu_added_us']:.0f} us")
             lines.append(f"| {r['nodes']} | {LABELS[kind]} | {k['p50_us']:.0f} | {k['p99_us']:.0f} "
                          f"| {k['rps']:.0f} | {k['cpu_us_per_request']:.0f} {added} |")
+    if args.stream_tokens:
+        lines += ["", f"CPU added per token event (CPU added per request / {args.stream_tokens}):"]
+        for r in results:
+            lines.append(f"- {r['nodes']} nodes: " + ", ".join(
+                f"{LABELS[kind]} {r[kind]['cpu_added_us'] / args.stream_tokens:.2f} us"
+                for kind in KINDS[1:]))
     lines += ["", "| nodes | filter VMs' memory, 1 worker (all VMs) | 4 workers | per added worker "
               "| Envoy RSS: no filter / floor / token-balancer / ext_proc (Envoy + picker) "
               "| routed by the filter / by the picker |",
@@ -643,6 +661,12 @@ def main():
     ap.add_argument("--connections", type=int, default=32,
                     help="connections of the throughput run (default 32)")
     ap.add_argument("--body-bytes", type=int, default=4096, help="request body size (default 4096)")
+    ap.add_argument("--stream-tokens", type=int, default=0,
+                    help="ask for streamed answers of this many token events, each its own chunk "
+                         "(default 0: one whole answer of one token); the table then gives the CPU "
+                         "added per token too")
+    ap.add_argument("--token-gap-us", type=int, default=1000,
+                    help="with --stream-tokens: microseconds between two token events (default 1000)")
     ap.add_argument("--plugin", default="{}",
                     help="JSON object of filter settings over the shipped ones, e.g. "
                          "'{\"tick_ms\": 1000}' (default: as shipped)")
@@ -694,7 +718,9 @@ def main():
     else:
         envoy_cpus = other_cpus = None
         pinned = "One CPU: nothing pinned."
-    body = body_of(args.body_bytes)
+    if args.stream_tokens < 0 or args.token_gap_us < 0:
+        ap.error("--stream-tokens and --token-gap-us cannot be negative")
+    body = body_of(args.body_bytes, stream=args.stream_tokens > 0)
     results = []
     with tempfile.TemporaryDirectory(prefix="tb-overhead-") as d:
         wrk = Wrk(wrk_path, body, Path(d), other_cpus)

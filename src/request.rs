@@ -14,7 +14,8 @@
 //!    chosen node is booked where it runs (`State::served_by`); they carry the debug header
 //!    when configured, and the explanation when the request asked for it from an allowed
 //!    source (`explain`); its body's output tokens advance the request's booking (and, for a
-//!    reader, the shared books every `SHARED_PROGRESS_STEP` tokens).
+//!    reader, the shared books every `SHARED_PROGRESS_STEP` tokens). A stream's chunks of one
+//!    token event each are mostly counted unread (`OutputMeter::may_skim`).
 //! 4. End (`on_log`, or the context dropped without it): the booking is released exactly
 //!    once, a request still held leaves the queue, and the room freed may admit a held one.
 //!
@@ -504,8 +505,14 @@ impl<H: Host> HttpContext for Request<H> {
         // Only requests this filter routed feed the books; the chunk is read, never held.
         if let Some(ticket) = self.ticket {
             if self.status_ok && body_size > 0 {
-                if let Some(chunk) = self.host.response_body(body_size) {
-                    self.progress(&ticket, &chunk);
+                // A chunk the size of the stream's single token events is counted unread,
+                // which spares its copy into the VM (`OutputMeter::may_skim`).
+                if self.meter.may_skim(body_size, end_of_stream) {
+                    self.meter.skim();
+                    self.progress(&ticket);
+                } else if let Some(chunk) = self.host.response_body(body_size) {
+                    self.meter.feed(&chunk);
+                    self.progress(&ticket);
                 }
             }
             self.completed |= end_of_stream;
@@ -547,11 +554,11 @@ impl<H: Host> Request<H> {
         }
     }
 
-    /// A response chunk: its output events advance the booking, and a reader's shared books
-    /// every `SHARED_PROGRESS_STEP` tokens (and once the reserved output is reached).
-    fn progress(&mut self, ticket: &Ticket, chunk: &[u8]) {
+    /// A response chunk taken by the meter: its output events advance the booking, and a
+    /// reader's shared books every `SHARED_PROGRESS_STEP` tokens (and once the reserved output
+    /// is reached).
+    fn progress(&mut self, ticket: &Ticket) {
         let before = self.received;
-        self.meter.feed(chunk);
         self.received = self.meter.progress();
         if self.received > before {
             let (received, written) = (self.received, self.shared_received);

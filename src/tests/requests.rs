@@ -366,3 +366,46 @@ fn a_session_header_keeps_a_sessions_short_prompts_together() {
     assert!(nodes.values().all(|n| n.len() == 1), "{nodes:?}");
     assert_eq!(host.metric("token_balancer.prefix.cached_tokens"), 0);
 }
+
+/// A stream's token events, one a chunk as engines send them: after the first few, most
+/// chunks are counted without being copied into the VM (`OutputMeter::may_skim`), and the
+/// books follow every token all the same.
+#[test]
+fn most_of_a_streams_token_chunks_are_counted_unread() {
+    let (host, root) = reported(&config(""), IDLE);
+    let body = r#"{"model":"m","prompt":"hello there","max_tokens":4000}"#;
+    let (mut req, _, _) = post(&host, &root, 2, body);
+    let routed = host.request_header_of(2, ROUTING).unwrap();
+    let node = usize::from(!routed.starts_with(A));
+    respond(&host, &mut req, 2, "200");
+    let growth = || {
+        let state = root.state().borrow();
+        state.as_ref().unwrap().balancer.nodes()[node]
+            .books()
+            .growth_tokens
+    };
+    let before = growth();
+    host.take_host_calls();
+    for i in 0..100 {
+        // Texts of one to three characters: events of a few sizes.
+        let text = "abc".get(..1 + i % 3).unwrap();
+        let event = format!("data: {{\"choices\":[{{\"text\":\"{text}\",\"index\":0}}]}}\n\n");
+        host.stream(2).response_body = event.clone().into_bytes();
+        host.enter(2);
+        assert_eq!(
+            req.on_http_response_body(event.len(), false),
+            Action::Continue
+        );
+    }
+    let reads = |calls: Vec<String>| calls.iter().filter(|c| *c == "response_body").count();
+    let read = reads(host.take_host_calls());
+    assert!(read <= 16, "{read} of 100 chunks read");
+    assert_eq!(before - growth(), 100, "every token is booked");
+    // The last chunk is read, whatever its size.
+    host.stream(2).response_body = b"data: [DONE]\n\n".to_vec();
+    host.enter(2);
+    req.on_http_response_body(14, true);
+    assert_eq!(reads(host.take_host_calls()), 1);
+    end(&host, &mut req, 2);
+    assert_eq!(inflight(&root, node), 0);
+}

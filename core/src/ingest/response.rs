@@ -31,6 +31,20 @@
 //! other responses. The common OpenAI-compatible servers report usage in every non-streamed
 //! answer, so such answers are rare.
 //!
+//! Counted unread: following a stream costs a crossing into Envoy per chunk to copy it into the
+//! VM and a scan of it, about 3.5 us of Envoy's CPU a token where routing the request cost 50
+//! (docs/BENCHMARKS.md, "Following streamed answers"). Engines send one event per token, each
+//! its own chunk, and a stream's events differ only in their text. So once a stream has shown
+//! [`LEARN`] chunks that were each exactly one content event from one event boundary to the
+//! next, a chunk whose size is within the sizes those had (and under twice the smallest, so
+//! two events never fit) is counted as one event without being read ([`OutputMeter::skim`]).
+//! Every other chunk is read: the first ones, any of another size (two events that came
+//! together, the closing events, the usage), the last (`end_of_stream`), and every
+//! [`CHECK_EVERY`]-th of the right size, as a check; a checked chunk that was not one event
+//! ends skimming for the stream. What this can miscount: a chunk of the right size that held
+//! no content (a finish event alone in its chunk, counted as a token when not checked). The
+//! server's count, when it sends one, still wins for the sample.
+//!
 //! The filter takes two numbers from the meter: [`OutputMeter::progress`], the running count
 //! the books of requests in flight advance by, which never goes back; and
 //! [`OutputMeter::finish`], the output length a response that ended is a sample of — only a
@@ -43,6 +57,12 @@ const KEYS: [(&[u8], Kind); 4] = [
     (b"completion_tokens", Kind::Count),
     (b"output_tokens", Kind::Count),
 ];
+
+/// Chunks of one content event each a stream must show, read, before one is counted unread.
+pub const LEARN: u8 = 4;
+
+/// Of the chunks that could be counted unread, every this-many-th is read as a check.
+pub const CHECK_EVERY: u8 = 16;
 
 /// Every key of `KEYS`, as a set of bits (bit `i` for `KEYS[i]`).
 const ALL_KEYS: u8 = (1 << KEYS.len()) - 1;
@@ -131,6 +151,13 @@ pub struct OutputMeter {
     reported: Option<u64>,
     /// The highest such count.
     highest: u64,
+    /// Sizes of the chunks read that were each exactly one content event (smallest, largest),
+    /// how many such were read, and chunks of such a size counted unread since the last read.
+    single: Option<(u32, u32)>,
+    learned: u8,
+    unread: u8,
+    /// A check found a chunk of the right size that was not one event: every chunk is read.
+    no_skim: bool,
 }
 
 impl OutputMeter {
@@ -139,8 +166,61 @@ impl OutputMeter {
         Self::default()
     }
 
+    /// Whether the next chunk, `size` bytes, may be counted as one content event without
+    /// being read ([`OutputMeter::skim`]; see the module comment): never the last chunk
+    /// (`end_of_stream`), nor one that starts anywhere but between two events.
+    pub fn may_skim(&self, size: usize, end_of_stream: bool) -> bool {
+        let Some((low, high)) = self.single else {
+            return false;
+        };
+        let Ok(size) = u32::try_from(size) else {
+            return false;
+        };
+        !end_of_stream
+            && !self.no_skim
+            && self.body == Body::Stream
+            && self.scan == Scan::Idle
+            && self.learned >= LEARN
+            && self.unread < CHECK_EVERY - 1
+            && (low..=high).contains(&size)
+            && size < low.saturating_mul(2)
+    }
+
+    /// Counts the next chunk, unread, as one content event (when `may_skim` allowed it).
+    pub fn skim(&mut self) {
+        self.events = self.events.saturating_add(1);
+        self.unread = self.unread.saturating_add(1);
+    }
+
     /// Reads the next chunk of the response body.
     pub fn feed(&mut self, chunk: &[u8]) {
+        let at_boundary = self.body != Body::Reply && self.scan == Scan::Idle;
+        let (events, highest, reported) = (self.events, self.highest, self.reported);
+        self.scan_chunk(chunk);
+        // One content event from one boundary to the next, and no count: the size of a chunk
+        // that may later be counted unread.
+        let single = at_boundary
+            && self.body == Body::Stream
+            && self.scan == Scan::Idle
+            && self.events == events.saturating_add(1)
+            && (self.highest, self.reported) == (highest, reported);
+        let size = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+        let within = self
+            .single
+            .is_some_and(|(low, high)| (low..=high).contains(&size));
+        if single {
+            self.single = Some(match self.single {
+                Some((low, high)) => (low.min(size), high.max(size)),
+                None => (size, size),
+            });
+            self.learned = self.learned.saturating_add(1);
+        } else if within && self.learned >= LEARN {
+            self.no_skim = true;
+        }
+        self.unread = 0;
+    }
+
+    fn scan_chunk(&mut self, chunk: &[u8]) {
         if self.body == Body::Unknown {
             let leading = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n' | 0xEF | 0xBB | 0xBF);
             // Whitespace (and a byte order mark) holds no key: nothing else to read.
@@ -602,6 +682,136 @@ mod tests {
         for (body, progress, sample) in cases {
             let m = read(&[body.as_bytes()]);
             assert_eq!(seen(&m), (*progress, *sample), "{body}");
+        }
+    }
+
+    /// Follows `chunks` as the filter does: a chunk that may be counted unread is, the others
+    /// are read. The meter, and which chunks were read.
+    fn follow(chunks: &[String]) -> (OutputMeter, Vec<bool>) {
+        let mut m = OutputMeter::new();
+        let mut read = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let last = i + 1 == chunks.len();
+            if m.may_skim(c.len(), last) {
+                m.skim();
+                read.push(false);
+            } else {
+                m.feed(c.as_bytes());
+                read.push(true);
+            }
+        }
+        (m, read)
+    }
+
+    /// A chat stream of `n` tokens of varied text, one event a chunk, then the finish event
+    /// and `[DONE]` together, with the usage before them when `usage`.
+    fn token_chunks(n: usize, usage: bool) -> Vec<String> {
+        let words = [
+            " the", " a", " quick", ",", " foxes", " jumped", ".", " over",
+        ];
+        let mut chunks = vec![sse(&[chat_chunk(
+            r#"{"role":"assistant","content":""}"#,
+            "null",
+        )])];
+        for i in 0..n {
+            let word = words.get(i % words.len()).copied().unwrap_or("x");
+            chunks.push(sse(&[chat_chunk(
+                &format!(r#"{{"content":"{word}"}}"#),
+                "null",
+            )]));
+        }
+        if usage {
+            chunks.push(sse(&[format!(
+                r#"{{"id":"chatcmpl-7","choices":[],"usage":{{"prompt_tokens":9,"completion_tokens":{n}}}}}"#
+            )]));
+        }
+        chunks.push(sse(&[chat_chunk("{}", r#""stop""#), "[DONE]".to_string()]));
+        chunks
+    }
+
+    #[test]
+    fn a_stream_is_counted_as_if_read_while_most_chunks_stay_unread() {
+        for (n, usage) in [(200, false), (200, true), (37, false), (3, false)] {
+            let chunks = token_chunks(n, usage);
+            let all: Vec<&[u8]> = chunks.iter().map(|c| c.as_bytes()).collect();
+            let whole = read(&all);
+            let (m, read) = follow(&chunks);
+            assert_eq!(seen(&m), seen(&whole), "{n} tokens, usage {usage}");
+            assert_eq!(seen(&m).0, n as u64);
+            let reads = read.iter().filter(|r| **r).count();
+            if n >= 200 {
+                // The role chunk, the sizes learned, a check every CHECK_EVERY, the end.
+                assert!(reads <= 40, "{reads} of {} chunks read", chunks.len());
+            }
+            // What comes before the sizes are known, and the last chunk, are always read.
+            let learning = 1 + usize::from(LEARN);
+            assert!(read.iter().take(learning).all(|r| *r), "{read:?}");
+            assert_eq!(read.last(), Some(&true));
+        }
+    }
+
+    #[test]
+    fn two_events_in_one_chunk_are_read() {
+        let mut chunks = token_chunks(20, false);
+        // Events that came together (the upstream was quicker than Envoy's reads).
+        let joined: String = chunks.drain(10..14).collect();
+        chunks.insert(10, joined);
+        let (m, read) = follow(&chunks);
+        assert_eq!(read.get(10), Some(&true));
+        assert_eq!(seen(&m).0, 20);
+    }
+
+    #[test]
+    fn a_check_that_finds_no_event_ends_skimming() {
+        let mut chunks = token_chunks(60, false);
+        // Keep-alive comments padded to a token event's size: the same size, no content.
+        let size = chunks.get(3).map_or(0, String::len);
+        let comment = format!(": {}\n\n", "k".repeat(size.saturating_sub(4)));
+        assert_eq!(comment.len(), size);
+        for c in chunks.iter_mut().skip(8).step_by(2).take(30) {
+            *c = comment.clone();
+        }
+        let (m, read) = follow(&chunks);
+        // Some comments were counted as tokens before a check read one; then every chunk is.
+        let first_check = read
+            .iter()
+            .enumerate()
+            .skip(1 + usize::from(LEARN))
+            .find(|(i, r)| **r && chunks.get(*i) == Some(&comment))
+            .map(|(i, _)| i);
+        let Some(at) = first_check else {
+            panic!("no comment was read: {read:?}");
+        };
+        assert!(read.iter().skip(at).all(|r| *r), "{read:?}");
+        assert!(m.no_skim);
+        // Miscounted by at most the comments counted before the check.
+        let counted = seen(&m).0;
+        assert!(
+            (30..30 + u64::from(CHECK_EVERY)).contains(&counted),
+            "{counted}"
+        );
+    }
+
+    #[test]
+    fn a_chunk_after_a_split_event_is_read() {
+        let mut chunks = token_chunks(30, false);
+        // An event cut in two: the chunk after the cut starts inside it.
+        let cut = chunks.get(12).cloned().unwrap_or_default();
+        let (head, tail) = cut.split_at(cut.find("content").unwrap_or(0) + 3);
+        let (head, tail) = (head.to_string(), tail.to_string());
+        chunks.splice(12..13, [head, tail]);
+        let (m, read) = follow(&chunks);
+        assert_eq!(read.get(13), Some(&true), "{read:?}");
+        assert_eq!(seen(&m).0, 30);
+    }
+
+    #[test]
+    fn a_reply_is_never_skimmed() {
+        let reply = r#"{"choices":[{"message":{"content":"hi"}}],"usage":{"completion_tokens":1}}"#;
+        let mut m = OutputMeter::new();
+        for _ in 0..8 {
+            assert!(!m.may_skim(reply.len(), false));
+            m.feed(reply.as_bytes());
         }
     }
 }

@@ -393,6 +393,8 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
 /// A completion answered at once with one token, without the engine: the upstream of the
 /// proxy-overhead benchmark, where the node's own time must be as close to nothing as a real
 /// HTTP server gets. Same shapes as an engine answer (whole, or the SSE events of a stream).
+/// A stream sends the node's `instant_tokens` events, `instant_gap_us` apart (the cost of
+/// following a streamed answer).
 fn instant(
     node: &Node,
     kind: Kind,
@@ -414,11 +416,41 @@ fn instant(
     if !body.get("stream").and_then(Value::as_bool).unwrap_or(false) {
         return json_response(StatusCode::OK, &c.whole(token_text(0)));
     }
-    let mut events = c.token_event(0).to_vec();
-    for e in c.closing_events() {
-        events.extend_from_slice(&e);
-    }
-    let mut r = full(StatusCode::OK, "text/event-stream", events);
+    let (tokens, gap_us) = (node.instant_tokens, node.instant_gap_us);
+    let mut r = if tokens <= 1 && gap_us == 0 {
+        let mut events = c.token_event(0).to_vec();
+        for e in c.closing_events() {
+            events.extend_from_slice(&e);
+        }
+        full(StatusCode::OK, "text/event-stream", events)
+    } else {
+        // Each token event its own chunk, `gap_us` apart, as an engine streams them.
+        let c = Completion {
+            completion_tokens: tokens,
+            ..c
+        };
+        let (tx, body_rx) = mpsc::channel::<Bytes>(16);
+        tokio::spawn(async move {
+            let gap = std::time::Duration::from_micros(gap_us);
+            for i in 0..tokens {
+                if i > 0 && !gap.is_zero() {
+                    tokio::time::sleep(gap).await;
+                }
+                if tx.send(c.token_event(i)).await.is_err() {
+                    return;
+                }
+            }
+            for event in c.closing_events() {
+                if tx.send(event).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut r = Response::new(ChannelBody(body_rx).boxed_unsync());
+        r.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        r
+    };
     r.headers_mut()
         .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     r

@@ -55,6 +55,10 @@ Serves one mock GPU inference node per --node, all in this process.
                           instant=1            answer every completion at once with one
                                                token, bypassing the engine (a fast upstream
                                                for measuring the proxy's own cost)
+                          instant_tokens=N     with instant=1: a streamed answer sends N
+                                               token events, each its own chunk (default 1)
+                          instant_gap_us=N     with instant=1: microseconds between those
+                                               events (default 0: all at once)
   --time-scale X        run the model X times faster than real time (default 1); reported
                         rates are per wall-clock second
   --bind ADDR           address to listen on (default 127.0.0.1)
@@ -80,6 +84,10 @@ pub struct NodeSpec {
     pub loras: Vec<String>,
     /// Completions are answered at once, without the engine (`instant=1`).
     pub instant: bool,
+    /// Token events of a streamed instant answer (`instant_tokens=`), and the pause between
+    /// two of them (`instant_gap_us=`): what following a streamed answer costs a proxy.
+    pub instant_tokens: u64,
+    pub instant_gap_us: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -162,6 +170,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let mut n_ctx = None;
     let (mut models, mut loras) = (vec![], vec![]);
     let mut instant = false;
+    let (mut instant_tokens, mut instant_gap_us) = (None, None);
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -224,8 +233,15 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "models" => models = names(k, v)?,
             "loras" => loras = names(k, v)?,
             "instant" => instant = switch(k, v)?,
+            "instant_tokens" => instant_tokens = Some(int(k, v)?),
+            "instant_gap_us" => instant_gap_us = Some(count(k, v)?),
             _ => return Err(err(format!("unknown key {k:?}"))),
         }
+    }
+    if !instant && (instant_tokens.is_some() || instant_gap_us.is_some()) {
+        return Err(err(
+            "instant_tokens and instant_gap_us shape instant answers: they need instant=1".into(),
+        ));
     }
     if name.is_empty() || HeaderValue::from_str(&name).is_err() {
         return Err(err(format!(
@@ -263,6 +279,8 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         models,
         loras,
         instant,
+        instant_tokens: instant_tokens.unwrap_or(1),
+        instant_gap_us: instant_gap_us.unwrap_or(0),
     })
 }
 
@@ -338,6 +356,12 @@ mod tests {
         assert!(!plain.instant && !custom.instant);
         assert!(run("--node 1,instant=1").nodes[0].instant);
         assert!(!run("--node 1,instant=0").nodes[0].instant);
+        let streamed = &run("--node 1,instant=1,instant_tokens=64,instant_gap_us=500").nodes[0];
+        assert_eq!(
+            (streamed.instant_tokens, streamed.instant_gap_us),
+            (64, 500)
+        );
+        assert_eq!((plain.instant_tokens, plain.instant_gap_us), (1, 0));
     }
 
     #[test]
@@ -389,6 +413,11 @@ mod tests {
             ("--node 1,models=a||b", "empty name"),
             ("--node 1,models=a|b,loras=b", "named twice"),
             ("--node 1,instant=yes", "expected 1 or 0"),
+            ("--node 1,instant_tokens=8", "need instant=1"),
+            (
+                "--node 1,instant=1,instant_tokens=0",
+                "expected a positive integer",
+            ),
             ("--node 1,health=seed", "expected json or engine"),
             ("--node 1,metrics_off=2", "expected 1 or 0"),
             ("--node 1,n_ctx=0", "positive integer"),

@@ -102,6 +102,10 @@ pub struct Node {
     pub loras: Vec<String>,
     /// Completions bypass the engine and answer at once (`instant=1`).
     pub instant: bool,
+    /// A streamed instant answer's token events and the pause between two (`instant_tokens=`,
+    /// `instant_gap_us=`).
+    pub instant_tokens: u64,
+    pub instant_gap_us: u64,
     flavour: Flavour,
     /// What /health answers (the seed JSON, or the engine's own answer).
     pub health_mode: HealthMode,
@@ -175,6 +179,8 @@ impl Node {
             models: spec.models.clone(),
             loras: spec.loras.clone(),
             instant: spec.instant,
+            instant_tokens: spec.instant_tokens,
+            instant_gap_us: spec.instant_gap_us,
             flavour: spec.metrics,
             health_mode: spec.health,
             metrics_off: spec.metrics_off,

@@ -111,6 +111,7 @@ stats! {
     PrefixSharedDropped Counter "token_balancer.prefix.shared_dropped",
     PrefixSharedTaken Counter "token_balancer.prefix.shared_taken",
     PrefixSharedMissed Counter "token_balancer.prefix.shared_missed",
+    OutputChunksUnread Counter "token_balancer.output.chunks_unread",
 }
 
 /// A counter per node, named `token_balancer.node.<address>.<name>`

@@ -74,6 +74,9 @@ pub struct Request<H: Host> {
     meter: OutputMeter,
     /// Output count last written to the shared books (reader role).
     shared_received: u64,
+    /// Response chunks counted as one token event without being read (`OutputMeter::skim`),
+    /// added to their counter once, when the stream ends.
+    unread_chunks: u64,
     /// When the first output token was seen (for the node's time per output token).
     first_token_ms: Option<u64>,
     /// When the stream's pace was last measured, and its output count then (see `progress`).
@@ -102,6 +105,7 @@ impl<H: Host> Request<H> {
             received: 0,
             meter: OutputMeter::new(),
             shared_received: 0,
+            unread_chunks: 0,
             first_token_ms: None,
             paced: None,
             status_ok: false,
@@ -344,6 +348,7 @@ impl<H: Host> Request<H> {
             // exactly; the sample is the meter's (the server's own count when it gave one).
             let progressed = self.received;
             let written = self.shared_received;
+            let unread = self.unread_chunks;
             // A stream seen whole gives its node's time per output token, after the first.
             let now = self.host.now_ms();
             let tpot = self
@@ -361,6 +366,7 @@ impl<H: Host> Request<H> {
                 s.balancer.release(&ticket, progressed);
                 s.share(&ticket, Change::release(&ticket, written), None);
                 s.metrics.shift(Stat::InflightNow, -1);
+                s.metrics.add(Stat::OutputChunksUnread, unread);
             });
         }
     }
@@ -509,6 +515,7 @@ impl<H: Host> HttpContext for Request<H> {
                 // which spares its copy into the VM (`OutputMeter::may_skim`).
                 if self.meter.may_skim(body_size, end_of_stream) {
                     self.meter.skim();
+                    self.unread_chunks += 1;
                     self.progress(&ticket);
                 } else if let Some(chunk) = self.host.response_body(body_size) {
                     self.meter.feed(&chunk);

@@ -512,7 +512,10 @@ pub fn response_usage(data: &[u8]) {
         } else {
             followed.feed(c);
         }
-        assert!(followed.progress() >= last, "progress went back when followed");
+        assert!(
+            followed.progress() >= last,
+            "progress went back when followed"
+        );
         last = followed.progress();
     }
 

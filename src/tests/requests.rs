@@ -408,4 +408,9 @@ fn most_of_a_streams_token_chunks_are_counted_unread() {
     assert_eq!(reads(host.take_host_calls()), 1);
     end(&host, &mut req, 2);
     assert_eq!(inflight(&root, node), 0);
+    // Counted once the stream ends.
+    assert_eq!(
+        host.metric("token_balancer.output.chunks_unread"),
+        100 - read as i64
+    );
 }

@@ -64,6 +64,7 @@ const NAMES: &[&str] = &[
     "prefix.shared_dropped",
     "prefix.shared_taken",
     "prefix.shared_missed",
+    "output.chunks_unread",
 ];
 const GAUGES: &[&str] = &[
     "held_now",

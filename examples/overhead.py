@@ -19,7 +19,9 @@ fast as a real HTTP server gets, so what differs is the proxy):
   routes by its own choice;
 - the ext_proc peer (examples/extproc-picker): no Wasm filter, Envoy's `ext_proc` filter asking
   an external picker process over gRPC (one stream per request: request headers, the buffered
-  request body, response headers), the way the Gateway API Inference Extension's endpoint picker
+  request body, response headers; with --extproc-follows-output the response body too, a
+  message per chunk, which the picker reads for the output as the filter does), the way the
+  Gateway API Inference Extension's endpoint picker
   sits behind Envoy. The picker runs the same decision core on the same configuration and polls
   the nodes itself; it is pinned to Envoy's CPU (the proxy side has one core in every kind), and
   its CPU time is added to Envoy's. It is measured once Envoy sends requests where it says.
@@ -219,7 +221,9 @@ def with_ext_proc(cfg: dict, picker_port: int) -> dict:
             "allow_mode_override": True,
             "processing_mode": {
                 "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
-                "response_header_mode": "SEND", "response_body_mode": "NONE",
+                "response_header_mode": "SEND",
+                # Following the answer's output, as the filter does, takes its body too.
+                "response_body_mode": "STREAMED" if FOLLOW_OUTPUT else "NONE",
                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
             },
         },
@@ -252,6 +256,8 @@ class Picker:
         self.log = open(self.log_path, "w")
         cmd = [str(PICKER), "--listen", f"127.0.0.1:{self.port}",
                "--stats", f"127.0.0.1:{self.stats_port}", "--config", plugin]
+        if FOLLOW_OUTPUT:
+            cmd.append("--follow-output")
         if cpus:
             # Every thread it starts inherits the affinity.
             cmd = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] + cmd
@@ -399,9 +405,14 @@ def measured(kind: str, e: Envoy, wrk: Wrk, args) -> dict:
     lat = wrk.run(e.port, 1, args.seconds)
     cpu0 = cpu_of(e)
     picker0 = cpu_seconds(e.picker.proc.pid) if e.picker else 0.0
+    unread0 = e.counter("token_balancer.output.chunks_unread") if kind in FILTERS else 0
     thr = wrk.run(e.port, args.connections, args.seconds)
     cpu_us = (cpu_of(e) - cpu0) / thr["requests"] * 1e6
     m = {"latency": lat, "throughput": thr, "cpu_us_per_request": cpu_us}
+    if kind in FILTERS and args.stream_tokens:
+        # Chunks of the streamed answers the filter counted without reading them.
+        unread = e.counter("token_balancer.output.chunks_unread") - unread0
+        m["chunks_unread_per_request"] = unread / thr["requests"]
     if e.picker:
         m["picker_cpu_us_per_request"] = (
             (cpu_seconds(e.picker.proc.pid) - picker0) / thr["requests"] * 1e6)
@@ -460,6 +471,8 @@ FILTERS = ("token_balancer", "tb_previous")
 # The kinds that route by the core's choice: the filters and the ext_proc picker.
 ROUTERS = FILTERS + ("extproc",)
 PREVIOUS_WASM: Path | None = None
+# The ext_proc picker follows each answer's body (--extproc-follows-output).
+FOLLOW_OUTPUT = False
 
 
 def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
@@ -508,6 +521,8 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
             "cpu_us_per_request": median(runs[kind], "cpu_us_per_request"),
             "rss_bytes": median(runs[kind], "rss_bytes"),
         }
+        if kind in FILTERS and args.stream_tokens:
+            out[kind]["chunks_unread_per_request"] = median(runs[kind], "chunks_unread_per_request")
     tb = runs["token_balancer"]
     out["routed_share"] = min(r["routed_share"] for r in tb)
     if "extproc" in KINDS:
@@ -579,6 +594,10 @@ def table(results: list[dict], args, pinned: str) -> str:
             lines.append(f"- {r['nodes']} nodes: " + ", ".join(
                 f"{LABELS[kind]} {r[kind]['cpu_added_us'] / args.stream_tokens:.2f} us"
                 for kind in KINDS[1:]))
+            lines.append(f"- {r['nodes']} nodes, chunks of an answer the filter counted unread: "
+                         + ", ".join(f"{LABELS[kind]} {r[kind]['chunks_unread_per_request']:.1f}"
+                                     for kind in FILTERS if kind in KINDS)
+                         + f" (of {args.stream_tokens} token events and 3 closing ones)")
     lines += ["", "| nodes | filter VMs' memory, 1 worker (all VMs) | 4 workers | per added worker "
               "| Envoy RSS: no filter / floor / token-balancer / ext_proc (Envoy + picker) "
               "| routed by the filter / by the picker |",
@@ -605,6 +624,34 @@ def table(results: list[dict], args, pinned: str) -> str:
                 c = r[kind]["cpu_split_us"]
                 lines.append(f"| {r['nodes']} | {LABELS[kind]} | {c['vm']:.1f} | {c['envoy']:.1f} "
                              f"| {c['kernel']:.1f} | {c['other']:.1f} |")
+    if args.stream_tokens:
+        # The targets are for whole answers: a streamed run's latency and req/s are the mock
+        # nodes' pacing, the same for every kind; what differs is the CPU.
+        if "extproc" in KINDS:
+            lines += ["", "CPU per request, token-balancer against the ext_proc picker (medians of "
+                      "the rounds' ratios; the targets are for whole answers and are not judged here):"]
+            for r in results:
+                a, b, v = r["token_balancer"], r["extproc"], r["vs_extproc"]
+                lines.append(f"- {r['nodes']} nodes: {a['cpu_us_per_request']:.0f} us vs "
+                             f"{b['cpu_us_per_request']:.0f} us (of which the picker's "
+                             f"{b['picker_cpu_us_per_request']:.0f} us; {v['cpu_ratio']:.2f}x)")
+    else:
+        lines += judged(results)
+    if "tb_previous" in KINDS:
+        lines += ["", "This build against the previous one (--previous-wasm), measured in the same rounds:"]
+        for r in results:
+            a, b = r["token_balancer"], r["tb_previous"]
+            lines.append(
+                f"- {r['nodes']} nodes: p50 added {a['p50_added_us']:.0f} us vs {b['p50_added_us']:.0f} us, "
+                f"p99 added {a['p99_added_us']:.0f} us vs {b['p99_added_us']:.0f} us, req/s kept "
+                f"{a['rps_kept']:.2f} vs {b['rps_kept']:.2f}, CPU added {a['cpu_added_us']:.0f} us vs "
+                f"{b['cpu_added_us']:.0f} us")
+    return "\n".join(lines) + "\n"
+
+
+def judged(results: list[dict]) -> list[str]:
+    """Whole answers against the targets, and against the picker."""
+    lines: list[str] = []
     lines += ["", "Targets for token-balancer: p50 added <= {p50_added_us:.0f} us, p99 added <= "
               "{p99_added_us:.0f} us, req/s kept >= {rps_kept:.2f}.".format(**TARGETS)]
     for r in results:
@@ -633,16 +680,7 @@ def table(results: list[dict], args, pinned: str) -> str:
                 f"p99 added {a['p99_added_us']:.0f} us vs {b['p99_added_us']:.0f} us, CPU per request "
                 f"{a['cpu_us_per_request']:.0f} us vs {b['cpu_us_per_request']:.0f} us "
                 f"(of which the picker's {b['picker_cpu_us_per_request']:.0f} us; {v['cpu_ratio']:.2f}x)")
-    if "tb_previous" in KINDS:
-        lines += ["", "This build against the previous one (--previous-wasm), measured in the same rounds:"]
-        for r in results:
-            a, b = r["token_balancer"], r["tb_previous"]
-            lines.append(
-                f"- {r['nodes']} nodes: p50 added {a['p50_added_us']:.0f} us vs {b['p50_added_us']:.0f} us, "
-                f"p99 added {a['p99_added_us']:.0f} us vs {b['p99_added_us']:.0f} us, req/s kept "
-                f"{a['rps_kept']:.2f} vs {b['rps_kept']:.2f}, CPU added {a['cpu_added_us']:.0f} us vs "
-                f"{b['cpu_added_us']:.0f} us")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 LABELS = {"plain": "no filter (least_request)", "floor": "floor filter (reads the body)",
@@ -677,6 +715,10 @@ def main():
     ap.add_argument("--previous-plugin", default="{}",
                     help="JSON object of filter settings for the --previous-wasm build only, e.g. "
                          "'{\"choices\": 2}' with this build as --previous-wasm: two configurations side by side")
+    ap.add_argument("--extproc-follows-output", action="store_true",
+                    help="the ext_proc picker follows each answer's output as the filter does: Envoy "
+                         "sends it the response body (STREAMED), a message per chunk, and it "
+                         "releases the booking at the body's end rather than at the response headers")
     ap.add_argument("--no-extproc", action="store_true",
                     help="leave the ext_proc picker out (a quicker comparison of builds)")
     ap.add_argument("--routed-floor", action="store_true",
@@ -693,6 +735,10 @@ def main():
     PREVIOUS_PLUGIN.update(json.loads(args.previous_plugin))
     if args.no_extproc:
         KINDS.remove("extproc")
+    if args.extproc_follows_output:
+        global FOLLOW_OUTPUT
+        FOLLOW_OUTPUT = True
+        LABELS["extproc"] = "ext_proc picker following output (same core, gRPC, body STREAMED)"
     if args.routed_floor:
         KINDS.insert(KINDS.index("floor") + 1, "floor_routed")
     if args.previous_wasm:

@@ -55,6 +55,29 @@ def test_overhead_benchmark_produces_a_well_formed_report():
     assert "token-balancer against the ext_proc picker" in table, table
 
 
+def test_a_streamed_run_reports_the_cost_of_following_the_answers():
+    """--stream-tokens: the mock nodes stream each answer as token events, one a chunk; the
+    filter counts most of them unread, and the picker follows them too (response body
+    STREAMED, --extproc-follows-output)."""
+    out = run_benchmark("overhead.py", "ci-overhead-stream-smoke", "--nodes", "2", "--seconds", "1",
+                        "--warmup", "1", "--rounds", "1", "--stream-tokens", "12",
+                        "--token-gap-us", "200", "--extproc-follows-output")
+    doc = json.loads((out / "overhead.json").read_text())
+    [fleet] = doc["results"]
+    for kind in KINDS:
+        [run] = fleet["runs"][kind]
+        assert run["throughput"]["requests"] > 0, (kind, run)
+        assert run["latency"]["non_2xx"] == 0 and run["throughput"]["non_2xx"] == 0, (kind, run)
+    assert fleet["routed_share"] == 1.0 and fleet["extproc_routed_share"] == 1.0, fleet
+    # Of 12 token events, the role chunk and the first few are read to learn their size.
+    unread = fleet["token_balancer"]["chunks_unread_per_request"]
+    assert 1 <= unread <= 12 - 4, unread
+    table = (out / "overhead.md").read_text()
+    assert "CPU added per token event" in table, table
+    assert "ext_proc picker following output" in table, table
+    assert "Targets for token-balancer" not in table, "whole-answer targets judged on streams"
+
+
 def test_host_call_cost_benchmark_produces_a_well_formed_report():
     """examples/host_call_cost.py: the floor filter with a probe of host calls, beside none."""
     out = run_benchmark("host_call_cost.py", "ci-host-call-cost-smoke", "--kinds", "metric,shared_get",

@@ -5,7 +5,7 @@
 //! filter, running the same core on the same configuration (`examples/overhead.py`).
 //!
 //! ```text
-//! extproc-picker --listen 127.0.0.1:9002 --stats 127.0.0.1:9003 --config '{"nodes": [...], ...}'
+//! extproc-picker --listen 127.0.0.1:9002 --stats 127.0.0.1:9003 --config '{"nodes": [...], ...}' [--follow-output]
 //! ```
 //!
 //! `--config` is the filter's JSON configuration (`docs/CONFIGURATION.md`), or `@file` to read
@@ -22,7 +22,7 @@
 //! | request headers | `SEND` | removes a client's routing header; skips the rest for requests whose body cannot be read (`mode_override`, with `allow_mode_override: true`) |
 //! | request body | `BUFFERED` | reads it, routes, answers with the `x-gateway-destination-endpoint` header mutation (no route cache clearing: `override_host` reads the header at host selection) |
 //! | response headers | `SEND` | releases the request's booking |
-//! | response body, trailers | `NONE`, `SKIP` | - |
+//! | response body, trailers | `NONE`, `SKIP` | - (with `--follow-output`, the body `STREAMED`: each piece advances the booking, the last releases it) |
 //!
 //! Three messages and three answers per routed request, each a round trip on the request's
 //! path. The inference gateway's own configurations ask at least as much of Envoy: its Helm
@@ -55,16 +55,23 @@ struct Args {
     listen: SocketAddr,
     stats: Option<SocketAddr>,
     config: Vec<u8>,
+    follow_output: bool,
 }
 
-const USAGE: &str = "usage: extproc-picker --listen IP:PORT [--stats IP:PORT] --config JSON|@FILE";
+const USAGE: &str =
+    "usage: extproc-picker --listen IP:PORT [--stats IP:PORT] --config JSON|@FILE [--follow-output]";
 
 fn args() -> Result<Args, String> {
     let mut listen = None;
     let mut stats = None;
     let mut config = None;
+    let mut follow_output = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--follow-output" {
+            follow_output = true;
+            continue;
+        }
         let value = it.next().ok_or(format!("{flag} needs a value\n{USAGE}"))?;
         match flag.as_str() {
             "--listen" => listen = Some(value.parse().map_err(|e| format!("--listen: {e}"))?),
@@ -84,6 +91,7 @@ fn args() -> Result<Args, String> {
         listen: listen.ok_or(format!("--listen is required\n{USAGE}"))?,
         stats,
         config: config.ok_or(format!("--config is required\n{USAGE}"))?,
+        follow_output,
     })
 }
 
@@ -128,7 +136,9 @@ fn main() -> ExitCode {
 async fn serve(args: Args, config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let nodes = config.nodes.len();
     let seed = now_ms() ^ (u64::from(std::process::id()) << 20);
-    let picker = Arc::new(Mutex::new(Picker::new(config, seed)));
+    let mut picker = Picker::new(config, seed);
+    picker.follow_output = args.follow_output;
+    let picker = Arc::new(Mutex::new(picker));
     if let Some(addr) = args.stats {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         tokio::spawn(service::serve_stats(listener, picker.clone()));

@@ -19,6 +19,11 @@
 //!    response body is not sent to the picker, so no output tokens are counted on the way
 //!    and no output length is learned; a stream that ends without response headers (a reset)
 //!    is released when its gRPC stream ends (`Session::end`).
+//! 4. With `--follow-output` (Envoy sending the response body `STREAMED`), the picker follows
+//!    the answer as the filter does instead: the booking stays through the response headers,
+//!    each body message is read by the core's `OutputMeter` and advances the booking by the
+//!    tokens it shows, and the last one releases it and teaches the balancer the output
+//!    length. Each chunk of a streamed answer is then a message and an answer more.
 //!
 //! Not here, because an external picker would need more round trips for them and the
 //! benchmark exercises none: holding requests while every node is full (a request over the
@@ -47,6 +52,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use token_balancer_core::config::Config;
 use token_balancer_core::fleet::node::Ticket;
 use token_balancer_core::ingest::request::{self, Api};
+use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::balancer::{Balancer, Outcome, OwnBooks, Terms};
 
@@ -61,6 +67,8 @@ pub struct Picker {
     /// The routing header value of the last routed request (the benchmark checks that Envoy
     /// sent the request where it says).
     pub last_pick: Option<String>,
+    /// Follow each answer's body (`--follow-output`) rather than release at its headers.
+    pub follow_output: bool,
 }
 
 /// What the picker did, for its stats endpoint.
@@ -91,6 +99,7 @@ impl Picker {
             rng: SplitMix64::new(seed),
             counts: Counts::default(),
             last_pick: None,
+            follow_output: false,
         }
     }
 
@@ -127,6 +136,11 @@ pub struct Session {
     /// The session header's value, an affinity hint for the prefix chain.
     hint: Option<String>,
     ticket: Option<Ticket>,
+    /// With `follow_output`: what the answer has shown of its output, the count the booking
+    /// was last advanced to, and whether the answer is a 200.
+    meter: OutputMeter,
+    received: u64,
+    status_ok: bool,
 }
 
 impl Session {
@@ -150,15 +164,24 @@ impl Session {
                     response: Some(common(mutation)),
                 })
             }
-            Message::ResponseHeaders(_) => {
-                self.end(picker);
+            Message::ResponseHeaders(h) => {
+                if picker.follow_output {
+                    self.status_ok = header(&h, ":status").is_some_and(|s| s == "200");
+                } else {
+                    self.end(picker);
+                }
                 Reply::ResponseHeaders(HeadersResponse {
                     response: Some(common(None)),
                 })
             }
-            Message::ResponseBody(_) => Reply::ResponseBody(BodyResponse {
-                response: Some(common(None)),
-            }),
+            Message::ResponseBody(b) => {
+                if picker.follow_output {
+                    self.on_response_body(picker, &b.body, b.end_of_stream);
+                }
+                Reply::ResponseBody(BodyResponse {
+                    response: Some(common(None)),
+                })
+            }
             Message::RequestTrailers(_) => Reply::RequestTrailers(TrailersResponse::default()),
             Message::ResponseTrailers(_) => Reply::ResponseTrailers(TrailersResponse::default()),
         };
@@ -166,11 +189,35 @@ impl Session {
     }
 
     /// The stream is over (response headers seen, or the stream ended without them): the
-    /// booking, if any, is released, exactly once.
+    /// booking, if any, is released, exactly once, by the output it was advanced by.
     pub fn end(&mut self, picker: &mut Picker) {
         if let Some(ticket) = self.ticket.take() {
-            picker.balancer.release(&ticket, 0);
+            picker.balancer.release(&ticket, self.received);
             picker.counts.released += 1;
+        }
+    }
+
+    /// A piece of the answer (`follow_output`): the output it shows advances the booking; the
+    /// last piece of a 200 is a sample of output length, and ends the booking.
+    fn on_response_body(&mut self, picker: &mut Picker, chunk: &[u8], end_of_stream: bool) {
+        let Some(ticket) = self.ticket else {
+            return;
+        };
+        if self.status_ok {
+            self.meter.feed(chunk);
+            let after = self.meter.progress();
+            if after > self.received {
+                picker.balancer.progress(&ticket, self.received, after);
+                self.received = after;
+            }
+        }
+        if end_of_stream {
+            if let Some(output) = self.meter.finish(self.status_ok, true) {
+                picker
+                    .balancer
+                    .observe_output(ticket.weight.prompt_tokens, output);
+            }
+            self.end(picker);
         }
     }
 
@@ -523,6 +570,45 @@ mod tests {
         s.end(&mut p);
         assert_eq!(p.counts.released, 1);
         assert_eq!(p.balancer.books(0).unwrap().inflight_requests, 0);
+    }
+
+    fn response_body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Message::ResponseBody(HttpBody {
+                body: bytes.to_vec(),
+                end_of_stream,
+            })),
+            ..ProcessingRequest::default()
+        }
+    }
+
+    #[test]
+    fn following_output_the_booking_advances_by_each_token_and_ends_with_the_body() {
+        let mut p = picker(&["10.0.0.1:8000"]);
+        p.follow_output = true;
+        report(&mut p, 0, T0);
+        let mut s = Session::new(&mut p);
+        s.on_message(&mut p, post(), T0).unwrap();
+        s.on_message(&mut p, body(CHAT), T0).unwrap();
+        let growth = |p: &Picker| p.balancer.books(0).unwrap().growth_tokens;
+        let reserved = growth(&p);
+        assert!(reserved >= 3, "{reserved}");
+        s.on_message(&mut p, response_headers(), T0 + 1).unwrap();
+        assert_eq!(p.balancer.books(0).unwrap().inflight_requests, 1, "kept");
+        let event = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        for _ in 0..3 {
+            let r = s
+                .on_message(&mut p, response_body(event, false), T0 + 2)
+                .unwrap();
+            assert!(matches!(r.response, Some(Reply::ResponseBody(_))), "{r:?}");
+        }
+        assert_eq!(reserved - growth(&p), 3);
+        s.on_message(&mut p, response_body(b"data: [DONE]\n\n", true), T0 + 3)
+            .unwrap();
+        assert_eq!(p.balancer.books(0).unwrap().inflight_requests, 0);
+        assert_eq!(p.counts.released, 1);
+        s.end(&mut p);
+        assert_eq!(p.counts.released, 1, "once");
     }
 
     #[test]

@@ -8,6 +8,8 @@ the counters are not zero):
   core/tests/data/models/llamacpp_real_noalias.json   GET /v1/models without --alias
   core/tests/data/llamacpp_slots.json          GET /slots
   core/tests/data/llamacpp_props.json          GET /props
+  core/tests/data/streams/llamacpp_*.sse       streamed answers as served (chat without and with
+                                               usage, a completion), 40 tokens each
 and prints the observations (health while loading, model names served, usage in streams,
 an over-long prompt) as JSON on stdout; tests/REAL_ENGINES.md is written from them.
 Volatile values (timestamps, the cache path of the model) are kept as served: the fixtures
@@ -30,6 +32,29 @@ import real_engines  # noqa: E402
 from real_engines import Spec, chat, stream  # noqa: E402
 
 DATA = ROOT / "core/tests/data"
+
+# Streamed answers recorded whole, as the server wrote them: the meter's tests cut them into
+# the chunks an engine sends (core/src/ingest/response.rs).
+STREAMS = {
+    "llamacpp_chat": ("/v1/chat/completions", {"model": "smollm2", "stream": True, "max_tokens": 40, "temperature": 0,
+                                               "messages": [{"role": "user", "content": "Write two sentences about the sea."}]}),
+    "llamacpp_chat_usage": ("/v1/chat/completions", {"model": "smollm2", "stream": True, "max_tokens": 40, "temperature": 0,
+                                                     "stream_options": {"include_usage": True},
+                                                     "messages": [{"role": "user", "content": "Write two sentences about the sea."}]}),
+    "llamacpp_completion": ("/v1/completions", {"model": "smollm2", "stream": True, "max_tokens": 40, "temperature": 0,
+                                                "prompt": "Once upon a time"}),
+}
+
+
+def raw_stream(port: int, path: str, body: dict) -> bytes:
+    """A streamed answer's body, byte for byte."""
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return data
 
 
 def health_while_loading(spec: Spec) -> dict:
@@ -150,6 +175,7 @@ def main() -> int:
         for t in busy:
             t.join(120)
 
+        streams = {name: raw_stream(a.port, path, body) for name, (path, body) in STREAMS.items()}
         metrics = a.get("/metrics")
         facts["metrics_headers"] = metrics.headers
         models = a.get("/v1/models")
@@ -166,6 +192,9 @@ def main() -> int:
             (DATA / "models/llamacpp_real_noalias.json").write_text(json.dumps(facts["models_noalias"], indent=2) + "\n")
             (DATA / "llamacpp_slots.json").write_text(json.dumps(slots.json(), indent=2) + "\n")
             (DATA / "llamacpp_props.json").write_text(json.dumps(props.json(), indent=2) + "\n")
+            (DATA / "streams").mkdir(parents=True, exist_ok=True)
+            for name, data in streams.items():
+                (DATA / f"streams/{name}.sse").write_bytes(data)
         facts["metrics"] = metrics.body.decode()
         facts["models"] = models.json()
         facts["slots"] = slots.json()

@@ -814,4 +814,36 @@ mod tests {
             m.feed(reply.as_bytes());
         }
     }
+
+    /// A real llama-server's streamed answers (b11434, `scripts/llamacpp-facts.py`), cut into
+    /// the chunks it sends (one event each), followed as the filter follows them: the same
+    /// count and sample as reading every byte, most chunks unread.
+    #[test]
+    fn real_streams_are_counted_as_if_read() {
+        let streams = [
+            (
+                include_str!("../../tests/data/streams/llamacpp_chat.sse"),
+                None,
+            ),
+            (
+                include_str!("../../tests/data/streams/llamacpp_chat_usage.sse"),
+                Some(40),
+            ),
+            (
+                include_str!("../../tests/data/streams/llamacpp_completion.sse"),
+                None,
+            ),
+        ];
+        for (body, usage) in streams {
+            let chunks: Vec<String> = body.split_inclusive("\n\n").map(str::to_string).collect();
+            assert!(chunks.len() >= 40, "{}", chunks.len());
+            let whole = read(&[body.as_bytes()]);
+            let (m, read) = follow(&chunks);
+            assert_eq!(seen(&m), seen(&whole));
+            // 40 tokens, each an event (or the server's count).
+            assert_eq!(seen(&m).1, Some(usage.unwrap_or(40)));
+            let reads = read.iter().filter(|r| **r).count();
+            assert!(reads * 2 < chunks.len(), "{reads} of {} read", chunks.len());
+        }
+    }
 }

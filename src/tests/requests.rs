@@ -414,3 +414,33 @@ fn most_of_a_streams_token_chunks_are_counted_unread() {
         100 - read as i64
     );
 }
+
+/// A reasoning model streams its thinking before its answer: the first thinking delta is its
+/// first token, so the prompt's prefill leaves the books then, not when the answer starts.
+#[test]
+fn a_reasoning_models_thinking_is_output() {
+    let (host, root) = reported(&config(""), IDLE);
+    let body = r#"{"model":"m","prompt":"hello there","max_tokens":4000}"#;
+    let (mut req, _, _) = post(&host, &root, 2, body);
+    let routed = host.request_header_of(2, ROUTING).unwrap();
+    let node = usize::from(!routed.starts_with(A));
+    respond(&host, &mut req, 2, "200");
+    let books = || {
+        let state = root.state().borrow();
+        let b = state.as_ref().unwrap().balancer.nodes()[node].books();
+        (b.prefill_tokens, b.growth_tokens)
+    };
+    let (prefill, growth) = books();
+    assert!(prefill > 0, "the prompt waits for its prefill");
+    for (i, key) in ["reasoning_content", "reasoning", "reasoning_content"]
+        .iter()
+        .enumerate()
+    {
+        let event = format!("data: {{\"choices\":[{{\"delta\":{{\"{key}\":\"hm{i}\"}}}}]}}\n\n");
+        host.stream(2).response_body = event.clone().into_bytes();
+        host.enter(2);
+        req.on_http_response_body(event.len(), false);
+    }
+    assert_eq!(books(), (0, growth - 3));
+    end(&host, &mut req, 2);
+}

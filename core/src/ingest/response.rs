@@ -12,6 +12,12 @@
 //! - content deltas of event streams: non-empty `"content":"…"` strings in OpenAI chat chunks,
 //!   `"text":"…"` in completion and Anthropic text-delta chunks; engines send about one token
 //!   per event;
+//! - a reasoning model's thinking, streamed before its answer: `"reasoning_content":"…"`
+//!   (vLLM, SGLang and llama.cpp with a reasoning parser), `"reasoning":"…"` (vLLM's newer
+//!   name) and Anthropic's `"thinking":"…"` deltas. These are generated tokens like the
+//!   answer's, decoded and held in the KV cache, and the server's count includes them; read
+//!   as nothing, a model that thinks for a minute would look to the books like a prompt still
+//!   waiting for its prefill all that minute;
 //! - the count the server reports (`"completion_tokens":N`, or Anthropic's
 //!   `"output_tokens":N`), the last one in the body, which wins over the events when present.
 //!
@@ -51,9 +57,12 @@
 //! 200 read to its end, with a positive count, is one.
 
 /// The keys the scan reads: the name between the quotes, and what its value is.
-const KEYS: [(&[u8], Kind); 4] = [
+const KEYS: [(&[u8], Kind); 7] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
+    (b"reasoning_content", Kind::Text),
+    (b"reasoning", Kind::Text),
+    (b"thinking", Kind::Text),
     (b"completion_tokens", Kind::Count),
     (b"output_tokens", Kind::Count),
 ];
@@ -384,6 +393,73 @@ mod tests {
         sse(&events)
     }
 
+    /// A reasoning model's chat stream: four thinking deltas under `key` (and one empty), then
+    /// two answer deltas, the finish, and the usage (9 tokens, 4 of them reasoning) when
+    /// `usage`. The request's own settings echo nothing the meter reads.
+    fn reasoning_stream(key: &str, usage: bool) -> String {
+        let mut events = vec![chat_chunk(
+            r#"{"role":"assistant","content":null,"reasoning_content":null}"#,
+            "null",
+        )];
+        for word in ["Let", " me", " think", ".", ""] {
+            events.push(chat_chunk(&format!(r#"{{"{key}":"{word}"}}"#), "null"));
+        }
+        for word in ["Four", "."] {
+            events.push(chat_chunk(
+                &format!(r#"{{"content":"{word}","{key}":null}}"#),
+                "null",
+            ));
+        }
+        events.push(chat_chunk("{}", r#""stop""#));
+        if usage {
+            events.push(
+                r#"{"id":"chatcmpl-7","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":9,"completion_tokens_details":{"reasoning_tokens":4}},"reasoning":{"effort":"low"}}"#
+                    .to_string(),
+            );
+        }
+        events.push("[DONE]".to_string());
+        sse(&events)
+    }
+
+    /// Anthropic's extended thinking: a thinking block (two deltas and a signature), then a
+    /// text block of one delta, and the final output count.
+    fn anthropic_thinking_stream() -> String {
+        let events: &[(&str, &str)] = &[
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":""}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"Two plus two"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":" is four."}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"EqQBCgIYAhIM"}}"#,
+            ),
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":1,"content_block":{"type":"text","text":""}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"text_delta","text":"4"}}"#,
+            ),
+            (
+                "message_delta",
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}"#,
+            ),
+        ];
+        events
+            .iter()
+            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+            .collect()
+    }
+
     fn completions_stream() -> String {
         let chunk = |text: &str, finish: &str| {
             format!(
@@ -470,6 +546,24 @@ mod tests {
                 body: anthropic_stream(),
                 progress: 15,
                 sample: Some(15),
+            },
+            Case {
+                name: "reasoning chat stream (reasoning_content, then content)",
+                body: reasoning_stream("reasoning_content", false),
+                progress: 6,
+                sample: Some(6),
+            },
+            Case {
+                name: "reasoning chat stream (reasoning), usage with reasoning_tokens",
+                body: reasoning_stream("reasoning", true),
+                progress: 9,
+                sample: Some(9),
+            },
+            Case {
+                name: "anthropic stream with thinking",
+                body: anthropic_thinking_stream(),
+                progress: 3,
+                sample: Some(3),
             },
             Case {
                 name: "chat reply",
@@ -845,5 +939,19 @@ mod tests {
             let reads = read.iter().filter(|r| **r).count();
             assert!(reads * 2 < chunks.len(), "{reads} of {} read", chunks.len());
         }
+    }
+
+    #[test]
+    fn reasoning_values_that_are_not_text_count_nothing() {
+        let events = [
+            r#"{"choices":[{"delta":{"reasoning":null,"content":"a"}}]}"#,
+            r#"{"reasoning":{"effort":"low","summary":null},"choices":[{"delta":{"content":"b"}}]}"#,
+            r#"{"choices":[],"usage":{"completion_tokens_details":{"reasoning_tokens":7}}}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":""}}]}"#,
+        ]
+        .map(String::from);
+        let m = read(&[sse(&events).as_bytes()]);
+        // Two answer tokens; no count (`reasoning_tokens` is a part of one, not the count).
+        assert_eq!(seen(&m), (2, Some(2)));
     }
 }

@@ -419,6 +419,9 @@ def main():
                     help="cut longer trace prompts to this many tokens (Mooncake's longest exceed every KV cache)")
     ap.add_argument("--cluster", default="",
                     help="comma-separated GPU presets of the nodes, fast first (default a100,a100,l4,l4)")
+    ap.add_argument("--node-options", default="",
+                    help="mock node settings added to every node, comma-separated k=v (see "
+                         "`mock-gpu-node --help`), e.g. 'reasoning=0.8' for a reasoning model")
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--tenants", default="40", help="tenants of the generated tenants workload")
     ap.add_argument("--concurrency", type=int, default=1,
@@ -443,6 +446,8 @@ def main():
         global CLUSTER
         presets = [g for g in args.cluster.split(",") if g]
         CLUSTER = [(f"{g}-{i + 1}", f"gpu={g}") for i, g in enumerate(presets)]
+    if args.node_options:
+        CLUSTER = [(n, f"{s},{args.node_options.strip(',')}") for n, s in CLUSTER]
     policies = [p for p in args.policies.split(",") if p]
     if args.previous_wasm and "tb_previous" not in policies:
         policies.append("tb_previous")

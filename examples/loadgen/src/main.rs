@@ -332,14 +332,19 @@ async fn one(
             if payload == "[DONE]" {
                 continue;
             }
+            // A token of the answer, or of a reasoning model's thinking before it: the first
+            // either way is the first token, as engines count it.
             let has_content = serde_json::from_str::<Value>(payload)
                 .ok()
-                .and_then(|v| {
-                    v.pointer("/choices/0/delta/content")
-                        .and_then(Value::as_str)
-                        .map(|s| !s.is_empty())
-                })
-                .unwrap_or(false);
+                .is_some_and(|v| {
+                    ["content", "reasoning_content", "reasoning"]
+                        .iter()
+                        .any(|k| {
+                            v.pointer(&format!("/choices/0/delta/{k}"))
+                                .and_then(Value::as_str)
+                                .is_some_and(|s| !s.is_empty())
+                        })
+                });
             if has_content {
                 if rec.ttft_ms.is_none() {
                     rec.ttft_ms = Some(sent.elapsed().as_secs_f64() * 1000.0 * scale);

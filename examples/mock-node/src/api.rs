@@ -176,6 +176,9 @@ struct Completion {
     completion_tokens: u64,
     /// Prompt tokens found in the prefix cache (known once the request is scheduled).
     cached_tokens: u64,
+    /// A chat stream's first tokens sent as thinking (`reasoning_content`), as a reasoning
+    /// model streams them before its answer.
+    reasoning_tokens: u64,
 }
 
 impl Completion {
@@ -221,6 +224,13 @@ impl Completion {
     fn token_event(&self, i: u64) -> Bytes {
         let text = token_text(i);
         let choice = match self.kind {
+            Kind::Chat if i < self.reasoning_tokens => {
+                let mut delta = json!({"reasoning_content": text});
+                if i == 0 {
+                    delta["role"] = json!("assistant");
+                }
+                json!({"index": 0, "finish_reason": null, "delta": delta})
+            }
             Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
                                            "delta": {"role": "assistant", "content": text}}),
             Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),
@@ -331,6 +341,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         prompt_tokens,
         completion_tokens: output,
         cached_tokens: cached_at_arrival,
+        reasoning_tokens: (output as f64 * node.reasoning).round() as u64,
     };
 
     if !stream {
@@ -412,6 +423,7 @@ fn instant(
         prompt_tokens,
         completion_tokens: 1,
         cached_tokens: 0,
+        reasoning_tokens: 0,
     };
     if !body.get("stream").and_then(Value::as_bool).unwrap_or(false) {
         return json_response(StatusCode::OK, &c.whole(token_text(0)));

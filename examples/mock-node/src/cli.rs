@@ -55,6 +55,9 @@ Serves one mock GPU inference node per --node, all in this process.
                           instant=1            answer every completion at once with one
                                                token, bypassing the engine (a fast upstream
                                                for measuring the proxy's own cost)
+                          reasoning=F          a reasoning model: the first share F (0 to 1)
+                                               of each streamed chat answer's tokens come as
+                                               reasoning_content deltas (default 0)
                           instant_tokens=N     with instant=1: a streamed answer sends N
                                                token events, each its own chunk (default 1)
                           instant_gap_us=N     with instant=1: microseconds between those
@@ -88,6 +91,8 @@ pub struct NodeSpec {
     /// two of them (`instant_gap_us=`): what following a streamed answer costs a proxy.
     pub instant_tokens: u64,
     pub instant_gap_us: u64,
+    /// The share of a streamed chat answer's tokens sent as thinking (`reasoning=`).
+    pub reasoning: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -171,6 +176,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let (mut models, mut loras) = (vec![], vec![]);
     let mut instant = false;
     let (mut instant_tokens, mut instant_gap_us) = (None, None);
+    let mut reasoning = 0.0;
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -234,6 +240,12 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "loras" => loras = names(k, v)?,
             "instant" => instant = switch(k, v)?,
             "instant_tokens" => instant_tokens = Some(int(k, v)?),
+            "reasoning" => {
+                reasoning = float(k, v)?;
+                if reasoning > 1.0 {
+                    return Err(err(format!("reasoning={v:?}: a share, from 0 to 1")));
+                }
+            }
             "instant_gap_us" => instant_gap_us = Some(count(k, v)?),
             _ => return Err(err(format!("unknown key {k:?}"))),
         }
@@ -281,6 +293,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         instant,
         instant_tokens: instant_tokens.unwrap_or(1),
         instant_gap_us: instant_gap_us.unwrap_or(0),
+        reasoning,
     })
 }
 
@@ -362,6 +375,8 @@ mod tests {
             (64, 500)
         );
         assert_eq!((plain.instant_tokens, plain.instant_gap_us), (1, 0));
+        assert_eq!(run("--node 1,reasoning=0.75").nodes[0].reasoning, 0.75);
+        assert_eq!(plain.reasoning, 0.0);
     }
 
     #[test]
@@ -414,6 +429,7 @@ mod tests {
             ("--node 1,models=a|b,loras=b", "named twice"),
             ("--node 1,instant=yes", "expected 1 or 0"),
             ("--node 1,instant_tokens=8", "need instant=1"),
+            ("--node 1,reasoning=1.5", "a share, from 0 to 1"),
             (
                 "--node 1,instant=1,instant_tokens=0",
                 "expected a positive integer",

@@ -106,6 +106,8 @@ pub struct Node {
     /// `instant_gap_us=`).
     pub instant_tokens: u64,
     pub instant_gap_us: u64,
+    /// The share of a streamed chat answer's tokens sent as thinking (`reasoning=`).
+    pub reasoning: f64,
     flavour: Flavour,
     /// What /health answers (the seed JSON, or the engine's own answer).
     pub health_mode: HealthMode,
@@ -181,6 +183,7 @@ impl Node {
             instant: spec.instant,
             instant_tokens: spec.instant_tokens,
             instant_gap_us: spec.instant_gap_us,
+            reasoning: spec.reasoning,
             flavour: spec.metrics,
             health_mode: spec.health,
             metrics_off: spec.metrics_off,

@@ -224,13 +224,12 @@ impl Completion {
     fn token_event(&self, i: u64) -> Bytes {
         let text = token_text(i);
         let choice = match self.kind {
-            Kind::Chat if i < self.reasoning_tokens => {
-                let mut delta = json!({"reasoning_content": text});
-                if i == 0 {
-                    delta["role"] = json!("assistant");
-                }
-                json!({"index": 0, "finish_reason": null, "delta": delta})
+            Kind::Chat if i < self.reasoning_tokens && i == 0 => {
+                json!({"index": 0, "finish_reason": null,
+                       "delta": {"role": "assistant", "reasoning_content": text}})
             }
+            Kind::Chat if i < self.reasoning_tokens => json!({"index": 0, "finish_reason": null,
+                                                             "delta": {"reasoning_content": text}}),
             Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
                                            "delta": {"role": "assistant", "content": text}}),
             Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),

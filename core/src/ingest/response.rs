@@ -18,6 +18,9 @@
 //!   answer's, decoded and held in the KV cache, and the server's count includes them; read
 //!   as nothing, a model that thinks for a minute would look to the books like a prompt still
 //!   waiting for its prefill all that minute;
+//! - a tool call's arguments as they are generated: `"arguments":"…"` pieces in OpenAI-style
+//!   `tool_calls` deltas, Anthropic's `"partial_json":"…"`. An agent's turn is often a tool
+//!   call and nothing else: read as nothing, it would show no output at all;
 //! - the count the server reports (`"completion_tokens":N`, or Anthropic's
 //!   `"output_tokens":N`), the last one in the body, which wins over the events when present.
 //!
@@ -57,12 +60,14 @@
 //! 200 read to its end, with a positive count, is one.
 
 /// The keys the scan reads: the name between the quotes, and what its value is.
-const KEYS: [(&[u8], Kind); 7] = [
+const KEYS: [(&[u8], Kind); 9] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
     (b"reasoning_content", Kind::Text),
     (b"reasoning", Kind::Text),
     (b"thinking", Kind::Text),
+    (b"arguments", Kind::Text),
+    (b"partial_json", Kind::Text),
     (b"completion_tokens", Kind::Count),
     (b"output_tokens", Kind::Count),
 ];
@@ -74,7 +79,7 @@ pub const LEARN: u8 = 4;
 pub const CHECK_EVERY: u8 = 16;
 
 /// Every key of `KEYS`, as a set of bits (bit `i` for `KEYS[i]`).
-const ALL_KEYS: u8 = (1 << KEYS.len()) - 1;
+const ALL_KEYS: u16 = (1 << KEYS.len()) - 1;
 
 /// What a key's value is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +109,7 @@ enum Scan {
     #[default]
     Idle,
     /// In a quoted name, `len` bytes in, that may still be any key of the set `keys`.
-    Name { len: u8, keys: u8 },
+    Name { len: u8, keys: u16 },
     /// After a key's closing quote, before its colon.
     Colon(Kind),
     /// After a key's colon, before its value.
@@ -117,7 +122,7 @@ enum Scan {
 
 /// Reads on in a quoted name, `len` bytes in, that may still be any key of the set `keys`:
 /// the bytes of `rest` taken, and where the scan is after them.
-fn read_name(mut len: u8, mut keys: u8, rest: &[u8]) -> (usize, Scan) {
+fn read_name(mut len: u8, mut keys: u16, rest: &[u8]) -> (usize, Scan) {
     for (used, &b) in rest.iter().enumerate() {
         if b == b'"' {
             let key = KEYS
@@ -421,6 +426,53 @@ mod tests {
         sse(&events)
     }
 
+    /// An agent's turn that is a tool call and nothing else (vLLM's and OpenAI's shape): the
+    /// name with empty arguments, then four pieces of arguments, the finish, no usage.
+    fn tool_call_stream() -> String {
+        let call = |f: &str| {
+            chat_chunk(
+                &format!(r#"{{"tool_calls":[{{"index":0,"function":{f}}}]}}"#),
+                "null",
+            )
+        };
+        let mut events = vec![
+            chat_chunk(r#"{"role":"assistant","content":null}"#, "null"),
+            call(r#"{"name":"get_weather","arguments":""}"#),
+        ];
+        for piece in [r#"{\"loc"#, r#"ation\":"#, r#" \"Par"#, r#"is\"}"#] {
+            events.push(call(&format!(r#"{{"arguments":"{piece}"}}"#)));
+        }
+        events.push(chat_chunk("{}", r#""tool_calls""#));
+        events.push("[DONE]".to_string());
+        sse(&events)
+    }
+
+    /// Anthropic's tool use: the block's start, three pieces of its input, the final count.
+    fn anthropic_tool_use_stream() -> String {
+        let mut events = vec![(
+            "content_block_start".to_string(),
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"tool_use","id":"toolu_01","name":"get_weather","input":{}}}"#
+                .to_string(),
+        )];
+        for piece in [r#"{\"loc"#, r#"ation\": \"Pa"#, r#"ris\"}"#] {
+            events.push((
+                "content_block_delta".to_string(),
+                format!(
+                    r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"input_json_delta","partial_json":"{piece}"}}}}"#
+                ),
+            ));
+        }
+        events.push((
+            "message_delta".to_string(),
+            r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":3}}"#
+                .to_string(),
+        ));
+        events
+            .iter()
+            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+            .collect()
+    }
+
     /// Anthropic's extended thinking: a thinking block (two deltas and a signature), then a
     /// text block of one delta, and the final output count.
     fn anthropic_thinking_stream() -> String {
@@ -558,6 +610,18 @@ mod tests {
                 body: reasoning_stream("reasoning", true),
                 progress: 9,
                 sample: Some(9),
+            },
+            Case {
+                name: "chat stream of a tool call",
+                body: tool_call_stream(),
+                progress: 4,
+                sample: Some(4),
+            },
+            Case {
+                name: "anthropic stream of a tool use",
+                body: anthropic_tool_use_stream(),
+                progress: 3,
+                sample: Some(3),
             },
             Case {
                 name: "anthropic stream with thinking",

@@ -332,18 +332,23 @@ async fn one(
             if payload == "[DONE]" {
                 continue;
             }
-            // A token of the answer, or of a reasoning model's thinking before it: the first
-            // either way is the first token, as engines count it.
+            // A token of the answer, of a reasoning model's thinking before it, or of a tool
+            // call's arguments: the first of any is the first token, as engines count it.
             let has_content = serde_json::from_str::<Value>(payload)
                 .ok()
                 .is_some_and(|v| {
-                    ["content", "reasoning_content", "reasoning"]
-                        .iter()
-                        .any(|k| {
-                            v.pointer(&format!("/choices/0/delta/{k}"))
-                                .and_then(Value::as_str)
-                                .is_some_and(|s| !s.is_empty())
-                        })
+                    [
+                        "content",
+                        "reasoning_content",
+                        "reasoning",
+                        "tool_calls/0/function/arguments",
+                    ]
+                    .iter()
+                    .any(|k| {
+                        v.pointer(&format!("/choices/0/delta/{k}"))
+                            .and_then(Value::as_str)
+                            .is_some_and(|s| !s.is_empty())
+                    })
                 });
             if has_content {
                 if rec.ttft_ms.is_none() {

@@ -179,6 +179,8 @@ struct Completion {
     /// A chat stream's first tokens sent as thinking (`reasoning_content`), as a reasoning
     /// model streams them before its answer.
     reasoning_tokens: u64,
+    /// A chat stream's answer is a tool call, its tokens the call's arguments.
+    tool_call: bool,
 }
 
 impl Completion {
@@ -230,6 +232,19 @@ impl Completion {
             }
             Kind::Chat if i < self.reasoning_tokens => json!({"index": 0, "finish_reason": null,
                                                              "delta": {"reasoning_content": text}}),
+            Kind::Chat if self.tool_call => {
+                let call = if i == self.reasoning_tokens {
+                    json!({"index": 0, "id": format!("call-{}", self.id), "type": "function",
+                           "function": {"name": "lookup", "arguments": text}})
+                } else {
+                    json!({"index": 0, "function": {"arguments": text}})
+                };
+                let mut delta = json!({"tool_calls": [call]});
+                if i == 0 {
+                    delta = json!({"role": "assistant", "tool_calls": [call]});
+                }
+                json!({"index": 0, "finish_reason": null, "delta": delta})
+            }
             Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
                                            "delta": {"role": "assistant", "content": text}}),
             Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),
@@ -341,6 +356,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         completion_tokens: output,
         cached_tokens: cached_at_arrival,
         reasoning_tokens: (output as f64 * node.reasoning).round() as u64,
+        tool_call: node.tool_calls,
     };
 
     if !stream {
@@ -423,6 +439,7 @@ fn instant(
         completion_tokens: 1,
         cached_tokens: 0,
         reasoning_tokens: 0,
+        tool_call: false,
     };
     if !body.get("stream").and_then(Value::as_bool).unwrap_or(false) {
         return json_response(StatusCode::OK, &c.whole(token_text(0)));

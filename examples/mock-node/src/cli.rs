@@ -58,6 +58,8 @@ Serves one mock GPU inference node per --node, all in this process.
                           reasoning=F          a reasoning model: the first share F (0 to 1)
                                                of each streamed chat answer's tokens come as
                                                reasoning_content deltas (default 0)
+                          tool_calls=1         an agent's turns: each streamed chat answer is
+                                               one tool call, its tokens the arguments
                           instant_tokens=N     with instant=1: a streamed answer sends N
                                                token events, each its own chunk (default 1)
                           instant_gap_us=N     with instant=1: microseconds between those
@@ -93,6 +95,8 @@ pub struct NodeSpec {
     pub instant_gap_us: u64,
     /// The share of a streamed chat answer's tokens sent as thinking (`reasoning=`).
     pub reasoning: f64,
+    /// Every streamed chat answer is a tool call (`tool_calls=1`).
+    pub tool_calls: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -177,6 +181,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let mut instant = false;
     let (mut instant_tokens, mut instant_gap_us) = (None, None);
     let mut reasoning = 0.0;
+    let mut tool_calls = false;
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -240,6 +245,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "loras" => loras = names(k, v)?,
             "instant" => instant = switch(k, v)?,
             "instant_tokens" => instant_tokens = Some(int(k, v)?),
+            "tool_calls" => tool_calls = switch(k, v)?,
             "reasoning" => {
                 reasoning = float(k, v)?;
                 if reasoning > 1.0 {
@@ -294,6 +300,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         instant_tokens: instant_tokens.unwrap_or(1),
         instant_gap_us: instant_gap_us.unwrap_or(0),
         reasoning,
+        tool_calls,
     })
 }
 
@@ -377,6 +384,7 @@ mod tests {
         assert_eq!((plain.instant_tokens, plain.instant_gap_us), (1, 0));
         assert_eq!(run("--node 1,reasoning=0.75").nodes[0].reasoning, 0.75);
         assert_eq!(plain.reasoning, 0.0);
+        assert!(run("--node 1,tool_calls=1").nodes[0].tool_calls && !plain.tool_calls);
     }
 
     #[test]

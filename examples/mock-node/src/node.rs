@@ -108,6 +108,8 @@ pub struct Node {
     pub instant_gap_us: u64,
     /// The share of a streamed chat answer's tokens sent as thinking (`reasoning=`).
     pub reasoning: f64,
+    /// Every streamed chat answer is a tool call (`tool_calls=1`).
+    pub tool_calls: bool,
     flavour: Flavour,
     /// What /health answers (the seed JSON, or the engine's own answer).
     pub health_mode: HealthMode,
@@ -184,6 +186,7 @@ impl Node {
             instant_tokens: spec.instant_tokens,
             instant_gap_us: spec.instant_gap_us,
             reasoning: spec.reasoning,
+            tool_calls: spec.tool_calls,
             flavour: spec.metrics,
             health_mode: spec.health,
             metrics_off: spec.metrics_off,

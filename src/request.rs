@@ -508,14 +508,15 @@ impl<H: Host> HttpContext for Request<H> {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        // Only requests this filter routed feed the books; the chunk is read, never held.
+        // Only requests this filter routed feed the books; a chunk is read (or counted
+        // unread), never held.
         if let Some(ticket) = self.ticket {
             if self.status_ok && body_size > 0 {
                 // A chunk the size of the stream's single token events is counted unread,
                 // which spares its copy into the VM (`OutputMeter::may_skim`).
                 if self.meter.may_skim(body_size, end_of_stream) {
                     self.meter.skim();
-                    self.unread_chunks += 1;
+                    self.unread_chunks = self.unread_chunks.saturating_add(1);
                     self.progress(&ticket);
                 } else if let Some(chunk) = self.host.response_body(body_size) {
                     self.meter.feed(&chunk);

@@ -17,7 +17,9 @@
 //!   name) and Anthropic's `"thinking":"…"` deltas. These are generated tokens like the
 //!   answer's, decoded and held in the KV cache, and the server's count includes them; read
 //!   as nothing, a model that thinks for a minute would look to the books like a prompt still
-//!   waiting for its prefill all that minute;
+//!   waiting for its prefill all that minute. vLLM may send a delta's thinking under both
+//!   `reasoning` and `reasoning_content`: thinking counts once a line (an event's `data:`
+//!   line);
 //! - a tool call's arguments as they are generated: `"arguments":"…"` pieces in OpenAI-style
 //!   `tool_calls` deltas, Anthropic's `"partial_json":"…"`. An agent's turn is often a tool
 //!   call and nothing else: read as nothing, it would show no output at all;
@@ -64,9 +66,9 @@
 const KEYS: [(&[u8], Kind); 9] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
-    (b"reasoning_content", Kind::Text),
-    (b"reasoning", Kind::Text),
-    (b"thinking", Kind::Text),
+    (b"reasoning_content", Kind::Thought),
+    (b"reasoning", Kind::Thought),
+    (b"thinking", Kind::Thought),
     (b"arguments", Kind::Text),
     (b"partial_json", Kind::Text),
     (b"completion_tokens", Kind::Count),
@@ -87,6 +89,9 @@ const ALL_KEYS: u16 = (1 << KEYS.len()) - 1;
 enum Kind {
     /// A string: a content event when it is not empty.
     Text,
+    /// A string of thinking: a content event when it is not empty and no other thinking of
+    /// the same line was one (vLLM sends a delta's thinking under both of its names).
+    Thought,
     /// A number: the server's output count.
     Count,
 }
@@ -115,8 +120,8 @@ enum Scan {
     Colon(Kind),
     /// After a key's colon, before its value.
     Value(Kind),
-    /// After a text value's opening quote.
-    Text,
+    /// After a text value's opening quote (of thinking, or not).
+    Text { thought: bool },
     /// In a count's digits (`overflow` when they are past `u64`: no count).
     Count { value: u64, overflow: bool },
 }
@@ -168,11 +173,13 @@ pub struct OutputMeter {
     highest: u64,
     /// Sizes of the chunks read that were each exactly one content event (smallest, largest),
     /// how many such were read, and chunks of such a size counted unread since the last read.
-    single: Option<(u32, u32)>,
+    single: Option<(u16, u16)>,
     learned: u8,
     unread: u8,
     /// A check found a chunk of the right size that was not one event: every chunk is read.
     no_skim: bool,
+    /// A thinking text was counted on this line: another on it is the same token.
+    thought_in_line: bool,
 }
 
 impl OutputMeter {
@@ -188,7 +195,7 @@ impl OutputMeter {
         let Some((low, high)) = self.single else {
             return false;
         };
-        let Ok(size) = u32::try_from(size) else {
+        let Ok(size) = u16::try_from(size) else {
             return false;
         };
         !end_of_stream
@@ -214,12 +221,14 @@ impl OutputMeter {
         self.scan_chunk(chunk);
         // One content event from one boundary to the next, and no count: the size of a chunk
         // that may later be counted unread.
+        let size = u16::try_from(chunk.len()).ok();
         let single = at_boundary
+            && size.is_some()
             && self.body == Body::Stream
             && self.scan == Scan::Idle
             && self.events == events.saturating_add(1)
             && (self.highest, self.reported) == (highest, reported);
-        let size = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+        let size = size.unwrap_or(u16::MAX);
         let within = self
             .single
             .is_some_and(|(low, high)| (low..=high).contains(&size));
@@ -252,11 +261,16 @@ impl OutputMeter {
         while let Some(rest) = chunk.get(i..).filter(|r| !r.is_empty()) {
             match self.scan {
                 Scan::Idle => {
-                    // Keys start with a quote: the bytes up to the next one are skipped unread.
-                    let Some(quote) = rest.iter().position(|&b| b == b'"') else {
+                    // Keys start with a quote: the bytes up to the next one are skipped unread,
+                    // but for the end of a line (an event's line, in a stream).
+                    let Some(at) = rest.iter().position(|&b| b == b'"' || b == b'\n') else {
                         return;
                     };
-                    i += quote + 1;
+                    i += at + 1;
+                    if rest.get(at) == Some(&b'\n') {
+                        self.thought_in_line = false;
+                        continue;
+                    }
                     self.scan = Scan::Name {
                         len: 0,
                         keys: ALL_KEYS,
@@ -287,13 +301,18 @@ impl OutputMeter {
         self.scan = match self.scan {
             Scan::Colon(kind) if b == b':' => Scan::Value(kind),
             Scan::Colon(_) | Scan::Value(_) if json_space => return true,
-            Scan::Value(Kind::Text) if b == b'"' => Scan::Text,
+            Scan::Value(kind @ (Kind::Text | Kind::Thought)) if b == b'"' => Scan::Text {
+                thought: kind == Kind::Thought,
+            },
             Scan::Value(Kind::Count) if b.is_ascii_digit() => Scan::Count {
                 value: u64::from(b - b'0'),
                 overflow: false,
             },
-            Scan::Text if b != b'"' => {
-                self.events = self.events.saturating_add(1);
+            Scan::Text { thought } if b != b'"' => {
+                if !(thought && self.thought_in_line) {
+                    self.events = self.events.saturating_add(1);
+                }
+                self.thought_in_line |= thought;
                 Scan::Idle
             }
             Scan::Count { value, overflow } if b.is_ascii_digit() => {
@@ -312,9 +331,11 @@ impl OutputMeter {
                 }
                 return false;
             }
-            Scan::Idle | Scan::Name { .. } | Scan::Colon(_) | Scan::Value(_) | Scan::Text => {
-                return false
-            }
+            Scan::Idle
+            | Scan::Name { .. }
+            | Scan::Colon(_)
+            | Scan::Value(_)
+            | Scan::Text { .. } => return false,
         };
         true
     }
@@ -422,6 +443,28 @@ mod tests {
                 r#"{"id":"chatcmpl-7","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":9,"completion_tokens_details":{"reasoning_tokens":4}},"reasoning":{"effort":"low"}}"#
                     .to_string(),
             );
+        }
+        events.push("[DONE]".to_string());
+        sse(&events)
+    }
+
+    /// vLLM keeping the old name beside the new: each thinking delta carries its text under
+    /// both (three thinking tokens, one empty delta), then two answer tokens.
+    fn thinking_under_both_names() -> String {
+        let mut events: Vec<String> = ["Hm", "", " ok", "."]
+            .iter()
+            .map(|t| {
+                chat_chunk(
+                    &format!(r#"{{"reasoning":"{t}","reasoning_content":"{t}"}}"#),
+                    "null",
+                )
+            })
+            .collect();
+        for word in ["Yes", "!"] {
+            events.push(chat_chunk(
+                &format!(r#"{{"content":"{word}","reasoning":null,"reasoning_content":null}}"#),
+                "null",
+            ));
         }
         events.push("[DONE]".to_string());
         sse(&events)
@@ -611,6 +654,12 @@ mod tests {
                 body: reasoning_stream("reasoning", true),
                 progress: 9,
                 sample: Some(9),
+            },
+            Case {
+                name: "reasoning chat stream, each delta's thinking under both names (vLLM)",
+                body: thinking_under_both_names(),
+                progress: 5,
+                sample: Some(5),
             },
             Case {
                 name: "chat stream of a tool call",

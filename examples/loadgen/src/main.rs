@@ -332,24 +332,7 @@ async fn one(
             if payload == "[DONE]" {
                 continue;
             }
-            // A token of the answer, of a reasoning model's thinking before it, or of a tool
-            // call's arguments: the first of any is the first token, as engines count it.
-            let has_content = serde_json::from_str::<Value>(payload)
-                .ok()
-                .is_some_and(|v| {
-                    [
-                        "content",
-                        "reasoning_content",
-                        "reasoning",
-                        "tool_calls/0/function/arguments",
-                    ]
-                    .iter()
-                    .any(|k| {
-                        v.pointer(&format!("/choices/0/delta/{k}"))
-                            .and_then(Value::as_str)
-                            .is_some_and(|s| !s.is_empty())
-                    })
-                });
+            let has_content = is_token_event(payload);
             if has_content {
                 if rec.ttft_ms.is_none() {
                     rec.ttft_ms = Some(sent.elapsed().as_secs_f64() * 1000.0 * scale);
@@ -363,6 +346,27 @@ async fn one(
         return Err(format!("HTTP {}", rec.status));
     }
     Ok(())
+}
+
+/// Whether an SSE event's data carries a token: of the answer, of a reasoning model's thinking
+/// before it, or of a tool call's arguments. The first of any is the first token, as engines
+/// count it.
+fn is_token_event(payload: &str) -> bool {
+    let Ok(v) = serde_json::from_str::<Value>(payload) else {
+        return false;
+    };
+    [
+        "content",
+        "reasoning_content",
+        "reasoning",
+        "tool_calls/0/function/arguments",
+    ]
+    .iter()
+    .any(|k| {
+        v.pointer(&format!("/choices/0/delta/{k}"))
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty())
+    })
 }
 
 fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
@@ -553,4 +557,38 @@ async fn main() {
         }
     }
     println!("{summary}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_token_event;
+
+    #[test]
+    fn token_events_are_the_answer_the_thinking_and_tool_call_arguments() {
+        let cases = [
+            (r#"{"choices":[{"delta":{"content":"Hi"}}]}"#, true),
+            (
+                r#"{"choices":[{"delta":{"reasoning_content":"Hm"}}]}"#,
+                true,
+            ),
+            (r#"{"choices":[{"delta":{"reasoning":"Hm"}}]}"#, true),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}"#,
+                true,
+            ),
+            (
+                r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#,
+                false,
+            ),
+            (
+                r#"{"choices":[{"delta":{"content":null,"reasoning":null}}]}"#,
+                false,
+            ),
+            (r#"{"choices":[],"usage":{"completion_tokens":3}}"#, false),
+            ("not json", false),
+        ];
+        for (payload, token) in cases {
+            assert_eq!(is_token_event(payload), token, "{payload}");
+        }
+    }
 }

@@ -15,6 +15,7 @@ use crate::request::Request;
 use crate::root::Root;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::Action;
+use token_balancer_core::fleet::books::Books;
 
 /// The root context's id; requests get ids from 2.
 pub const ROOT: u32 = 1;
@@ -134,12 +135,40 @@ pub fn end(host: &FakeHost, req: &mut Request<FakeHost>, id: u32) {
     req.on_log();
 }
 
+/// Node `node`'s books in the filter's own balancer.
+pub fn books(root: &Root<FakeHost>, node: usize) -> Books {
+    let state = root.state().borrow();
+    *state.as_ref().unwrap().balancer.nodes()[node].books()
+}
+
 /// Requests the filter has booked on node `node` (its own balancer's books).
 pub fn inflight(root: &Root<FakeHost>, node: usize) -> u64 {
-    let state = root.state().borrow();
-    state.as_ref().unwrap().balancer.nodes()[node]
-        .books()
-        .inflight_requests
+    books(root, node).inflight_requests
+}
+
+/// A completions request `id` routed with room for a long answer, its response started with
+/// a 200: the request, and the node it was routed to (0 for A, 1 for B).
+pub fn answering(host: &FakeHost, root: &Root<FakeHost>, id: u32) -> (Request<FakeHost>, usize) {
+    let body = r#"{"model":"m","prompt":"hello there","max_tokens":4000}"#;
+    let (mut req, _, _) = post(host, root, id, body);
+    let routed = host.request_header_of(id, ROUTING).unwrap();
+    let node = usize::from(!routed.starts_with(A));
+    respond(host, &mut req, id, "200");
+    (req, node)
+}
+
+/// A chunk `bytes` of stream `id`'s response body, `end` when it is the last: what the body
+/// callback said.
+pub fn response_chunk(
+    host: &FakeHost,
+    req: &mut Request<FakeHost>,
+    id: u32,
+    bytes: &[u8],
+    end: bool,
+) -> Action {
+    host.stream(id).response_body = bytes.to_vec();
+    host.enter(id);
+    req.on_http_response_body(bytes.len(), end)
 }
 
 /// An admin `/clusters?format=json` answer listing `addresses` in cluster gpu_nodes.

@@ -373,27 +373,16 @@ fn a_session_header_keeps_a_sessions_short_prompts_together() {
 #[test]
 fn most_of_a_streams_token_chunks_are_counted_unread() {
     let (host, root) = reported(&config(""), IDLE);
-    let body = r#"{"model":"m","prompt":"hello there","max_tokens":4000}"#;
-    let (mut req, _, _) = post(&host, &root, 2, body);
-    let routed = host.request_header_of(2, ROUTING).unwrap();
-    let node = usize::from(!routed.starts_with(A));
-    respond(&host, &mut req, 2, "200");
-    let growth = || {
-        let state = root.state().borrow();
-        state.as_ref().unwrap().balancer.nodes()[node]
-            .books()
-            .growth_tokens
-    };
+    let (mut req, node) = answering(&host, &root, 2);
+    let growth = || books(&root, node).growth_tokens;
     let before = growth();
     host.take_host_calls();
     for i in 0..100 {
         // Texts of one to three characters: events of a few sizes.
         let text = "abc".get(..1 + i % 3).unwrap();
         let event = format!("data: {{\"choices\":[{{\"text\":\"{text}\",\"index\":0}}]}}\n\n");
-        host.stream(2).response_body = event.clone().into_bytes();
-        host.enter(2);
         assert_eq!(
-            req.on_http_response_body(event.len(), false),
+            response_chunk(&host, &mut req, 2, event.as_bytes(), false),
             Action::Continue
         );
     }
@@ -402,9 +391,7 @@ fn most_of_a_streams_token_chunks_are_counted_unread() {
     assert!(read <= 16, "{read} of 100 chunks read");
     assert_eq!(before - growth(), 100, "every token is booked");
     // The last chunk is read, whatever its size.
-    host.stream(2).response_body = b"data: [DONE]\n\n".to_vec();
-    host.enter(2);
-    req.on_http_response_body(14, true);
+    response_chunk(&host, &mut req, 2, b"data: [DONE]\n\n", true);
     assert_eq!(reads(host.take_host_calls()), 1);
     end(&host, &mut req, 2);
     assert_eq!(inflight(&root, node), 0);
@@ -420,27 +407,20 @@ fn most_of_a_streams_token_chunks_are_counted_unread() {
 #[test]
 fn a_reasoning_models_thinking_is_output() {
     let (host, root) = reported(&config(""), IDLE);
-    let body = r#"{"model":"m","prompt":"hello there","max_tokens":4000}"#;
-    let (mut req, _, _) = post(&host, &root, 2, body);
-    let routed = host.request_header_of(2, ROUTING).unwrap();
-    let node = usize::from(!routed.starts_with(A));
-    respond(&host, &mut req, 2, "200");
-    let books = || {
-        let state = root.state().borrow();
-        let b = state.as_ref().unwrap().balancer.nodes()[node].books();
+    let (mut req, node) = answering(&host, &root, 2);
+    let figures = || {
+        let b = books(&root, node);
         (b.prefill_tokens, b.growth_tokens)
     };
-    let (prefill, growth) = books();
+    let (prefill, growth) = figures();
     assert!(prefill > 0, "the prompt waits for its prefill");
     for (i, key) in ["reasoning_content", "reasoning", "reasoning_content"]
         .iter()
         .enumerate()
     {
         let event = format!("data: {{\"choices\":[{{\"delta\":{{\"{key}\":\"hm{i}\"}}}}]}}\n\n");
-        host.stream(2).response_body = event.clone().into_bytes();
-        host.enter(2);
-        req.on_http_response_body(event.len(), false);
+        response_chunk(&host, &mut req, 2, event.as_bytes(), false);
     }
-    assert_eq!(books(), (0, growth - 3));
+    assert_eq!(figures(), (0, growth - 3));
     end(&host, &mut req, 2);
 }

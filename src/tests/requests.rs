@@ -424,3 +424,48 @@ fn a_reasoning_models_thinking_is_output() {
     assert_eq!(figures(), (0, growth - 3));
     end(&host, &mut req, 2);
 }
+
+/// A request to OpenAI's Responses API is priced as a generation (its prompt in `input`'s
+/// items, its output cap in `max_output_tokens`), not as embeddings, and the `"delta"` events
+/// of its stream are its output: the first ends its prefill in the books.
+#[test]
+fn a_responses_api_request_is_priced_and_its_stream_followed() {
+    let (host, root) = reported(&config(""), IDLE);
+    let body = r#"{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":[{"type":"input_text","text":"hello there, how are you?"}]}],"max_output_tokens":4000,"stream":true}"#;
+    let len = body.len().to_string();
+    let mut req = request(
+        &host,
+        &root,
+        2,
+        &[(":path", "/v1/responses"), ("content-length", &len)],
+    );
+    host.stream(2).body = body.as_bytes().to_vec();
+    host.enter(2);
+    req.on_http_request_headers(0, false);
+    assert_eq!(req.on_http_request_body(body.len(), true), Action::Continue);
+    let routed = host
+        .request_header_of(2, ROUTING)
+        .expect("a Responses API request is routed");
+    let node = usize::from(!routed.starts_with(A));
+    respond(&host, &mut req, 2, "200");
+    let figures = || {
+        let b = books(&root, node);
+        (b.prefill_tokens, b.growth_tokens)
+    };
+    let (prefill, growth) = figures();
+    // Instructions and the message: 4 + 3 and 4 + 7 tokens; the answer's cap as its growth.
+    assert_eq!(prefill, 18, "the prompt waits for its prefill");
+    assert!(growth >= 3_000, "its output reserve: {growth}");
+    for (kind, delta) in [
+        ("reasoning_text", "Hm"),
+        ("output_text", "Fine"),
+        ("output_text", ", thanks"),
+    ] {
+        let event = format!(
+            "event: response.{kind}.delta\ndata: {{\"type\":\"response.{kind}.delta\",\"delta\":\"{delta}\"}}\n\n"
+        );
+        response_chunk(&host, &mut req, 2, event.as_bytes(), false);
+    }
+    assert_eq!(figures(), (0, growth - 3));
+    end(&host, &mut req, 2);
+}

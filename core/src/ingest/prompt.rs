@@ -10,7 +10,8 @@
 //! matched share of the rendered characters times the prompt's estimated tokens (`Chain::cached`).
 //!
 //! Rendering: the model name seeds the chain (different models never share a cache); then the
-//! Anthropic `system`, then each message's role and text parts in order, with separators that
+//! Anthropic `system` (or the Responses API's `instructions`), then each message's role and
+//! text parts in order (a Responses `input`'s items as the messages they stand for), with separators that
 //! cannot occur in JSON-decoded text boundaries being confused (a role, a part and a message
 //! each end with their own control byte); a completion's `prompt` string (or strings). Parts
 //! that are not text (images, audio) count as a marker only: hashing a megabyte of base64 per
@@ -28,6 +29,7 @@
 //! few microseconds inside the VM. It resists no crafted collision; a collision only makes a
 //! node look like it holds a prefix it does not, which costs one slower prefill.
 
+use crate::ingest::request::{Api, Prompt};
 use serde_json::Value;
 
 /// Longest chain kept: 1,024 blocks of 256 characters cover a 256 KiB prompt (about 64k tokens).
@@ -195,41 +197,59 @@ impl Chainer {
             _ => {}
         }
     }
+
+    /// One message: its role, then its content when it has one, each ended by its separator.
+    fn message(&mut self, role: &str, content: Option<&Value>) {
+        self.feed(role.as_bytes());
+        self.feed(&[END_ROLE]);
+        if let Some(content) = content {
+            self.content(content);
+        }
+        self.feed(&[END_MESSAGE]);
+    }
 }
 
 /// The chain of a request body's prompt, in blocks of `block_chars` characters (see the
-/// module). `obj` is the body's object with `model` already taken out. A body with no prompt
-/// gives an empty chain.
+/// module). `obj` is the body (of a request to `api`) with `model` already taken out. A body
+/// with no prompt, or an embeddings one (no engine caches its KV), gives an empty chain.
 pub fn chain(
+    api: Api,
     obj: &serde_json::Map<String, Value>,
     model: Option<&str>,
     block_chars: usize,
 ) -> Chain {
     let seed = model_seed(model);
     let mut c = Chainer::new(block_chars, seed);
-    if let Some(Value::Array(messages)) = obj.get("messages") {
-        if let Some(system) = obj.get("system") {
-            c.feed(b"system");
-            c.feed(&[END_ROLE]);
-            c.content(system);
-            c.feed(&[END_MESSAGE]);
-        }
-        for m in messages {
-            if let Some(role) = m.get("role").and_then(Value::as_str) {
-                c.feed(role.as_bytes());
+    match Prompt::of(api, obj) {
+        Some(Prompt::Messages { system, messages }) => {
+            if let Some(system) = system {
+                c.message("system", Some(system));
             }
-            c.feed(&[END_ROLE]);
-            if let Some(content) = m.get("content") {
-                c.content(content);
+            for m in messages {
+                let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+                c.message(role, m.get("content"));
             }
-            c.feed(&[END_MESSAGE]);
         }
-    } else if let Some(prompt) = obj.get("prompt") {
-        match prompt {
+        // The instructions are the system message, then the input's items in order, as the
+        // engine renders them: a conversation's turns keep their blocks from one request to
+        // the next, like a chat's messages.
+        Some(Prompt::Responses {
+            instructions,
+            input,
+        }) => {
+            if let Some(instructions) = instructions {
+                c.message("system", Some(instructions));
+            }
+            for (role, content) in Prompt::items(input) {
+                c.message(role, content);
+            }
+        }
+        Some(Prompt::Text(prompt)) => match prompt {
             Value::String(s) => c.feed(s.as_bytes()),
             Value::Array(items) if items.iter().all(Value::is_string) => c.content(prompt),
             _ => {}
-        }
+        },
+        Some(Prompt::Embed(_)) | None => {}
     }
     let hint = ["prompt_cache_key", "user"]
         .iter()
@@ -250,10 +270,47 @@ mod tests {
     use super::*;
 
     fn of(body: &str, block: usize) -> Chain {
+        of_api(Api::Chat, body, block)
+    }
+
+    fn of_api(api: Api, body: &str, block: usize) -> Chain {
         let v: Value = serde_json::from_str(body).unwrap();
         let mut obj = v.as_object().unwrap().clone();
         let model = obj.remove("model");
-        chain(&obj, model.as_ref().and_then(Value::as_str), block)
+        chain(api, &obj, model.as_ref().and_then(Value::as_str), block)
+    }
+
+    /// A Responses API body renders as the chat it stands for (engines put both through the
+    /// same template): instructions as the system message, a string input as the user's, items
+    /// as their messages. So a conversation's turns share their blocks, whichever API sent them.
+    #[test]
+    fn a_responses_body_chains_as_the_chat_it_stands_for() {
+        let sys = "You are a careful assistant. ".repeat(20);
+        let q = "What is the capital of France? ".repeat(10);
+        let chat = of(&chat(&sys, &q), 32);
+        let responses = serde_json::json!({"model":"m","instructions":sys,"input":q}).to_string();
+        assert_eq!(of_api(Api::Responses, &responses, 32), chat);
+        let items = serde_json::json!({"model":"m","instructions":sys,"input":[
+            {"type":"message","role":"user","content":[{"type":"input_text","text":q}]}]})
+        .to_string();
+        // (A list of parts ends each part with its separator: the same blocks, a byte more.)
+        assert_eq!(of_api(Api::Responses, &items, 32).blocks, chat.blocks);
+        // A later turn (the answer's tool call, its output) extends the same chain.
+        let later = serde_json::json!({"model":"m","instructions":sys,"input":[
+            {"role":"user","content":q},
+            {"type":"function_call","call_id":"c","name":"f","arguments":"{\"x\":1}"},
+            {"type":"function_call_output","call_id":"c","output":"42 ".repeat(40)}]})
+        .to_string();
+        let later = of_api(Api::Responses, &later, 32);
+        assert!(later.blocks.len() > chat.blocks.len());
+        assert_eq!(
+            later.blocks.get(..chat.blocks.len()),
+            Some(&chat.blocks[..])
+        );
+        // Embeddings' input is cached by no engine: no chain.
+        let embed = serde_json::json!({"model":"m","input":q}).to_string();
+        assert!(of_api(Api::Embeddings, &embed, 32).blocks.is_empty());
+        assert!(!of_api(Api::Responses, &embed, 32).blocks.is_empty());
     }
 
     fn chat(system: &str, user: &str) -> String {

@@ -11,10 +11,15 @@
 //! the decode budget the engine reserves KV cache for.
 //!
 //! Shapes understood: OpenAI `/v1/chat/completions` (string or array-of-parts content),
-//! `/v1/completions` (string or array prompt), `/v1/embeddings` (no output), and Anthropic
-//! `/v1/messages` (`system` plus content blocks). A body that is not JSON, or whose shape gives
-//! no prompt, is `None`: the caller then leaves the request to Envoy's fallback balancer. Fields
-//! of the wrong type are ignored one by one rather than failing the whole estimate.
+//! `/v1/completions` (string or array prompt), `/v1/embeddings` (no output), Anthropic
+//! `/v1/messages` (`system` plus content blocks), and OpenAI's Responses API, `/v1/responses`
+//! (`instructions`, and `input` as a string or a list of items: messages, tool calls and their
+//! outputs, reasoning; `max_output_tokens`), which vLLM, SGLang and llama.cpp's server serve
+//! beside chat completions and which OpenAI's agents speak. Where a body keeps its prompt is
+//! told once ([`Prompt`]) for both the weight and the prefix chain (`prompt`). A body that is
+//! not JSON, or whose shape gives no prompt, is `None`: the caller then leaves the request to
+//! Envoy's fallback balancer. Fields of the wrong type are ignored one by one rather than
+//! failing the whole estimate.
 //!
 //! The body's `model` comes out with the weight (`read`): it narrows the nodes the request may
 //! go to (see `models`). It is moved out of the parsed value, not copied; a missing, empty or
@@ -88,10 +93,12 @@ pub fn estimate_text_tokens(text: &str) -> u64 {
     latin_tokens + alphabetic.div_ceil(2) + cjk + other
 }
 
-fn text_of_content(content: &Value) -> u64 {
+/// Prompt tokens of a message's content: a string, or parts with a `text` each.
+pub(crate) fn text_of_content(content: &Value) -> u64 {
     match content {
         Value::String(s) => estimate_text_tokens(s),
-        // OpenAI parts `[{"type":"text","text":...}]`, Anthropic blocks alike.
+        // OpenAI parts `[{"type":"text","text":...}]`, Anthropic blocks and the Responses
+        // API's `input_text` / `output_text` parts alike.
         Value::Array(parts) => parts
             .iter()
             .map(|p| match p {
@@ -127,6 +134,8 @@ pub enum Api {
     Completions,
     Embeddings,
     Messages,
+    /// OpenAI's Responses API.
+    Responses,
     /// Unknown path: the body's shape decides.
     Other,
 }
@@ -142,6 +151,8 @@ impl Api {
             Api::Embeddings
         } else if path.ends_with("/messages") {
             Api::Messages
+        } else if path.ends_with("/responses") {
+            Api::Responses
         } else {
             Api::Other
         }
@@ -227,7 +238,7 @@ pub fn read_with_chain(
     };
     let weight = weight_of(api, &obj, default_max_tokens)?;
     let chain = match block_chars {
-        Some(b) => prompt::chain(&obj, model.as_deref(), b),
+        Some(b) => prompt::chain(api, &obj, model.as_deref(), b),
         None => Chain::NONE,
     };
     let user = match obj.remove("user") {
@@ -242,47 +253,135 @@ pub fn read_with_chain(
     })
 }
 
+/// Where a request body keeps its prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Prompt<'a> {
+    /// Chat: the messages (each a `role` and a `content`), after Anthropic's top-level
+    /// `system` when there is one.
+    Messages {
+        system: Option<&'a Value>,
+        messages: &'a [Value],
+    },
+    /// The Responses API: its `instructions` (the system message) and its `input`, a string
+    /// (one user message) or a list of items (see [`Prompt::items`]).
+    Responses {
+        instructions: Option<&'a Value>,
+        input: &'a Value,
+    },
+    /// Completions: one prompt, or a list of them (a batch: each is prefilled).
+    Text(&'a Value),
+    /// Embeddings: the texts to embed. No output, and nothing an engine's prefix cache keeps.
+    Embed(&'a Value),
+}
+
+/// Fields only a Responses API body has, which tell it from an embeddings one on a path that
+/// names neither.
+const RESPONSES_ONLY: [&str; 3] = ["instructions", "max_output_tokens", "previous_response_id"];
+
+impl<'a> Prompt<'a> {
+    /// Where `obj`, the body of a request to `api`, keeps its prompt; `None` when nowhere, or
+    /// not as a string or a list.
+    pub fn of(api: Api, obj: &'a serde_json::Map<String, Value>) -> Option<Prompt<'a>> {
+        let text = |v: &'a Value| matches!(v, Value::String(_) | Value::Array(_)).then_some(v);
+        if let Some(Value::Array(messages)) = obj.get("messages") {
+            return Some(Prompt::Messages {
+                system: obj.get("system"),
+                messages,
+            });
+        }
+        if let Some(prompt) = obj.get("prompt") {
+            return text(prompt).map(Prompt::Text);
+        }
+        let input = text(obj.get("input")?)?;
+        let responses = api == Api::Responses
+            || (api == Api::Other && RESPONSES_ONLY.iter().any(|k| obj.contains_key(*k)));
+        Some(if responses {
+            Prompt::Responses {
+                instructions: obj.get("instructions"),
+                input,
+            }
+        } else {
+            Prompt::Embed(input)
+        })
+    }
+
+    /// A Responses API `input` as messages, each `(role, content)`: a string is one user
+    /// message; a list's items are messages (`role` and `content`: a string or parts), tool
+    /// calls (their `arguments`, the assistant's), tool outputs (`output`) and reasoning (its
+    /// `content` parts, or else its `summary`), as engines render them into the chat template
+    /// (llama.cpp's server turns them into chat messages one for one).
+    pub fn items(input: &'a Value) -> impl Iterator<Item = (&'a str, Option<&'a Value>)> {
+        let (one, list) = match input {
+            Value::String(_) => (Some(("user", Some(input))), &[][..]),
+            Value::Array(items) => (None, &items[..]),
+            _ => (None, &[][..]),
+        };
+        one.into_iter().chain(list.iter().map(|item| {
+            let kind = item.get("type").and_then(Value::as_str);
+            let role = item.get("role").and_then(Value::as_str);
+            match kind {
+                Some("function_call") => ("assistant", item.get("arguments")),
+                Some("function_call_output") => ("tool", item.get("output")),
+                Some("reasoning") => (
+                    "assistant",
+                    item.get("content")
+                        .filter(|c| c.as_array().is_some_and(|a| !a.is_empty()))
+                        .or_else(|| item.get("summary")),
+                ),
+                _ => (role.unwrap_or("user"), item.get("content")),
+            }
+        }))
+    }
+
+    /// Estimated prompt tokens (see the module comment), with each message's template overhead.
+    fn tokens(&self) -> u64 {
+        let message = |content: Option<&Value>| {
+            PER_MESSAGE_OVERHEAD + content.map(text_of_content).unwrap_or(0)
+        };
+        match *self {
+            Prompt::Messages { system, messages } => {
+                system.map(text_of_content).unwrap_or(0)
+                    + messages
+                        .iter()
+                        .map(|m| message(m.get("content")))
+                        .sum::<u64>()
+            }
+            Prompt::Responses {
+                instructions,
+                input,
+            } => {
+                instructions.map(|i| message(Some(i))).unwrap_or(0)
+                    + Prompt::items(input)
+                        .map(|(_, content)| message(content))
+                        .sum::<u64>()
+            }
+            Prompt::Text(text) | Prompt::Embed(text) => text_of_content(text),
+        }
+    }
+}
+
 fn weight_of(
     api: Api,
     obj: &serde_json::Map<String, Value>,
     default_max_tokens: u64,
 ) -> Option<Weight> {
-    let prompt_tokens = if let Some(Value::Array(messages)) = obj.get("messages") {
-        let system = obj.get("system").map(text_of_content).unwrap_or(0);
-        let msgs: u64 = messages
-            .iter()
-            .map(|m| PER_MESSAGE_OVERHEAD + m.get("content").map(text_of_content).unwrap_or(0))
-            .sum();
-        system + msgs
-    } else if let Some(prompt) = obj.get("prompt") {
-        match prompt {
-            // A list of prompts is a batch: each is prefilled.
-            Value::String(_) | Value::Array(_) => text_of_content(prompt),
-            _ => return None,
-        }
-    } else if let Some(input) = obj.get("input") {
-        match input {
-            Value::String(_) | Value::Array(_) => text_of_content(input),
-            _ => return None,
-        }
-    } else {
-        return None;
-    };
-
-    let is_embedding = api == Api::Embeddings
-        || (api == Api::Other && obj.contains_key("input") && !obj.contains_key("messages"));
-    let output_tokens = if is_embedding {
-        0
-    } else {
-        let cap = positive_u64(obj.get("max_completion_tokens"))
-            .or_else(|| positive_u64(obj.get("max_tokens")))
+    let prompt = Prompt::of(api, obj)?;
+    let output_tokens = match prompt {
+        Prompt::Embed(_) => 0,
+        Prompt::Responses { .. } => positive_u64(obj.get("max_output_tokens"))
             .unwrap_or(default_max_tokens)
-            .min(MAX_OUTPUT_TOKENS);
-        let n = positive_u64(obj.get("n")).unwrap_or(1).min(MAX_N);
-        cap.saturating_mul(n)
+            .min(MAX_OUTPUT_TOKENS),
+        Prompt::Messages { .. } | Prompt::Text(_) => {
+            let cap = positive_u64(obj.get("max_completion_tokens"))
+                .or_else(|| positive_u64(obj.get("max_tokens")))
+                .unwrap_or(default_max_tokens)
+                .min(MAX_OUTPUT_TOKENS);
+            let n = positive_u64(obj.get("n")).unwrap_or(1).min(MAX_N);
+            cap.saturating_mul(n)
+        }
     };
     Some(Weight {
-        prompt_tokens,
+        prompt_tokens: prompt.tokens(),
         output_tokens,
     })
 }
@@ -423,8 +522,41 @@ mod tests {
                 r#"{"system":[{"type":"text","text":"abcd"}],"messages":[{"role":"user","content":"abcd"}],"max_tokens":50}"#,
                 w(6, 50),
             ),
+            // Responses API: a string input is one user message; instructions another
+            (
+                Api::Responses,
+                r#"{"input":"abcdabcd","max_output_tokens":30}"#,
+                w(6, 30),
+            ),
+            (
+                Api::Responses,
+                r#"{"instructions":"abcd","input":"abcd","max_tokens":99}"#,
+                w(10, 256),
+            ),
+            // input items: a message with parts, a tool call, its output, reasoning
+            (
+                Api::Responses,
+                r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"abcdabcd"},{"type":"input_image","image_url":"x"}]},{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},{"type":"function_call_output","call_id":"c1","output":"abcd"},{"type":"reasoning","summary":[{"type":"summary_text","text":"abcd"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"abcd"}]}],"max_output_tokens":5}"#,
+                w(4 + 2 + 4 + 2 + 4 + 1 + 4 + 1 + 4 + 1, 5),
+            ),
+            // items of the wrong shape count their overhead only
+            (
+                Api::Responses,
+                r#"{"input":[7,{"role":"user"},{"type":"function_call","arguments":{"a":1}}]}"#,
+                w(12, 256),
+            ),
             // unknown path: the shape decides
             (Api::Other, r#"{"input":"abcd"}"#, w(1, 0)),
+            (
+                Api::Other,
+                r#"{"input":"abcd","max_output_tokens":7}"#,
+                w(5, 7),
+            ),
+            (
+                Api::Other,
+                r#"{"input":"abcd","instructions":"abcd"}"#,
+                w(10, 256),
+            ),
             (Api::Other, r#"{"prompt":"abcd","max_tokens":2}"#, w(1, 2)),
             // float counts accepted
             (Api::Chat, r#"{"messages":[],"max_tokens":12.0}"#, w(0, 12)),
@@ -501,6 +633,10 @@ mod tests {
             ("/v1/completions", Api::Completions),
             ("/openai/v1/embeddings", Api::Embeddings),
             ("/v1/messages", Api::Messages),
+            ("/v1/responses", Api::Responses),
+            ("/responses", Api::Responses),
+            // llama.cpp's token count: no generation, read by the body's shape
+            ("/v1/responses/input_tokens", Api::Other),
             ("/generate", Api::Other),
         ] {
             assert_eq!(Api::from_path(path), api, "{path}");

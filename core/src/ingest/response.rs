@@ -10,8 +10,12 @@
 //!
 //! What it reads:
 //! - content deltas of event streams: non-empty `"content":"…"` strings in OpenAI chat chunks,
-//!   `"text":"…"` in completion and Anthropic text-delta chunks; engines send about one token
-//!   per event;
+//!   `"text":"…"` in completion and Anthropic text-delta chunks, and `"delta":"…"` in the
+//!   Responses API's events (its answer, its reasoning and its tool calls' arguments alike:
+//!   `response.output_text.delta` and the others; a chat chunk's `"delta"` is an object, read
+//!   inside); engines send about one token per event. A Responses stream repeats the whole
+//!   text in its closing events (`….done`, `response.completed`): a few events more at the
+//!   very end, where the server's count comes too and wins for the sample;
 //! - a reasoning model's thinking, streamed before its answer: `"reasoning_content":"…"`
 //!   (vLLM, SGLang and llama.cpp with a reasoning parser), `"reasoning":"…"` (vLLM's newer
 //!   name) and Anthropic's `"thinking":"…"` deltas. These are generated tokens like the
@@ -63,9 +67,10 @@
 //! 200 read to its end, with a positive count, is one.
 
 /// The keys the scan reads: the name between the quotes, and what its value is.
-const KEYS: [(&[u8], Kind); 9] = [
+const KEYS: [(&[u8], Kind); 10] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
+    (b"delta", Kind::Text),
     (b"reasoning_content", Kind::Thought),
     (b"reasoning", Kind::Thought),
     (b"thinking", Kind::Thought),
@@ -610,6 +615,69 @@ mod tests {
             .collect()
     }
 
+    /// OpenAI's Responses API, streamed as vLLM and llama.cpp's server stream it: thinking,
+    /// answer and a tool call's arguments each as `"delta"` strings, then closing events that
+    /// repeat each whole text once more, and the count in `response.completed`.
+    fn responses_stream() -> String {
+        let events: &[(&str, &str)] = &[
+            (
+                "response.created",
+                r#"{"type":"response.created","sequence_number":0,"response":{"id":"resp_1","object":"response","status":"in_progress","instructions":"Be brief.","max_output_tokens":64,"output":[],"text":{"format":{"type":"text"}},"usage":null}}"#,
+            ),
+            (
+                "response.output_item.added",
+                r#"{"type":"response.output_item.added","output_index":0,"item":{"id":"rs_1","type":"reasoning","summary":[],"content":[]}}"#,
+            ),
+            (
+                "response.reasoning_text.delta",
+                r#"{"type":"response.reasoning_text.delta","item_id":"rs_1","output_index":0,"content_index":0,"delta":"Let me"}"#,
+            ),
+            (
+                "response.reasoning_text.delta",
+                r#"{"type":"response.reasoning_text.delta","item_id":"rs_1","output_index":0,"content_index":0,"delta":" think"}"#,
+            ),
+            (
+                "response.content_part.added",
+                r#"{"type":"response.content_part.added","item_id":"msg_1","output_index":1,"content_index":0,"part":{"type":"output_text","annotations":[],"text":""}}"#,
+            ),
+            (
+                "response.output_text.delta",
+                r#"{"type":"response.output_text.delta","item_id":"msg_1","output_index":1,"content_index":0,"delta":"Hello","logprobs":[],"sequence_number":5}"#,
+            ),
+            (
+                "response.output_text.delta",
+                r#"{"type": "response.output_text.delta", "item_id": "msg_1", "delta": " \"world\""}"#,
+            ),
+            (
+                "response.function_call_arguments.delta",
+                r#"{"type":"response.function_call_arguments.delta","item_id":"fc_1","output_index":2,"delta":"{\"city\":"}"#,
+            ),
+            (
+                "response.function_call_arguments.delta",
+                r#"{"type":"response.function_call_arguments.delta","item_id":"fc_1","output_index":2,"delta":"\"Paris\"}"}"#,
+            ),
+            (
+                "response.output_text.done",
+                r#"{"type":"response.output_text.done","item_id":"msg_1","text":"Hello \"world\""}"#,
+            ),
+            (
+                "response.output_item.done",
+                r#"{"type":"response.output_item.done","item":{"id":"fc_1","type":"function_call","arguments":"{\"city\":\"Paris\"}","name":"weather"}}"#,
+            ),
+            (
+                "response.completed",
+                r#"{"type":"response.completed","response":{"id":"resp_1","object":"response","status":"completed","max_output_tokens":64,"output":[{"type":"message","content":[{"type":"output_text","text":"Hello \"world\""}]}],"usage":{"input_tokens":20,"input_tokens_details":{"cached_tokens":0},"output_tokens":6,"output_tokens_details":{"reasoning_tokens":2},"total_tokens":26}}}"#,
+            ),
+        ];
+        events
+            .iter()
+            .map(|(kind, data)| format!("event: {kind}\ndata: {data}\n\n"))
+            .collect()
+    }
+
+    /// A Responses API answer, not streamed.
+    const RESPONSES_REPLY: &str = r#"{"id":"resp_2","object":"response","status":"completed","max_output_tokens":null,"output":[{"id":"msg_2","type":"message","role":"assistant","content":[{"type":"output_text","text":"Hi there.","annotations":[]}]}],"usage":{"input_tokens":12,"output_tokens":4,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":16}}"#;
+
     const CHAT_REPLY: &str = r#"{"id":"chatcmpl-9","object":"chat.completion","created":1718000000,"model":"llama-3-8b","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there, how can I help you today?","tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"total_tokens":20,"completion_tokens":11,"completion_tokens_details":null}}"#;
 
     /// A reply as Python's `json.dumps` writes it by default: a space after each colon.
@@ -678,6 +746,21 @@ mod tests {
                 body: anthropic_thinking_stream(),
                 progress: 3,
                 sample: Some(3),
+            },
+            Case {
+                // Six deltas, then the texts once more in the closing events (three: the
+                // answer twice, the arguments once): the running count ends 3 over the
+                // server's, whose count is the sample.
+                name: "responses stream (thinking, answer, a tool call's arguments)",
+                body: responses_stream(),
+                progress: 9,
+                sample: Some(6),
+            },
+            Case {
+                name: "responses reply",
+                body: RESPONSES_REPLY.to_string(),
+                progress: 4,
+                sample: Some(4),
             },
             Case {
                 name: "chat reply",

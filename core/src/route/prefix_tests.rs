@@ -4,7 +4,7 @@
 //! when the draws miss it, and independent balancers agree where a new prefix goes.
 
 use crate::ingest::prompt::{self, Chain};
-use crate::ingest::request::Weight;
+use crate::ingest::request::{Api, Weight};
 use crate::rng::SplitMix64;
 use crate::route::balancer::{Balancer, Outcome, OwnBooks};
 use crate::route::routers;
@@ -16,7 +16,7 @@ fn prompt(system: &str, question: &str, output: u64) -> (Weight, Chain) {
     let body = serde_json::json!({"messages":[
         {"role":"system","content":system},{"role":"user","content":question}]});
     let obj = body.as_object().cloned().unwrap_or_default();
-    let chain = prompt::chain(&obj, None, 256);
+    let chain = prompt::chain(Api::Chat, &obj, None, 256);
     let chars = (system.len() + question.len()) as u64;
     (
         Weight {
@@ -258,7 +258,7 @@ fn a_prompt_cache_key_is_an_affinity_hint() {
         for (key, set) in nodes_of_key.iter_mut().enumerate() {
             let body = format!(r#"{{"prompt":"hi {round}","prompt_cache_key":"conv-{key}"}}"#);
             let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-            let chain = prompt::chain(v.as_object().unwrap(), None, 256);
+            let chain = prompt::chain(Api::Chat, v.as_object().unwrap(), None, 256);
             assert!(chain.blocks.is_empty());
             let o = b.route(W, None, &chain, 10 + round, &mut rng, false, &mut OwnBooks);
             let t = routed(&o).unwrap();

@@ -221,6 +221,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         if args.arrivals != "poisson":
             cmd += ["--arrivals", args.arrivals]
+        if args.api != "chat":
+            cmd += ["--api", args.api]
         cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -422,6 +424,9 @@ def main():
     ap.add_argument("--node-options", default="",
                     help="mock node settings added to every node, comma-separated k=v (see "
                          "`mock-gpu-node --help`), e.g. 'reasoning=0.8' for a reasoning model")
+    ap.add_argument("--api", choices=["chat", "responses"], default="chat",
+                    help="the API the clients speak: chat completions, or OpenAI's Responses API "
+                         "(POST /v1/responses, the prompt as input, the cap as max_output_tokens)")
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--tenants", default="40", help="tenants of the generated tenants workload")
     ap.add_argument("--concurrency", type=int, default=1,

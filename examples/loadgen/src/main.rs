@@ -49,6 +49,9 @@ usage: loadgen --url http://HOST:PORT
                      budget: MS of model time (MS / time scale on the wall clock)
   --slo-tpot-ms MS   send every request with x-slo-tpot-ms, the longest time per output
                      token it accepts: MS of model time (scaled the same way)
+  --api A           chat (POST /v1/chat/completions, max_tokens) or responses
+                     (POST /v1/responses: OpenAI's Responses API, the prompt as input,
+                     the cap as max_output_tokens) (default chat)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -73,6 +76,8 @@ struct Args {
     objectives: Vec<(String, String)>,
     slo_ttft_ms: Option<f64>,
     slo_tpot_ms: Option<f64>,
+    /// Requests to OpenAI's Responses API instead of chat completions.
+    responses: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -98,6 +103,7 @@ fn parse_args() -> Result<Args, String> {
         objectives: vec![],
         slo_ttft_ms: None,
         slo_tpot_ms: None,
+        responses: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -138,6 +144,13 @@ fn parse_args() -> Result<Args, String> {
             }
             "--slo-ttft-ms" => a.slo_ttft_ms = Some(pos(v()?, "--slo-ttft-ms")?.max(1.0)),
             "--slo-tpot-ms" => a.slo_tpot_ms = Some(pos(v()?, "--slo-tpot-ms")?.max(1.0)),
+            "--api" => {
+                a.responses = match v()?.as_str() {
+                    "chat" => false,
+                    "responses" => true,
+                    other => return Err(format!("--api {other:?}: chat or responses")),
+                }
+            }
             "--label" => a.label = v()?,
             "--seed" => a.seed = pos(v()?, "--seed")? as u64,
             "--out" => a.out = Some(v()?),
@@ -264,7 +277,12 @@ async fn one(
         .await
         .map_err(|e| format!("handshake: {e}"))?;
     tokio::spawn(conn);
-    let req = Request::post("/v1/chat/completions")
+    let path = if args.responses {
+        "/v1/responses"
+    } else {
+        "/v1/chat/completions"
+    };
+    let req = Request::post(path)
         .header("host", format!("{}:{}", args.host, args.port))
         .header("content-type", "application/json")
         .header("x-mock-output-tokens", output.to_string())
@@ -326,7 +344,8 @@ async fn one(
         while let Some(pos) = pending.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = pending.drain(..pos + 2).collect();
             let text = String::from_utf8_lossy(&event);
-            let Some(payload) = text.trim().strip_prefix("data: ") else {
+            // A named event (the Responses API's) has its `event:` line first.
+            let Some(payload) = text.lines().find_map(|l| l.strip_prefix("data: ")) else {
                 continue;
             };
             if payload == "[DONE]" {
@@ -349,12 +368,22 @@ async fn one(
 }
 
 /// Whether an SSE event's data carries a token: of the answer, of a reasoning model's thinking
-/// before it, or of a tool call's arguments. The first of any is the first token, as engines
-/// count it.
+/// before it, or of a tool call's arguments, in a chat chunk's delta or as a Responses API
+/// `….delta` event. The first of any is the first token, as engines count it.
 fn is_token_event(payload: &str) -> bool {
     let Ok(v) = serde_json::from_str::<Value>(payload) else {
         return false;
     };
+    let responses_delta = v
+        .get("type")
+        .and_then(Value::as_str)
+        .is_some_and(|t| t.starts_with("response.") && t.ends_with(".delta"));
+    if responses_delta {
+        return v
+            .get("delta")
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty());
+    }
     [
         "content",
         "reasoning_content",
@@ -464,8 +493,13 @@ async fn main() {
                 &r.blocks,
                 trace::MOONCAKE_BLOCK_TOKENS,
             );
-            let body = json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
-                              "messages": [{"role": "user", "content": text}]});
+            let body = if args.responses {
+                json!({"model": "mock-model", "stream": true, "max_output_tokens": args.max_tokens,
+                       "input": [{"role": "user", "content": text}]})
+            } else {
+                json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
+                       "messages": [{"role": "user", "content": text}]})
+            };
             let wall_ms = (r.at_ms - selected[0].at_ms) / args.rate / args.time_scale;
             let prefix_key = match r.blocks.first() {
                 Some(b) if prompt_tokens >= trace::MOONCAKE_BLOCK_TOKENS => format!("b{b}"),
@@ -549,7 +583,9 @@ async fn main() {
     if let Some(path) = &args.out {
         let doc = json!({"label": args.label, "time_scale": args.time_scale, "rate": args.rate,
                          "start_s": args.start_s, "duration_s": args.duration_s,
-                         "max_tokens": args.max_tokens, "summary": summary,
+                         "max_tokens": args.max_tokens,
+                         "api": if args.responses { "responses" } else { "chat" },
+                         "summary": summary,
                          "requests": records.iter().map(Record::to_json).collect::<Vec<_>>()});
         if let Err(e) = std::fs::write(path, doc.to_string()) {
             eprintln!("loadgen: cannot write {path}: {e}");
@@ -585,6 +621,23 @@ mod tests {
                 false,
             ),
             (r#"{"choices":[],"usage":{"completion_tokens":3}}"#, false),
+            (
+                r#"{"type":"response.output_text.delta","delta":"Hi"}"#,
+                true,
+            ),
+            (
+                r#"{"type":"response.reasoning_text.delta","delta":"Hm"}"#,
+                true,
+            ),
+            (
+                r#"{"type":"response.function_call_arguments.delta","delta":"{"}"#,
+                true,
+            ),
+            (
+                r#"{"type":"response.output_text.done","text":"Hi there"}"#,
+                false,
+            ),
+            (r#"{"type":"response.created","response":{}}"#, false),
             ("not json", false),
         ];
         for (payload, token) in cases {

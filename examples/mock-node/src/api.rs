@@ -45,6 +45,7 @@ pub async fn handle(
     let mut r = match (req.method().clone(), path.as_str()) {
         (Method::POST, "/v1/chat/completions") => completion(node.clone(), Kind::Chat, req).await,
         (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
+        (Method::POST, "/v1/responses") => completion(node.clone(), Kind::Responses, req).await,
         (Method::GET, "/health") => health(&node).await,
         (Method::GET, "/metrics") => metrics(&node, false, query.as_deref()),
         (Method::GET, "/prometheus/metrics")
@@ -152,6 +153,9 @@ enum Kind {
     Chat,
     /// /v1/completions
     Text,
+    /// /v1/responses (OpenAI's Responses API), its events as vLLM and llama.cpp's server send
+    /// them
+    Responses,
 }
 
 /// The generated text: token `i` is the word `tok<i>` and a space.
@@ -199,14 +203,43 @@ impl Completion {
         o
     }
 
+    /// The Responses API's usage.
+    fn responses_usage(&self) -> Value {
+        json!({"input_tokens": self.prompt_tokens,
+               "input_tokens_details": {"cached_tokens": self.cached_tokens},
+               "output_tokens": self.completion_tokens,
+               "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+               "total_tokens": self.prompt_tokens + self.completion_tokens})
+    }
+
+    /// A Responses API response object with `output` (its items) and `status`.
+    fn response(&self, status: &str, output: Value, usage: Value) -> Value {
+        json!({"id": self.id, "object": "response", "created_at": self.created,
+               "model": self.model, "status": status, "output": output, "usage": usage})
+    }
+
+    /// A Responses API message item holding `text`.
+    fn message_item(&self, text: &str) -> Value {
+        json!({"id": format!("msg-{}", self.id), "type": "message", "role": "assistant",
+               "status": "completed",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    }
+
     fn whole(&self, text: String) -> Value {
+        if self.kind == Kind::Responses {
+            return self.response(
+                "completed",
+                json!([self.message_item(&text)]),
+                self.responses_usage(),
+            );
+        }
         let (object, choice) = match self.kind {
             Kind::Chat => (
                 "chat.completion",
                 json!({"index": 0, "message": {"role": "assistant", "content": text},
                        "finish_reason": self.finish_reason, "logprobs": null}),
             ),
-            Kind::Text => (
+            Kind::Text | Kind::Responses => (
                 "text_completion",
                 json!({"index": 0, "text": text, "finish_reason": self.finish_reason,
                        "logprobs": null}),
@@ -218,12 +251,63 @@ impl Completion {
     fn chunk_object(&self) -> &'static str {
         match self.kind {
             Kind::Chat => "chat.completion.chunk",
-            Kind::Text => "text_completion",
+            Kind::Text | Kind::Responses => "text_completion",
         }
+    }
+
+    /// The Responses API event carrying token `i`: of thinking, of a tool call's arguments or
+    /// of the answer, each a `"delta"`; the first comes after `response.created`.
+    fn responses_event(&self, i: u64) -> Bytes {
+        let delta = token_text(i);
+        let (kind, item) = if i < self.reasoning_tokens {
+            ("response.reasoning_text.delta", format!("rs-{}", self.id))
+        } else if self.tool_call {
+            (
+                "response.function_call_arguments.delta",
+                format!("fc-{}", self.id),
+            )
+        } else {
+            ("response.output_text.delta", format!("msg-{}", self.id))
+        };
+        let mut out = String::new();
+        if i == 0 {
+            let created = json!({"type": "response.created", "sequence_number": 0,
+                                 "response": self.response("in_progress", json!([]), Value::Null)});
+            out.push_str(&event("response.created", &created));
+        }
+        let data = json!({"type": kind, "item_id": item, "output_index": 0,
+                          "content_index": 0, "delta": delta, "sequence_number": i + 1});
+        out.push_str(&event(kind, &data));
+        Bytes::from(out)
+    }
+
+    /// The Responses API's closing events: the whole answer once more, then
+    /// `response.completed` with the usage.
+    fn responses_closing(&self) -> Vec<Bytes> {
+        let text: String = (self.reasoning_tokens..self.completion_tokens)
+            .map(token_text)
+            .collect();
+        let item = if self.tool_call {
+            json!({"id": format!("fc-{}", self.id), "type": "function_call", "status": "completed",
+                   "call_id": format!("call-{}", self.id), "name": "lookup", "arguments": text})
+        } else {
+            self.message_item(&text)
+        };
+        let done = json!({"type": "response.output_item.done", "output_index": 0, "item": item});
+        let completed = json!({"type": "response.completed",
+                               "response": self.response("completed", json!([item]),
+                                                         self.responses_usage())});
+        vec![
+            Bytes::from(event("response.output_item.done", &done)),
+            Bytes::from(event("response.completed", &completed)),
+        ]
     }
 
     /// The SSE event carrying token `i`.
     fn token_event(&self, i: u64) -> Bytes {
+        if self.kind == Kind::Responses {
+            return self.responses_event(i);
+        }
         let text = token_text(i);
         let choice = match self.kind {
             Kind::Chat if i < self.reasoning_tokens && i == 0 => {
@@ -248,21 +332,23 @@ impl Completion {
             Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
                                            "delta": {"role": "assistant", "content": text}}),
             Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),
-            Kind::Text => {
+            Kind::Text | Kind::Responses => {
                 json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null})
             }
         };
         sse(&self.object(json!({"object": self.chunk_object(), "choices": [choice]})))
     }
 
-    /// The events after the last token: the finish reason, the usage, `[DONE]`.
-    fn closing_events(&self) -> [Bytes; 3] {
+    /// The events after the last token: the finish reason, the usage, `[DONE]` (the
+    /// Responses API: its own, `responses_closing`).
+    fn closing_events(&self) -> Vec<Bytes> {
         let last = match self.kind {
             Kind::Chat => json!({"index": 0, "delta": {}, "finish_reason": self.finish_reason}),
             Kind::Text => json!({"index": 0, "text": "", "finish_reason": self.finish_reason,
                                  "logprobs": null}),
+            Kind::Responses => return self.responses_closing(),
         };
-        [
+        vec![
             sse(&self.object(json!({"object": self.chunk_object(), "choices": [last]}))),
             sse(
                 &self.object(json!({"object": self.chunk_object(), "choices": [],
@@ -275,6 +361,11 @@ impl Completion {
 
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// A named server-sent event, as the Responses API sends them.
+fn event(name: &str, data: &Value) -> String {
+    format!("event: {name}\ndata: {data}\n\n")
 }
 
 async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Response<BoxBody> {
@@ -303,6 +394,9 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
     let prompt_ids = match kind {
         Kind::Chat => tokenize::chat_prompt_ids(&body),
         Kind::Text => tokenize::completion_prompt_ids(&body),
+        Kind::Responses => {
+            tokenize::responses_as_chat(&body).and_then(|c| tokenize::chat_prompt_ids(&c))
+        }
     };
     let prompt_ids = match prompt_ids {
         Ok(ids) => ids,
@@ -324,6 +418,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
     let max_tokens = body
         .get("max_completion_tokens")
         .or_else(|| body.get("max_tokens"))
+        .or_else(|| body.get("max_output_tokens"))
         .and_then(Value::as_u64)
         .filter(|n| *n > 0)
         .unwrap_or(DEFAULT_MAX_TOKENS);
@@ -341,10 +436,10 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         kind,
         id: format!(
             "{}-{}-{}",
-            if kind == Kind::Chat {
-                "chatcmpl"
-            } else {
-                "cmpl"
+            match kind {
+                Kind::Chat => "chatcmpl",
+                Kind::Text => "cmpl",
+                Kind::Responses => "resp",
             },
             node.name,
             ticket.id()

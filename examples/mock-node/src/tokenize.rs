@@ -106,6 +106,38 @@ pub fn chat_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
     Ok(out)
 }
 
+/// A `/v1/responses` body (OpenAI's Responses API) as the chat body it stands for, as
+/// llama.cpp's server converts it before its chat template: `instructions` is the system
+/// message, a string `input` the user's, and `input`'s items are messages (`role`, `content`),
+/// tool calls (an assistant message of their `arguments`), tool outputs (a `tool` message of
+/// their `output`) and reasoning (an assistant message of its `content`).
+pub fn responses_as_chat(body: &Value) -> Result<Value, String> {
+    let mut messages = Vec::new();
+    if let Some(i) = body.get("instructions").filter(|i| !i.is_null()) {
+        messages.push(serde_json::json!({"role": "system", "content": i}));
+    }
+    match body.get("input") {
+        Some(Value::String(s)) => messages.push(serde_json::json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) => {
+            for item in items {
+                let kind = item.get("type").and_then(Value::as_str);
+                let (role, content) = match kind {
+                    Some("function_call") => ("assistant", item.get("arguments")),
+                    Some("function_call_output") => ("tool", item.get("output")),
+                    Some("reasoning") => ("assistant", item.get("content")),
+                    _ => (
+                        item.get("role").and_then(Value::as_str).unwrap_or("user"),
+                        item.get("content"),
+                    ),
+                };
+                messages.push(serde_json::json!({"role": role, "content": content}));
+            }
+        }
+        _ => return Err("'input' must be a string or array of objects".into()),
+    }
+    Ok(serde_json::json!({"messages": messages}))
+}
+
 /// Prompt token ids of a `/v1/completions` body; token-id prompts are their own ids. As many as
 /// `completion_prompt_tokens` counts.
 pub fn completion_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
@@ -189,6 +221,23 @@ mod tests {
         ] {
             assert_eq!(chat_prompt_tokens(&body).map_err(|_| ()), want, "{body}");
         }
+    }
+
+    #[test]
+    fn responses_bodies_count_as_their_chat() {
+        let body = json!({"instructions": "Be brief.", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hello world"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "sunny"}]});
+        let chat = responses_as_chat(&body).unwrap();
+        assert_eq!(
+            chat_prompt_tokens(&chat),
+            Ok((4 + 4) + (4 + 3) + (4 + 2 + 2) + (4 + 2))
+        );
+        let one = responses_as_chat(&json!({"input": "hello world"})).unwrap();
+        assert_eq!(chat_prompt_tokens(&one), Ok(4 + 3));
+        assert!(responses_as_chat(&json!({"input": 7})).is_err());
+        assert!(responses_as_chat(&json!({"messages": []})).is_err());
     }
 
     #[test]

@@ -957,3 +957,71 @@ fn bad_command_lines_are_explained() {
         assert!(help.contains(key), "{key} missing from --help");
     }
 }
+
+/// The named events of a Responses API stream, `(event, data)`.
+fn named_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e
+                .strip_prefix("event: ")
+                .and_then(|e| e.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("not a named SSE event: {e:?}"));
+            (name.to_string(), serde_json::from_str(data).unwrap())
+        })
+        .collect()
+}
+
+/// OpenAI's Responses API: the prompt from `instructions` and `input` as the chat they stand
+/// for, the cap from `max_output_tokens`; streamed as `response.created`, one `"delta"` event
+/// per token (thinking first with `reasoning`), the whole answer once more and
+/// `response.completed` with the usage; whole, a `response` object.
+#[test]
+fn the_responses_api_is_served_as_engines_serve_it() {
+    let mock = start(&["name=gamma,reasoning=0.5"], &["--time-scale", "10"]);
+    let mut c = Conn::open(mock.ports[0]);
+    let body = r#"{"model":"m1","stream":true,"max_output_tokens":4,"instructions":"Be brief.",
+        "input":[{"role":"user","content":[{"type":"input_text","text":"Hello, how are you today?"}]}]}"#;
+    let r = c.call("POST", "/v1/responses", &[], body);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = named_events(&r.text());
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_item.done",
+            "response.completed"
+        ]
+    );
+    assert_eq!(events[1].1["delta"], "tok0 ");
+    assert_eq!(events[4].1["delta"], "tok3 ");
+    assert_eq!(
+        events[5].1["item"]["content"][0]["text"], "tok2 tok3 ",
+        "the answer, without the thinking"
+    );
+    let usage = &events[6].1["response"]["usage"];
+    assert_eq!(usage["output_tokens"], 4);
+    // Instructions (4 + 4) and the message (4 + 9), as the chat body would count.
+    assert_eq!(usage["input_tokens"], 21);
+
+    let r = c.call(
+        "POST",
+        "/v1/responses",
+        &[("x-mock-output-tokens", "2")],
+        r#"{"input":"Hello, how are you today?","max_output_tokens":8}"#,
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["output"][0]["content"][0]["text"], "tok0 tok1 ");
+    assert_eq!(v["usage"]["output_tokens"], 2);
+    assert_eq!(v["usage"]["input_tokens"], 13);
+    let r = c.call("POST", "/v1/responses", &[], r#"{"input":7}"#);
+    assert_eq!(r.status, 400);
+}

@@ -280,6 +280,36 @@ def test_output_lengths_are_learned_from_responses(cluster):
         e.stop()
 
 
+def test_responses_api_requests_are_priced_and_their_output_learned(cluster):
+    """OpenAI's Responses API (POST /v1/responses, as vLLM and llama.cpp's server serve it):
+    the request is priced from its instructions and input at its max_output_tokens, and its
+    answers, streamed as `response.*.delta` events or whole, teach the real output length."""
+    e = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}))
+
+    def body(stream: bool) -> dict:
+        return {"model": "mock-model", "instructions": "Answer in one line. " * 50,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi there"}]}],
+                "max_output_tokens": 400, "stream": stream}
+
+    def routed():
+        d = debug_fields(e.post("/v1/responses", body(False), headers={"x-mock-output-tokens": "6"}))
+        return d if "output_tokens" in d else None
+
+    try:
+        first = wait_until(routed, 10, "a routed request")
+        assert first["output_tokens"] == "400", first
+        # 1,000 characters of instructions and two messages' overhead: about 260 tokens.
+        assert 250 <= int(first["prompt_tokens"]) <= 270, first
+        for i in range(24):
+            r = e.post("/v1/responses", body(i % 2 == 0), headers={"x-mock-output-tokens": "6"})
+            assert r.status == 200, r.body[:200]
+        learned = debug_fields(e.post("/v1/responses", body(False)))
+        assert int(learned["output_tokens"]) == 6, learned
+    finally:
+        e.stop()
+
+
 def test_two_choices_spread_and_keep_the_rules(cluster):
     """Power-of-two choices (what `choices: auto` uses behind many routers): equal idle nodes
     share the requests, the most loaded of three nodes never wins a draw, and a long prompt

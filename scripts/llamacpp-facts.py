@@ -9,7 +9,8 @@ the counters are not zero):
   core/tests/data/llamacpp_slots.json          GET /slots
   core/tests/data/llamacpp_props.json          GET /props
   core/tests/data/streams/llamacpp_*.sse       streamed answers as served (chat without and with
-                                               usage, a completion), 40 tokens each
+                                               usage, a completion, OpenAI's Responses API),
+                                               40 tokens each
 and prints the observations (health while loading, model names served, usage in streams,
 an over-long prompt) as JSON on stdout; tests/REAL_ENGINES.md is written from them.
 Volatile values (timestamps, the cache path of the model) are kept as served: the fixtures
@@ -43,6 +44,9 @@ STREAMS = {
                                                      "messages": [{"role": "user", "content": "Write two sentences about the sea."}]}),
     "llamacpp_completion": ("/v1/completions", {"model": "smollm2", "stream": True, "max_tokens": 40, "temperature": 0,
                                                 "prompt": "Once upon a time"}),
+    "llamacpp_responses": ("/v1/responses", {"model": "smollm2", "stream": True, "max_output_tokens": 40, "temperature": 0,
+                                             "instructions": "Answer in plain prose.",
+                                             "input": "Write two sentences about the sea."}),
 }
 
 

@@ -190,6 +190,35 @@ def test_the_openai_client_through_envoy(envoy):
     assert fallbacks(envoy) == fell_back
 
 
+def test_the_responses_api_through_envoy(envoy):
+    """OpenAI's Responses API (llama-server serves /v1/responses): OpenAI's own client, whole
+    and streamed, routed by the filter's choice and priced from the instructions and input at
+    `max_output_tokens` (the debug header says what it booked)."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{envoy.port}/v1", api_key="not-needed", max_retries=0,
+                           timeout=120)
+    routed = envoy.counter("token_balancer.routed")
+    fell_back = fallbacks(envoy)
+    raw = client.responses.with_raw_response.create(model=MODEL, instructions="Answer briefly.",
+                                                    input="Name a colour.", max_output_tokens=16, temperature=0)
+    booked = dict(kv.split("=", 1) for kv in raw.headers["x-token-balancer"].split("; "))
+    assert booked["node"].startswith("127.0.0.1:"), booked
+    assert booked["output_tokens"] == "16" and int(booked["prompt_tokens"]) > 8, booked
+    r = raw.parse()
+    assert r.object == "response" and r.output_text, r
+    assert 1 <= r.usage.output_tokens <= 16 and r.usage.input_tokens > 0, r.usage
+
+    # Streamed: `response.output_text.delta` events, then `response.completed` with the usage.
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": "Name a colour."}],
+                                          max_output_tokens=12, temperature=0, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas and "".join(e.delta for e in deltas), [e.type for e in events]
+    assert events[-1].type == "response.completed", [e.type for e in events]
+    assert 1 <= events[-1].response.usage.output_tokens <= 12
+
+    assert envoy.counter("token_balancer.routed") == routed + 2
+    assert fallbacks(envoy) == fell_back
+
+
 def test_a_real_server_killed_under_load_costs_no_failed_request(engine):
     specs = [Spec("a", parallel=2, ctx_size=2048, aliases=(MODEL,)),
              Spec("b", parallel=2, ctx_size=2048, aliases=(MODEL,)),

@@ -49,7 +49,7 @@ const PATHS: [&str; 8] = [
     "/generate",
     "/v1/chat/completions?stream=true",
     "/openai/v1/embeddings",
-    "",
+    "/v1/responses",
 ];
 
 /// `default_max_tokens` values the first input byte chooses from (the configuration accepts any
@@ -62,6 +62,9 @@ const MAX_OUTPUT_TOKENS: u64 = 1 << 24;
 const MAX_N: u64 = 128;
 /// `request::PER_MESSAGE_OVERHEAD` (core/src/ingest/request.rs): template tokens added per message.
 const PER_MESSAGE_OVERHEAD: u64 = 4;
+/// `request::RESPONSES_ONLY` (core/src/ingest/request.rs): the fields that make a body with
+/// `input` on a path that names no API the Responses API's rather than embeddings'.
+const RESPONSES_ONLY: [&str; 3] = ["instructions", "max_output_tokens", "previous_response_id"];
 
 /// Request body estimation. Input: one byte that chooses the request path (low 3 bits) and the
 /// configured `default_max_tokens` (next 2 bits), then the body.
@@ -153,14 +156,27 @@ fn check_weight(
         "prompt {} from {body_len} bytes",
         w.prompt_tokens
     );
-    let is_embedding = api == Api::Embeddings
-        || (api == Api::Other && obj.contains_key("input") && !obj.contains_key("messages"));
+    // The prompt is in `input` when there are no `messages` (a list) and no `prompt`; then it
+    // is the Responses API's on its path, or elsewhere (but embeddings') with one of its own
+    // fields, and embeddings' otherwise.
+    let in_input = !obj.get("messages").is_some_and(Value::is_array)
+        && !obj.contains_key("prompt")
+        && obj.contains_key("input");
+    let responses_fields = RESPONSES_ONLY.iter().any(|k| obj.contains_key(*k));
+    let responses = in_input && (api == Api::Responses || (api == Api::Other && responses_fields));
+    let is_embedding = api == Api::Embeddings || (in_input && !responses);
     if is_embedding {
         assert_eq!(w.output_tokens, 0, "an embedding decodes nothing");
         return;
     }
-    // Without any cap in the body the configured default applies, clamped, times n (<= 128).
-    let has_cap = ["max_completion_tokens", "max_tokens"].iter().any(|k| {
+    // Without any cap in the body the configured default applies, clamped, times n (<= 128;
+    // the Responses API has no `n`).
+    let caps: &[&str] = if responses {
+        &["max_output_tokens"]
+    } else {
+        &["max_completion_tokens", "max_tokens"]
+    };
+    let has_cap = caps.iter().any(|k| {
         obj.get(*k)
             .and_then(Value::as_f64)
             .is_some_and(|f| f >= 1.0)
@@ -172,7 +188,7 @@ fn check_weight(
             "output {} without a cap, default {default_max_tokens}",
             w.output_tokens
         );
-        if obj.get("n").is_none() {
+        if responses || obj.get("n").is_none() {
             assert_eq!(w.output_tokens, cap, "default cap, n = 1");
         }
     }

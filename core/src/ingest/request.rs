@@ -367,6 +367,8 @@ fn weight_of(
 ) -> Option<Weight> {
     let prompt = Prompt::of(api, obj)?;
     let output_tokens = match prompt {
+        // Whatever its shape, a body sent to an embeddings endpoint decodes nothing.
+        _ if api == Api::Embeddings => 0,
         Prompt::Embed(_) => 0,
         Prompt::Responses { .. } => positive_u64(obj.get("max_output_tokens"))
             .unwrap_or(default_max_tokens)
@@ -511,6 +513,12 @@ mod tests {
                 w(2, 0),
             ),
             (Api::Embeddings, r#"{"input":["abcd","abcd"]}"#, w(2, 0)),
+            // vLLM embeds chat messages too: still no output
+            (
+                Api::Embeddings,
+                r#"{"messages":[{"role":"user","content":"abcd"}],"max_tokens":9}"#,
+                w(5, 0),
+            ),
             // Anthropic messages: system string + content blocks
             (
                 Api::Messages,

@@ -1138,6 +1138,32 @@ mod tests {
         }
     }
 
+    /// A real llama-server's (b11434) streamed answer to OpenAI's Responses API, one event a
+    /// chunk: its 20 `response.output_text.delta` events are counted as they come, mostly
+    /// unread, the closing events that repeat the text (four) put the running count a little
+    /// over at the very end, and the server's count in `response.completed` is the sample.
+    #[test]
+    fn a_real_responses_stream_is_followed() {
+        let body = include_str!("../../tests/data/streams/llamacpp_responses.sse");
+        let chunks: Vec<String> = body.split_inclusive("\n\n").map(str::to_string).collect();
+        let deltas = chunks
+            .iter()
+            .filter(|c| c.starts_with("event: response.output_text.delta\n"))
+            .count();
+        assert_eq!(deltas, 20);
+        let whole = read(&[body.as_bytes()]);
+        let (m, reads) = follow(&chunks);
+        assert_eq!(seen(&m), seen(&whole));
+        assert_eq!(seen(&m), (deltas as u64 + 4, Some(21)));
+        // Before the closing events, the count is the deltas so far.
+        let (before_close, _) = follow(&chunks[..chunks.len() - 4]);
+        assert_eq!(before_close.progress(), deltas as u64);
+        // Of a short answer's 20 deltas, the first few teach the size and some are of
+        // another: at least half are counted unread.
+        let unread = reads.iter().filter(|r| !**r).count();
+        assert!(unread * 2 >= deltas, "{unread} of {} unread", chunks.len());
+    }
+
     #[test]
     fn reasoning_values_that_are_not_text_count_nothing() {
         let events = [

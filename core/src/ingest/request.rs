@@ -94,7 +94,7 @@ pub fn estimate_text_tokens(text: &str) -> u64 {
 }
 
 /// Prompt tokens of a message's content: a string, or parts with a `text` each.
-pub(crate) fn text_of_content(content: &Value) -> u64 {
+fn text_of_content(content: &Value) -> u64 {
     match content {
         Value::String(s) => estimate_text_tokens(s),
         // OpenAI parts `[{"type":"text","text":...}]`, Anthropic blocks and the Responses

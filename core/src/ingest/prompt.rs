@@ -10,8 +10,10 @@
 //! matched share of the rendered characters times the prompt's estimated tokens (`Chain::cached`).
 //!
 //! Rendering: the model name seeds the chain (different models never share a cache); then the
-//! Anthropic `system` (or the Responses API's `instructions`), then each message's role and
-//! text parts in order (a Responses `input`'s items as the messages they stand for), with separators that
+//! tools the request offers (a template renders them first, in or before the system prompt),
+//! the Anthropic `system` (or the Responses API's `instructions`), then each message's role and
+//! text parts in order (tool results' content and tool uses' input among them; an assistant's
+//! tool calls after its content; a Responses `input`'s items as the messages they stand for), with separators that
 //! cannot occur in JSON-decoded text boundaries being confused (a role, a part and a message
 //! each end with their own control byte); a completion's `prompt` string (or strings). Parts
 //! that are not text (images, audio) count as a marker only: hashing a megabyte of base64 per
@@ -185,10 +187,21 @@ impl Chainer {
                 for p in parts {
                     match p {
                         Value::String(s) => self.feed(s.as_bytes()),
-                        Value::Object(o) => match o.get("text").and_then(Value::as_str) {
-                            Some(t) => self.feed(t.as_bytes()),
-                            None => self.feed(OTHER_PART),
-                        },
+                        // As `request::part_tokens` reads a part: its text, a tool result's
+                        // content, a tool use's input, earlier thinking; else a marker.
+                        Value::Object(o) => {
+                            if let Some(Value::String(t)) = o.get("text") {
+                                self.feed(t.as_bytes());
+                            } else if let Some(content) = o.get("content") {
+                                self.content(content);
+                            } else if let Some(input) = o.get("input") {
+                                self.json(input);
+                            } else if let Some(Value::String(t)) = o.get("thinking") {
+                                self.feed(t.as_bytes());
+                            } else {
+                                self.feed(OTHER_PART);
+                            }
+                        }
                         _ => self.feed(OTHER_PART),
                     }
                     self.feed(&[END_PART]);
@@ -200,12 +213,46 @@ impl Chainer {
 
     /// One message: its role, then its content when it has one, each ended by its separator.
     fn message(&mut self, role: &str, content: Option<&Value>) {
+        self.message_with(role, content, None);
+    }
+
+    /// A message with what the template renders after its content (an assistant's tool
+    /// calls), as JSON.
+    fn message_with(&mut self, role: &str, content: Option<&Value>, then: Option<&Value>) {
         self.feed(role.as_bytes());
         self.feed(&[END_ROLE]);
         if let Some(content) = content {
             self.content(content);
         }
+        if let Some(then) = then {
+            self.json(then);
+        }
         self.feed(&[END_MESSAGE]);
+    }
+
+    /// A JSON value the template renders as JSON (tools, tool calls): its keys and scalars
+    /// in order, each ended by a separator, so that equal values give equal bytes. Bounded by
+    /// the parser's nesting limit (128).
+    fn json(&mut self, v: &Value) {
+        match v {
+            Value::String(s) => self.feed(s.as_bytes()),
+            Value::Number(n) => self.feed(n.to_string().as_bytes()),
+            Value::Bool(b) => self.feed(if *b { b"true" } else { b"false" }),
+            Value::Null => self.feed(b"null"),
+            Value::Array(items) => {
+                for i in items {
+                    self.json(i);
+                }
+            }
+            Value::Object(members) => {
+                for (k, v) in members {
+                    self.feed(k.as_bytes());
+                    self.feed(&[END_ROLE]);
+                    self.json(v);
+                }
+            }
+        }
+        self.feed(&[END_PART]);
     }
 }
 
@@ -221,22 +268,33 @@ pub fn chain(
     let seed = model_seed(model);
     let mut c = Chainer::new(block_chars, seed);
     match Prompt::of(api, obj) {
-        Some(Prompt::Messages { system, messages }) => {
+        Some(Prompt::Messages {
+            tools,
+            system,
+            messages,
+        }) => {
+            if let Some(tools) = tools {
+                c.message_with("tools", None, Some(tools));
+            }
             if let Some(system) = system {
                 c.message("system", Some(system));
             }
             for m in messages {
                 let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
-                c.message(role, m.get("content"));
+                c.message_with(role, m.get("content"), m.get("tool_calls"));
             }
         }
         // The instructions are the system message, then the input's items in order, as the
         // engine renders them: a conversation's turns keep their blocks from one request to
         // the next, like a chat's messages.
         Some(Prompt::Responses {
+            tools,
             instructions,
             input,
         }) => {
+            if let Some(tools) = tools {
+                c.message_with("tools", None, Some(tools));
+            }
             if let Some(instructions) = instructions {
                 c.message("system", Some(instructions));
             }
@@ -278,6 +336,51 @@ mod tests {
         let mut obj = v.as_object().unwrap().clone();
         let model = obj.remove("model");
         chain(api, &obj, model.as_ref().and_then(Value::as_str), block)
+    }
+
+    /// An agent's requests: the tool list the template renders first is chained (two requests
+    /// with the same tools share its blocks, and other tools part them at once), and so are
+    /// tool calls and tool results, which were a marker only.
+    #[test]
+    fn tools_tool_calls_and_results_are_chained() {
+        let tools = serde_json::json!([{"type":"function","function":{"name":"read_file",
+            "description":"Read a file of the repository. ".repeat(8),
+            "parameters":{"type":"object","properties":{"path":{"type":"string"}}}}}]);
+        let ask = |tools: &Value, q: &str| {
+            serde_json::json!({"model":"m","tools":tools,"messages":[{"role":"user","content":q}]})
+                .to_string()
+        };
+        let a = of(&ask(&tools, "What does main.rs do?"), 32);
+        let b = of(&ask(&tools, "Where is the config read?"), 32);
+        let common = a
+            .blocks
+            .iter()
+            .zip(&b.blocks)
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(common >= 240 / 32, "{common} blocks shared");
+        let other = serde_json::json!([{"type":"function","function":{"name":"write_file"}}]);
+        let c = of(&ask(&other, "What does main.rs do?"), 32);
+        assert_ne!(a.blocks.first(), c.blocks.first());
+        // A tool's result is text the engine caches: two results part the chains.
+        let turn = |result: &str| {
+            serde_json::json!({"model":"m","messages":[
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                    "function":{"name":"read_file","arguments":"{\"path\":\"main.rs\"}"}}]},
+                {"role":"tool","tool_call_id":"c1","content":result}]})
+            .to_string()
+        };
+        let x = of(&turn(&"fn main() {} ".repeat(20)), 32);
+        let y = of(&turn(&"mod config; ".repeat(20)), 32);
+        assert!(x.blocks.len() >= 8 && x.blocks != y.blocks);
+        let anthropic = |result: &str| {
+            serde_json::json!({"model":"m","messages":[{"role":"user","content":[
+                {"type":"tool_result","tool_use_id":"t","content":result}]}]})
+            .to_string()
+        };
+        let x = of(&anthropic(&"fn main() {} ".repeat(20)), 32);
+        let y = of(&anthropic(&"mod config; ".repeat(20)), 32);
+        assert!(x.blocks.len() >= 7 && x.blocks != y.blocks);
     }
 
     /// A Responses API body renders as the chat it stands for (engines put both through the

@@ -93,25 +93,53 @@ pub fn estimate_text_tokens(text: &str) -> u64 {
     latin_tokens + alphabetic.div_ceil(2) + cjk + other
 }
 
-/// Prompt tokens of a message's content: a string, or parts with a `text` each.
+/// Prompt tokens of a message's content: a string, or parts (see [`part_tokens`]).
 fn text_of_content(content: &Value) -> u64 {
     match content {
         Value::String(s) => estimate_text_tokens(s),
-        // OpenAI parts `[{"type":"text","text":...}]`, Anthropic blocks and the Responses
-        // API's `input_text` / `output_text` parts alike.
-        Value::Array(parts) => parts
-            .iter()
-            .map(|p| match p {
-                Value::String(s) => estimate_text_tokens(s),
-                Value::Object(o) => o
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .map(estimate_text_tokens)
-                    .unwrap_or(0),
-                _ => 0,
-            })
-            .sum(),
+        Value::Array(parts) => parts.iter().map(part_tokens).sum(),
         _ => 0,
+    }
+}
+
+/// Prompt tokens of one part of a message's content: OpenAI's `text` parts, Anthropic's text
+/// blocks and the Responses API's `input_text` / `output_text` parts (their `text`);
+/// Anthropic's `tool_result` blocks (their `content`, as a message's) and `tool_use` blocks
+/// (their `input`, rendered as JSON), and the `thinking` of its earlier turns. Images and
+/// audio count nothing: what they cost is the engine's encoder's, not told by the body.
+fn part_tokens(part: &Value) -> u64 {
+    match part {
+        Value::String(s) => estimate_text_tokens(s),
+        Value::Object(o) => {
+            if let Some(Value::String(text)) = o.get("text") {
+                estimate_text_tokens(text)
+            } else if let Some(content) = o.get("content") {
+                text_of_content(content)
+            } else if let Some(input) = o.get("input") {
+                json_tokens(input)
+            } else if let Some(Value::String(thinking)) = o.get("thinking") {
+                estimate_text_tokens(thinking)
+            } else {
+                0
+            }
+        }
+        _ => 0,
+    }
+}
+
+/// Prompt tokens of a JSON value a chat template renders as JSON (tool definitions, a tool
+/// call's input): its strings and keys by the text rule, a token for every other scalar and
+/// for each member's or element's punctuation. Engines dump tools into the prompt whole, so
+/// an agent's tool list is often thousands of tokens that no message shows.
+pub fn json_tokens(v: &Value) -> u64 {
+    match v {
+        Value::String(s) => estimate_text_tokens(s),
+        Value::Array(items) => items.iter().map(|i| 1 + json_tokens(i)).sum(),
+        Value::Object(members) => members
+            .iter()
+            .map(|(k, v)| 1 + estimate_text_tokens(k) + json_tokens(v))
+            .sum(),
+        Value::Null | Value::Bool(_) | Value::Number(_) => 1,
     }
 }
 
@@ -259,12 +287,14 @@ pub enum Prompt<'a> {
     /// Chat: the messages (each a `role` and a `content`), after Anthropic's top-level
     /// `system` when there is one.
     Messages {
+        tools: Option<&'a Value>,
         system: Option<&'a Value>,
         messages: &'a [Value],
     },
     /// The Responses API: its `instructions` (the system message) and its `input`, a string
     /// (one user message) or a list of items (see [`Prompt::items`]).
     Responses {
+        tools: Option<&'a Value>,
         instructions: Option<&'a Value>,
         input: &'a Value,
     },
@@ -280,11 +310,13 @@ const RESPONSES_ONLY: [&str; 3] = ["instructions", "max_output_tokens", "previou
 
 impl<'a> Prompt<'a> {
     /// Where `obj`, the body of a request to `api`, keeps its prompt; `None` when nowhere, or
-    /// not as a string or a list.
+    /// not as a string or a list. A chat's or a Responses request's `tools` are part of its
+    /// prompt: the engine renders them into the template.
     pub fn of(api: Api, obj: &'a serde_json::Map<String, Value>) -> Option<Prompt<'a>> {
         let text = |v: &'a Value| matches!(v, Value::String(_) | Value::Array(_)).then_some(v);
         if let Some(Value::Array(messages)) = obj.get("messages") {
             return Some(Prompt::Messages {
+                tools: obj.get("tools"),
                 system: obj.get("system"),
                 messages,
             });
@@ -297,6 +329,7 @@ impl<'a> Prompt<'a> {
             || (api == Api::Other && RESPONSES_ONLY.iter().any(|k| obj.contains_key(*k)));
         Some(if responses {
             Prompt::Responses {
+                tools: obj.get("tools"),
                 instructions: obj.get("instructions"),
                 input,
             }
@@ -333,24 +366,35 @@ impl<'a> Prompt<'a> {
         }))
     }
 
-    /// Estimated prompt tokens (see the module comment), with each message's template overhead.
+    /// Estimated prompt tokens (see the module comment), with each message's template overhead:
+    /// the tools, then the messages, each with its content and an assistant's tool calls.
     fn tokens(&self) -> u64 {
         let message = |content: Option<&Value>| {
             PER_MESSAGE_OVERHEAD + content.map(text_of_content).unwrap_or(0)
         };
         match *self {
-            Prompt::Messages { system, messages } => {
-                system.map(text_of_content).unwrap_or(0)
+            Prompt::Messages {
+                tools,
+                system,
+                messages,
+            } => {
+                tools.map(json_tokens).unwrap_or(0)
+                    + system.map(text_of_content).unwrap_or(0)
                     + messages
                         .iter()
-                        .map(|m| message(m.get("content")))
+                        .map(|m| {
+                            message(m.get("content"))
+                                + m.get("tool_calls").map(json_tokens).unwrap_or(0)
+                        })
                         .sum::<u64>()
             }
             Prompt::Responses {
+                tools,
                 instructions,
                 input,
             } => {
-                instructions.map(|i| message(Some(i))).unwrap_or(0)
+                tools.map(json_tokens).unwrap_or(0)
+                    + instructions.map(|i| message(Some(i))).unwrap_or(0)
                     + Prompt::items(input)
                         .map(|(_, content)| message(content))
                         .sum::<u64>()
@@ -568,6 +612,52 @@ mod tests {
             (Api::Other, r#"{"prompt":"abcd","max_tokens":2}"#, w(1, 2)),
             // float counts accepted
             (Api::Chat, r#"{"messages":[],"max_tokens":12.0}"#, w(0, 12)),
+        ];
+        for (api, body, want) in cases {
+            assert_eq!(estimate(*api, body.as_bytes(), 256), *want, "{body}");
+        }
+    }
+
+    /// An agent's requests: the tools the template renders, an assistant's tool calls, tool
+    /// results, Anthropic's tool use and tool result blocks, and earlier thinking all count.
+    #[test]
+    fn tools_and_tool_turns_are_prompt() {
+        // {"name":"f","parameters":{"type":"object"}}: 3 members (1 each), keys name (1),
+        // parameters (3), type (1), values f (1) and object (2).
+        let tools = r#"[{"name":"f","parameters":{"type":"object"}}]"#;
+        let tool_tokens = 1 + (1 + 1 + 1) + (1 + 3 + (1 + 1 + 2));
+        assert_eq!(
+            json_tokens(&serde_json::from_str(tools).unwrap()),
+            tool_tokens
+        );
+        let cases: &[(Api, String, Option<Weight>)] = &[
+            (
+                Api::Chat,
+                format!(r#"{{"tools":{tools},"messages":[{{"role":"user","content":"abcd"}}]}}"#),
+                w(tool_tokens + 5, 256),
+            ),
+            // an assistant's tool call (content null), then the tool's result
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c","function":{"arguments":"abcdabcd"}}]},{"role":"tool","tool_call_id":"c","content":"abcdabcdabcd"}]}"#
+                    .to_string(),
+                // tool_calls [{id: c, function: {arguments: abcdabcd}}]: 1 + (1 + 1 + 1) +
+                // (1 + 2 + (1 + 3 + 2)) = 13
+                w(4 + 13 + 4 + 3, 256),
+            ),
+            // Anthropic: tool_use input as JSON, tool_result content as a message's, thinking
+            (
+                Api::Messages,
+                r#"{"messages":[{"role":"assistant","content":[{"type":"thinking","thinking":"abcdabcd"},{"type":"tool_use","id":"t","name":"f","input":{"q":"abcd"}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"abcdabcd"}]},{"type":"tool_result","tool_use_id":"u","content":"abcd"}]}],"max_tokens":9}"#
+                    .to_string(),
+                w(4 + 2 + 3 + 4 + 2 + 1, 9),
+            ),
+            // the Responses API's tools
+            (
+                Api::Responses,
+                format!(r#"{{"tools":{tools},"input":"abcd"}}"#),
+                w(tool_tokens + 5, 256),
+            ),
         ];
         for (api, body, want) in cases {
             assert_eq!(estimate(*api, body.as_bytes(), 256), *want, "{body}");

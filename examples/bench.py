@@ -223,6 +223,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--arrivals", args.arrivals]
         if args.api != "chat":
             cmd += ["--api", args.api]
+        if args.tools:
+            cmd += ["--tools", str(args.tools)]
         cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -427,6 +429,9 @@ def main():
     ap.add_argument("--api", choices=["chat", "responses"], default="chat",
                     help="the API the clients speak: chat completions, or OpenAI's Responses API "
                          "(POST /v1/responses, the prompt as input, the cap as max_output_tokens)")
+    ap.add_argument("--tools", type=int, default=0,
+                    help="every request offers an agent's N tools (the same list each time, about 100 "
+                         "tokens each, rendered into the prompt by the engine)")
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--tenants", default="40", help="tenants of the generated tenants workload")
     ap.add_argument("--concurrency", type=int, default=1,

@@ -52,6 +52,9 @@ usage: loadgen --url http://HOST:PORT
   --api A           chat (POST /v1/chat/completions, max_tokens) or responses
                      (POST /v1/responses: OpenAI's Responses API, the prompt as input,
                      the cap as max_output_tokens) (default chat)
+  --tools N          every request offers an agent's N tools (the same list each time,
+                     about 100 tokens each, which the engine renders into the prompt
+                     ahead of the messages) (default 0)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -78,6 +81,8 @@ struct Args {
     slo_tpot_ms: Option<f64>,
     /// Requests to OpenAI's Responses API instead of chat completions.
     responses: bool,
+    /// Tools offered with every request.
+    tools: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -104,6 +109,7 @@ fn parse_args() -> Result<Args, String> {
         slo_ttft_ms: None,
         slo_tpot_ms: None,
         responses: false,
+        tools: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -144,6 +150,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--slo-ttft-ms" => a.slo_ttft_ms = Some(pos(v()?, "--slo-ttft-ms")?.max(1.0)),
             "--slo-tpot-ms" => a.slo_tpot_ms = Some(pos(v()?, "--slo-tpot-ms")?.max(1.0)),
+            "--tools" => a.tools = pos(v()?, "--tools")? as usize,
             "--api" => {
                 a.responses = match v()?.as_str() {
                     "chat" => false,
@@ -480,6 +487,7 @@ async fn main() {
     }
     let seen = trace::seen_before(&selected);
     // Bodies are built before the clock starts, so building never delays an arrival.
+    let tools = (args.tools > 0).then(|| prompt::tools(args.tools, args.responses));
     let plan: Vec<(f64, Bytes, u64, u64, String, &'static str)> = selected
         .iter()
         .enumerate()
@@ -493,13 +501,16 @@ async fn main() {
                 &r.blocks,
                 trace::MOONCAKE_BLOCK_TOKENS,
             );
-            let body = if args.responses {
+            let mut body = if args.responses {
                 json!({"model": "mock-model", "stream": true, "max_output_tokens": args.max_tokens,
                        "input": [{"role": "user", "content": text}]})
             } else {
                 json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
                        "messages": [{"role": "user", "content": text}]})
             };
+            if let (Some(tools), Some(o)) = (&tools, body.as_object_mut()) {
+                o.insert("tools".into(), tools.clone());
+            }
             let wall_ms = (r.at_ms - selected[0].at_ms) / args.rate / args.time_scale;
             let prefix_key = match r.blocks.first() {
                 Some(b) if prompt_tokens >= trace::MOONCAKE_BLOCK_TOKENS => format!("b{b}"),
@@ -585,6 +596,7 @@ async fn main() {
                          "start_s": args.start_s, "duration_s": args.duration_s,
                          "max_tokens": args.max_tokens,
                          "api": if args.responses { "responses" } else { "chat" },
+                         "tools": args.tools,
                          "summary": summary,
                          "requests": records.iter().map(Record::to_json).collect::<Vec<_>>()});
         if let Err(e) = std::fs::write(path, doc.to_string()) {

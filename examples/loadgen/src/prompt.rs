@@ -87,3 +87,40 @@ mod tests {
         s.len()
     }
 }
+
+/// An agent's tool list: `n` function tools in OpenAI's chat shape (`{"type":"function",
+/// "function":{...}}`), each a name, a description of about 40 words and a JSON schema of three
+/// string parameters, the same for every request (an agent offers the same tools every turn).
+/// `responses`: in the Responses API's flat shape (`{"type":"function","name":...}`).
+pub fn tools(n: usize, responses: bool) -> serde_json::Value {
+    (0..n as u64)
+        .map(|i| {
+            let mut description = String::new();
+            text(0x7001 ^ i.wrapping_mul(0x9e37), 52, &mut description);
+            let mut properties = serde_json::Map::new();
+            for p in 0..3u64 {
+                let mut about = String::new();
+                text(0x7002 ^ (i * 8 + p), 8, &mut about);
+                properties.insert(
+                    format!("arg{p}"),
+                    serde_json::json!({"type": "string", "description": about.trim_end()}),
+                );
+            }
+            let function = serde_json::json!({
+                "name": format!("tool_{i}"),
+                "description": description.trim_end(),
+                "parameters": {"type": "object", "properties": properties,
+                               "required": ["arg0"]},
+            });
+            if responses {
+                let mut f = function;
+                if let Some(o) = f.as_object_mut() {
+                    o.insert("type".into(), "function".into());
+                }
+                f
+            } else {
+                serde_json::json!({"type": "function", "function": function})
+            }
+        })
+        .collect()
+}

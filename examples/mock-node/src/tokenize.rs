@@ -23,17 +23,9 @@ pub fn count(text: &str) -> u64 {
     (words * 13).div_ceil(10) + punct
 }
 
-/// Prompt tokens of a `/v1/chat/completions` body: `messages` is an array whose `content` is a
-/// string, an array of parts (`{"type":"text","text":..}` or strings; other parts such as
-/// images count nothing), or absent/null (e.g. an assistant message with tool calls).
+/// Prompt tokens of a `/v1/chat/completions` body: as many as its ids (`chat_prompt_ids`).
 pub fn chat_prompt_tokens(body: &Value) -> Result<u64, String> {
-    let Some(messages) = body.get("messages").and_then(Value::as_array) else {
-        return Err("`messages` must be an array".into());
-    };
-    Ok(messages
-        .iter()
-        .map(|m| PER_MESSAGE + m.get("content").map_or(0, content_tokens))
-        .sum())
+    chat_prompt_ids(body).map(|ids| ids.len() as u64)
 }
 
 /// Prompt tokens of a `/v1/completions` body: `prompt` is a string, an array of strings, or
@@ -75,35 +67,61 @@ pub fn text_ids(text: &str, out: &mut Vec<u64>) {
     }
 }
 
-/// Prompt token ids of a `/v1/chat/completions` body: per message, `PER_MESSAGE` template ids
-/// derived from its role, then its content's ids. As many as `chat_prompt_tokens` counts.
+/// Prompt token ids of a `/v1/chat/completions` body, as a chat template renders it: the
+/// request's `tools` first (dumped as JSON, as templates do, after `PER_MESSAGE` template
+/// ids), then per message `PER_MESSAGE` template ids derived from its role, its content's ids
+/// and an assistant's `tool_calls` (as JSON). `messages` is an array whose `content` is a
+/// string, an array of parts (`{"type":"text","text":..}` or strings, Anthropic-style
+/// `tool_result` blocks by their `content` and `tool_use` blocks by their `input` as JSON;
+/// other parts such as images count nothing), or absent/null (e.g. an assistant message with
+/// tool calls).
 pub fn chat_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
     let Some(messages) = body.get("messages").and_then(Value::as_array) else {
         return Err("`messages` must be an array".into());
     };
     let mut out = Vec::new();
-    for m in messages {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+    let template = |role: &str, out: &mut Vec<u64>| {
         let r = fnv1a(FNV_OFFSET, role.as_bytes()) & 0xffff_ffff;
         out.extend((0..PER_MESSAGE).map(|j| TEMPLATE_TAG | (r << 4) | j));
-        match m.get("content") {
-            Some(Value::String(s)) => text_ids(s, &mut out),
-            Some(Value::Array(parts)) => {
-                for p in parts {
-                    match p {
-                        Value::String(s) => text_ids(s, &mut out),
-                        _ => {
-                            if let Some(t) = p.get("text").and_then(Value::as_str) {
-                                text_ids(t, &mut out);
-                            }
-                        }
-                    }
-                }
-            }
-            _ => {}
+    };
+    if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
+        template("tools", &mut out);
+        text_ids(&tools.to_string(), &mut out);
+    }
+    for m in messages {
+        template(
+            m.get("role").and_then(Value::as_str).unwrap_or_default(),
+            &mut out,
+        );
+        if let Some(content) = m.get("content") {
+            content_ids(content, &mut out);
+        }
+        if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
+            text_ids(&calls.to_string(), &mut out);
         }
     }
     Ok(out)
+}
+
+/// The ids of a message's content (see `chat_prompt_ids`).
+fn content_ids(content: &Value, out: &mut Vec<u64>) {
+    match content {
+        Value::String(s) => text_ids(s, out),
+        Value::Array(parts) => {
+            for p in parts {
+                if let Value::String(s) = p {
+                    text_ids(s, out);
+                } else if let Some(t) = p.get("text").and_then(Value::as_str) {
+                    text_ids(t, out);
+                } else if let Some(c) = p.get("content") {
+                    content_ids(c, out);
+                } else if let Some(input) = p.get("input") {
+                    text_ids(&input.to_string(), out);
+                }
+            }
+        }
+        _ => {}
+    }
 }
 
 /// A `/v1/responses` body (OpenAI's Responses API) as the chat body it stands for, as
@@ -135,7 +153,11 @@ pub fn responses_as_chat(body: &Value) -> Result<Value, String> {
         }
         _ => return Err("'input' must be a string or array of objects".into()),
     }
-    Ok(serde_json::json!({"messages": messages}))
+    let mut chat = serde_json::json!({"messages": messages});
+    if let (Some(tools), Some(o)) = (body.get("tools"), chat.as_object_mut()) {
+        o.insert("tools".into(), tools.clone());
+    }
+    Ok(chat)
 }
 
 /// Prompt token ids of a `/v1/completions` body; token-id prompts are their own ids. As many as
@@ -162,20 +184,6 @@ pub fn completion_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
         _ => return Err("`prompt` must be a string or an array".into()),
     }
     Ok(out)
-}
-
-fn content_tokens(content: &Value) -> u64 {
-    match content {
-        Value::String(s) => count(s),
-        Value::Array(parts) => parts
-            .iter()
-            .map(|p| match p {
-                Value::String(s) => count(s),
-                _ => p.get("text").and_then(Value::as_str).map_or(0, count),
-            })
-            .sum(),
-        _ => 0,
-    }
 }
 
 #[cfg(test)]
@@ -221,6 +229,31 @@ mod tests {
         ] {
             assert_eq!(chat_prompt_tokens(&body).map_err(|_| ()), want, "{body}");
         }
+    }
+
+    /// An agent's prompt: the tools (as JSON), an assistant's tool calls (as JSON), tool
+    /// results and Anthropic's tool blocks count, as a chat template renders them.
+    #[test]
+    fn tools_and_tool_turns_count() {
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        // [{"function":{"name":"f"},"type":"function"}]: one word (2 tokens) and 20
+        // punctuation marks.
+        assert_eq!(count(&tools.to_string()), 2 + 20);
+        let body = json!({"tools": tools, "messages": [
+            {"role": "user", "content": "hello world"},
+            {"role": "assistant", "content": null,
+             "tool_calls": [{"id": "c", "function": {"arguments": "x"}}]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "user", "content": [
+                {"type": "tool_result", "content": [{"type": "text", "text": "warm"}]},
+                {"type": "tool_use", "input": {"q": "y"}}]}]});
+        let calls = json!([{"id": "c", "function": {"arguments": "x"}}]).to_string();
+        let input = json!({"q": "y"}).to_string();
+        let want = (4 + 22) + (4 + 3) + (4 + count(&calls)) + (4 + 2) + (4 + 2 + count(&input));
+        assert_eq!(chat_prompt_tokens(&body), Ok(want));
+        // The Responses API's tools too.
+        let r = responses_as_chat(&json!({"tools": tools, "input": "hello world"})).unwrap();
+        assert_eq!(chat_prompt_tokens(&r), Ok((4 + 22) + (4 + 3)));
     }
 
     #[test]

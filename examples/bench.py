@@ -221,9 +221,10 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         if args.arrivals != "poisson":
             cmd += ["--arrivals", args.arrivals]
-        if args.api != "chat":
+        # Callers that build their own arguments (admission_bench.py) may leave these out.
+        if getattr(args, "api", "chat") != "chat":
             cmd += ["--api", args.api]
-        if args.tools:
+        if getattr(args, "tools", 0):
             cmd += ["--tools", str(args.tools)]
         cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()

@@ -202,7 +202,9 @@ def test_the_responses_api_through_envoy(envoy):
                                                     input="Name a colour.", max_output_tokens=16, temperature=0)
     booked = dict(kv.split("=", 1) for kv in raw.headers["x-token-balancer"].split("; "))
     assert booked["node"].startswith("127.0.0.1:"), booked
-    assert booked["output_tokens"] == "16" and int(booked["prompt_tokens"]) > 8, booked
+    # A generation (an embedding would book no output): at its cap, or below it at the output
+    # the filter has learned from the answers of this module's earlier tests.
+    assert 1 <= int(booked["output_tokens"]) <= 16 and int(booked["prompt_tokens"]) > 8, booked
     r = raw.parse()
     assert r.object == "response" and r.output_text, r
     assert 1 <= r.usage.output_tokens <= 16 and r.usage.input_tokens > 0, r.usage

@@ -310,6 +310,20 @@ def test_responses_api_requests_are_priced_and_their_output_learned(cluster):
         e.stop()
 
 
+def test_an_agents_tools_are_priced_as_its_prompt(envoy):
+    """The tools a chat request offers are rendered into its prompt by the engine: the filter
+    prices them (an agent's tool list is often thousands of tokens no message shows)."""
+    tool = {"type": "function", "function": {
+        "name": "read_file", "description": "Read one file of the repository and return it. " * 10,
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    plain = debug_fields(envoy.post("/v1/chat/completions", chat("What does main.rs do?", 8)))
+    agent = debug_fields(envoy.post("/v1/chat/completions",
+                                    {**chat("What does main.rs do?", 8), "tools": [tool] * 8}))
+    # Eight tools of about 500 characters each: about 1,100 tokens more.
+    added = int(agent["prompt_tokens"]) - int(plain["prompt_tokens"])
+    assert 1000 <= added <= 1300, (plain, agent)
+
+
 def test_two_choices_spread_and_keep_the_rules(cluster):
     """Power-of-two choices (what `choices: auto` uses behind many routers): equal idle nodes
     share the requests, the most loaded of three nodes never wins a draw, and a long prompt

@@ -16,7 +16,10 @@
 //! (`instructions`, and `input` as a string or a list of items: messages, tool calls and their
 //! outputs, reasoning; `max_output_tokens`), which vLLM, SGLang and llama.cpp's server serve
 //! beside chat completions and which OpenAI's agents speak. Where a body keeps its prompt is
-//! told once ([`Prompt`]) for both the weight and the prefix chain (`prompt`). A body that is
+//! told once ([`Prompt`]) for both the weight and the prefix chain (`prompt`). An agent's
+//! prompt is more than its messages' text: the `tools` it offers (which a chat template
+//! renders as JSON ahead of the messages), an assistant's tool calls, tool results and
+//! Anthropic's tool blocks are counted too ([`json_tokens`], `part_tokens`). A body that is
 //! not JSON, or whose shape gives no prompt, is `None`: the caller then leaves the request to
 //! Envoy's fallback balancer. Fields of the wrong type are ignored one by one rather than
 //! failing the whole estimate.

@@ -211,21 +211,17 @@ impl Chainer {
         }
     }
 
-    /// One message: its role, then its content when it has one, each ended by its separator.
-    fn message(&mut self, role: &str, content: Option<&Value>) {
-        self.message_with(role, content, None);
-    }
-
-    /// A message with what the template renders after its content (an assistant's tool
-    /// calls), as JSON.
-    fn message_with(&mut self, role: &str, content: Option<&Value>, then: Option<&Value>) {
+    /// One turn (see `request::Prompt::turns`): its role, then its content when it has one,
+    /// then what the template renders as JSON (the tools, an assistant's tool calls), each
+    /// ended by its separator.
+    fn message(&mut self, role: &str, content: Option<&Value>, json: Option<&Value>) {
         self.feed(role.as_bytes());
         self.feed(&[END_ROLE]);
         if let Some(content) = content {
             self.content(content);
         }
-        if let Some(then) = then {
-            self.json(then);
+        if let Some(json) = json {
+            self.json(json);
         }
         self.feed(&[END_MESSAGE]);
     }
@@ -268,39 +264,10 @@ pub fn chain(
     let seed = model_seed(model);
     let mut c = Chainer::new(block_chars, seed);
     match Prompt::of(api, obj) {
-        Some(Prompt::Messages {
-            tools,
-            system,
-            messages,
-        }) => {
-            if let Some(tools) = tools {
-                c.message_with("tools", None, Some(tools));
-            }
-            if let Some(system) = system {
-                c.message("system", Some(system));
-            }
-            for m in messages {
-                let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
-                c.message_with(role, m.get("content"), m.get("tool_calls"));
-            }
-        }
-        // The instructions are the system message, then the input's items in order, as the
-        // engine renders them: a conversation's turns keep their blocks from one request to
-        // the next, like a chat's messages.
-        Some(Prompt::Responses {
-            tools,
-            instructions,
-            input,
-        }) => {
-            if let Some(tools) = tools {
-                c.message_with("tools", None, Some(tools));
-            }
-            if let Some(instructions) = instructions {
-                c.message("system", Some(instructions));
-            }
-            for (role, content) in Prompt::items(input) {
-                c.message(role, content);
-            }
+        // A conversation's turns keep their blocks from one request to the next, whichever
+        // of the two APIs sends them.
+        Some(p @ (Prompt::Messages { .. } | Prompt::Responses { .. })) => {
+            p.turns(|t| c.message(t.role, t.content, t.json));
         }
         Some(Prompt::Text(prompt)) => match prompt {
             Value::String(s) => c.feed(s.as_bytes()),
@@ -331,6 +298,15 @@ mod tests {
         of_api(Api::Chat, body, block)
     }
 
+    /// Leading blocks two chains share.
+    fn shared(a: &Chain, b: &Chain) -> usize {
+        a.blocks
+            .iter()
+            .zip(&b.blocks)
+            .take_while(|(x, y)| x == y)
+            .count()
+    }
+
     fn of_api(api: Api, body: &str, block: usize) -> Chain {
         let v: Value = serde_json::from_str(body).unwrap();
         let mut obj = v.as_object().unwrap().clone();
@@ -352,12 +328,7 @@ mod tests {
         };
         let a = of(&ask(&tools, "What does main.rs do?"), 32);
         let b = of(&ask(&tools, "Where is the config read?"), 32);
-        let common = a
-            .blocks
-            .iter()
-            .zip(&b.blocks)
-            .take_while(|(x, y)| x == y)
-            .count();
+        let common = shared(&a, &b);
         assert!(common >= 240 / 32, "{common} blocks shared");
         let other = serde_json::json!([{"type":"function","function":{"name":"write_file"}}]);
         let c = of(&ask(&other, "What does main.rs do?"), 32);
@@ -430,12 +401,7 @@ mod tests {
             &chat(&sys, "Summarise the plot of Hamlet in two lines."),
             64,
         );
-        let common = a
-            .blocks
-            .iter()
-            .zip(&b.blocks)
-            .take_while(|(x, y)| x == y)
-            .count();
+        let common = shared(&a, &b);
         // The system prompt's full blocks (role and separator included) are shared ...
         assert!(common >= 1160 / 64, "{common}");
         // ... and the chains part where the questions do.

@@ -369,42 +369,94 @@ impl<'a> Prompt<'a> {
         }))
     }
 
-    /// Estimated prompt tokens (see the module comment), with each message's template overhead:
-    /// the tools, then the messages, each with its content and an assistant's tool calls.
-    fn tokens(&self) -> u64 {
-        let message = |content: Option<&Value>| {
-            PER_MESSAGE_OVERHEAD + content.map(text_of_content).unwrap_or(0)
-        };
-        match *self {
-            Prompt::Messages {
-                tools,
-                system,
-                messages,
-            } => {
-                tools.map(json_tokens).unwrap_or(0)
-                    + system.map(text_of_content).unwrap_or(0)
-                    + messages
-                        .iter()
-                        .map(|m| {
-                            message(m.get("content"))
-                                + m.get("tool_calls").map(json_tokens).unwrap_or(0)
-                        })
-                        .sum::<u64>()
-            }
+    /// The prompt as a chat template renders it, turn by turn, in order (`visit` is called
+    /// once a turn): the tools the request offers, the system message (Anthropic's `system`,
+    /// the Responses API's `instructions`), then the messages (the Responses API's `input`
+    /// items), each with its content and an assistant's tool calls. Completions' and
+    /// embeddings' text has no turns. The one reading of a prompt's parts, for its tokens
+    /// (`tokens`) and its prefix chain (`prompt::chain`).
+    pub fn turns(&self, mut visit: impl FnMut(Turn<'a>)) {
+        let (tools, system) = match *self {
+            Prompt::Messages { tools, system, .. } => (tools, system.map(|s| (s, false))),
             Prompt::Responses {
                 tools,
                 instructions,
-                input,
-            } => {
-                tools.map(json_tokens).unwrap_or(0)
-                    + instructions.map(|i| message(Some(i))).unwrap_or(0)
-                    + Prompt::items(input)
-                        .map(|(_, content)| message(content))
-                        .sum::<u64>()
+                ..
+            } => (tools, instructions.map(|i| (i, true))),
+            Prompt::Text(_) | Prompt::Embed(_) => return,
+        };
+        if let Some(tools) = tools {
+            visit(Turn {
+                role: "tools",
+                content: None,
+                json: Some(tools),
+                framed: false,
+            });
+        }
+        if let Some((system, framed)) = system {
+            visit(Turn {
+                role: "system",
+                content: Some(system),
+                json: None,
+                framed,
+            });
+        }
+        match *self {
+            Prompt::Messages { messages, .. } => {
+                for m in messages {
+                    visit(Turn {
+                        role: m.get("role").and_then(Value::as_str).unwrap_or_default(),
+                        content: m.get("content"),
+                        json: m.get("tool_calls"),
+                        framed: true,
+                    });
+                }
             }
-            Prompt::Text(text) | Prompt::Embed(text) => text_of_content(text),
+            Prompt::Responses { input, .. } => {
+                for (role, content) in Prompt::items(input) {
+                    visit(Turn {
+                        role,
+                        content,
+                        json: None,
+                        framed: true,
+                    });
+                }
+            }
+            Prompt::Text(_) | Prompt::Embed(_) => {}
         }
     }
+
+    /// Estimated prompt tokens (see the module comment): every turn's content and JSON, and
+    /// the template's overhead for each message.
+    fn tokens(&self) -> u64 {
+        match *self {
+            Prompt::Text(text) | Prompt::Embed(text) => text_of_content(text),
+            Prompt::Messages { .. } | Prompt::Responses { .. } => {
+                let mut tokens = 0u64;
+                self.turns(|t| {
+                    tokens = tokens
+                        .saturating_add(if t.framed { PER_MESSAGE_OVERHEAD } else { 0 })
+                        .saturating_add(t.content.map(text_of_content).unwrap_or(0))
+                        .saturating_add(t.json.map(json_tokens).unwrap_or(0));
+                });
+                tokens
+            }
+        }
+    }
+}
+
+/// One turn of a prompt as a template renders it (see [`Prompt::turns`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Turn<'a> {
+    pub role: &'a str,
+    /// Its text: a string, or parts.
+    pub content: Option<&'a Value>,
+    /// What the template renders as JSON after the content: the tools, or an assistant's tool
+    /// calls.
+    pub json: Option<&'a Value>,
+    /// A message the template frames with its role markers (`PER_MESSAGE_OVERHEAD`); not the
+    /// tools, nor Anthropic's top-level `system`.
+    pub framed: bool,
 }
 
 fn weight_of(

@@ -10,12 +10,14 @@
 //! matched share of the rendered characters times the prompt's estimated tokens (`Chain::cached`).
 //!
 //! Rendering: the model name seeds the chain (different models never share a cache); then the
-//! tools the request offers (a template renders them first, in or before the system prompt),
-//! the Anthropic `system` (or the Responses API's `instructions`), then each message's role and
-//! text parts in order (tool results' content and tool uses' input among them; an assistant's
-//! tool calls after its content; a Responses `input`'s items as the messages they stand for), with separators that
-//! cannot occur in JSON-decoded text boundaries being confused (a role, a part and a message
-//! each end with their own control byte); a completion's `prompt` string (or strings). Parts
+//! prompt's turns as `request::Prompt::turns` reads them: the tools the request offers (a
+//! template renders them first, in or before the system prompt), the Anthropic `system` (or
+//! the Responses API's `instructions`), then each message's role and parts in order
+//! (`request::Part`: text, tool results' content, tool uses' input; an assistant's tool calls
+//! after its content; a Responses `input`'s items as the messages they stand for), with
+//! separators that cannot occur in JSON-decoded text boundaries being confused (a role, a part
+//! and a message each end with their own control byte); a completion's `prompt` string (or
+//! strings). Parts
 //! that are not text (images, audio) count as a marker only: hashing a megabyte of base64 per
 //! request would cost more than the routing, and equal text around them still matches. Token-id
 //! prompts have no chain. Only full blocks are hashed (a partial last block is never shared by
@@ -31,7 +33,7 @@
 //! few microseconds inside the VM. It resists no crafted collision; a collision only makes a
 //! node look like it holds a prefix it does not, which costs one slower prefill.
 
-use crate::ingest::request::{Api, Prompt};
+use crate::ingest::request::{Api, Part, Prompt};
 use serde_json::Value;
 
 /// Longest chain kept: 1,024 blocks of 256 characters cover a 256 KiB prompt (about 64k tokens).
@@ -185,24 +187,11 @@ impl Chainer {
             Value::String(s) => self.feed(s.as_bytes()),
             Value::Array(parts) => {
                 for p in parts {
-                    match p {
-                        Value::String(s) => self.feed(s.as_bytes()),
-                        // As `request::part_tokens` reads a part: its text, a tool result's
-                        // content, a tool use's input, earlier thinking; else a marker.
-                        Value::Object(o) => {
-                            if let Some(Value::String(t)) = o.get("text") {
-                                self.feed(t.as_bytes());
-                            } else if let Some(content) = o.get("content") {
-                                self.content(content);
-                            } else if let Some(input) = o.get("input") {
-                                self.json(input);
-                            } else if let Some(Value::String(t)) = o.get("thinking") {
-                                self.feed(t.as_bytes());
-                            } else {
-                                self.feed(OTHER_PART);
-                            }
-                        }
-                        _ => self.feed(OTHER_PART),
+                    match Part::of(p) {
+                        Part::Text(t) => self.feed(t.as_bytes()),
+                        Part::Content(content) => self.content(content),
+                        Part::Json(v) => self.json(v),
+                        Part::Other => self.feed(OTHER_PART),
                     }
                     self.feed(&[END_PART]);
                 }

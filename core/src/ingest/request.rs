@@ -105,28 +105,52 @@ fn text_of_content(content: &Value) -> u64 {
     }
 }
 
-/// Prompt tokens of one part of a message's content: OpenAI's `text` parts, Anthropic's text
-/// blocks and the Responses API's `input_text` / `output_text` parts (their `text`);
-/// Anthropic's `tool_result` blocks (their `content`, as a message's) and `tool_use` blocks
-/// (their `input`, rendered as JSON), and the `thinking` of its earlier turns. Images and
-/// audio count nothing: what they cost is the engine's encoder's, not told by the body.
-fn part_tokens(part: &Value) -> u64 {
-    match part {
-        Value::String(s) => estimate_text_tokens(s),
-        Value::Object(o) => {
-            if let Some(Value::String(text)) = o.get("text") {
-                estimate_text_tokens(text)
-            } else if let Some(content) = o.get("content") {
-                text_of_content(content)
-            } else if let Some(input) = o.get("input") {
-                json_tokens(input)
-            } else if let Some(Value::String(thinking)) = o.get("thinking") {
-                estimate_text_tokens(thinking)
-            } else {
-                0
-            }
+/// What one part of a message's content holds for the prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Part<'a> {
+    /// Text: a string part, OpenAI's `text` parts, Anthropic's text blocks, the Responses
+    /// API's `input_text` / `output_text` parts (their `text`), the `thinking` of an earlier
+    /// turn.
+    Text(&'a str),
+    /// Anthropic's `tool_result` block: its `content`, read as a message's.
+    Content(&'a Value),
+    /// Anthropic's `tool_use` block: its `input`, rendered as JSON.
+    Json(&'a Value),
+    /// Anything else (an image, audio): what it costs is the engine's encoder's, not told by
+    /// the body.
+    Other,
+}
+
+impl<'a> Part<'a> {
+    /// The one reading of a content part, for its tokens (`part_tokens`) and its prefix chain.
+    pub fn of(part: &'a Value) -> Part<'a> {
+        let Value::Object(o) = part else {
+            return match part {
+                Value::String(s) => Part::Text(s),
+                _ => Part::Other,
+            };
+        };
+        if let Some(Value::String(text)) = o.get("text") {
+            Part::Text(text)
+        } else if let Some(content) = o.get("content") {
+            Part::Content(content)
+        } else if let Some(input) = o.get("input") {
+            Part::Json(input)
+        } else if let Some(Value::String(thinking)) = o.get("thinking") {
+            Part::Text(thinking)
+        } else {
+            Part::Other
         }
-        _ => 0,
+    }
+}
+
+/// Prompt tokens of one part of a message's content (see [`Part`]).
+fn part_tokens(part: &Value) -> u64 {
+    match Part::of(part) {
+        Part::Text(text) => estimate_text_tokens(text),
+        Part::Content(content) => text_of_content(content),
+        Part::Json(v) => json_tokens(v),
+        Part::Other => 0,
     }
 }
 

@@ -59,35 +59,6 @@ pub fn build(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lengths_and_sharing() {
-        let a = build(1, 1024 + 100, &[7, 8, 9], 512);
-        let b = build(2, 1024 + 50, &[7, 8, 10], 512);
-        let c = build(3, 1024, &[1, 2], 512);
-        let shared = block_len(7) + block_len(8);
-        assert_eq!(
-            a[..shared],
-            b[..shared],
-            "equal hash ids give equal prefixes"
-        );
-        assert_ne!(a[..shared + 40], b[..shared + 40], "then they differ");
-        assert_ne!(a[..block_len(7)], c[..block_len(7)]);
-        // ~1.3 tokens a word: word count matches the token target.
-        let words = build(4, 1300, &[], 512).split_whitespace().count();
-        assert_eq!(words, 1000);
-    }
-
-    fn block_len(hash: u64) -> usize {
-        let mut s = String::new();
-        text(hash.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c, 512, &mut s);
-        s.len()
-    }
-}
-
 /// An agent's tool list: `n` function tools in OpenAI's chat shape (`{"type":"function",
 /// "function":{...}}`), each a name, a description of about 40 words and a JSON schema of three
 /// string parameters, the same for every request (an agent offers the same tools every turn).
@@ -123,4 +94,33 @@ pub fn tools(n: usize, responses: bool) -> serde_json::Value {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_and_sharing() {
+        let a = build(1, 1024 + 100, &[7, 8, 9], 512);
+        let b = build(2, 1024 + 50, &[7, 8, 10], 512);
+        let c = build(3, 1024, &[1, 2], 512);
+        let shared = block_len(7) + block_len(8);
+        assert_eq!(
+            a[..shared],
+            b[..shared],
+            "equal hash ids give equal prefixes"
+        );
+        assert_ne!(a[..shared + 40], b[..shared + 40], "then they differ");
+        assert_ne!(a[..block_len(7)], c[..block_len(7)]);
+        // ~1.3 tokens a word: word count matches the token target.
+        let words = build(4, 1300, &[], 512).split_whitespace().count();
+        assert_eq!(words, 1000);
+    }
+
+    fn block_len(hash: u64) -> usize {
+        let mut s = String::new();
+        text(hash.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c, 512, &mut s);
+        s.len()
+    }
 }

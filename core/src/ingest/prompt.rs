@@ -250,9 +250,19 @@ pub fn chain(
     model: Option<&str>,
     block_chars: usize,
 ) -> Chain {
+    chain_of(Prompt::of(api, obj), obj, model, block_chars)
+}
+
+/// `chain`, for a body whose prompt `Prompt::of` has already found (`None`: none).
+pub fn chain_of(
+    prompt: Option<Prompt<'_>>,
+    obj: &serde_json::Map<String, Value>,
+    model: Option<&str>,
+    block_chars: usize,
+) -> Chain {
     let seed = model_seed(model);
     let mut c = Chainer::new(block_chars, seed);
-    match Prompt::of(api, obj) {
+    match prompt {
         // A conversation's turns keep their blocks from one request to the next, whichever
         // of the two APIs sends them.
         Some(p @ (Prompt::Messages { .. } | Prompt::Responses { .. })) => {

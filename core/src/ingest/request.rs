@@ -291,9 +291,11 @@ pub fn read_with_chain(
         Some(Value::String(m)) if !m.is_empty() => Some(m),
         _ => None,
     };
-    let weight = weight_of(api, &obj, default_max_tokens)?;
+    // Where the prompt is, read once for both the weight and the chain.
+    let found = Prompt::of(api, &obj)?;
+    let weight = weight_of(api, found, &obj, default_max_tokens);
     let chain = match block_chars {
-        Some(b) => prompt::chain(api, &obj, model.as_deref(), b),
+        Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
         None => Chain::NONE,
     };
     let user = match obj.remove("user") {
@@ -483,12 +485,13 @@ pub struct Turn<'a> {
     pub framed: bool,
 }
 
+/// The weight of a request to `api` whose body `obj` keeps its prompt as `prompt`.
 fn weight_of(
     api: Api,
+    prompt: Prompt<'_>,
     obj: &serde_json::Map<String, Value>,
     default_max_tokens: u64,
-) -> Option<Weight> {
-    let prompt = Prompt::of(api, obj)?;
+) -> Weight {
     let output_tokens = match prompt {
         // Whatever its shape, a body sent to an embeddings endpoint decodes nothing.
         _ if api == Api::Embeddings => 0,
@@ -505,10 +508,10 @@ fn weight_of(
             cap.saturating_mul(n)
         }
     };
-    Some(Weight {
+    Weight {
         prompt_tokens: prompt.tokens(),
         output_tokens,
-    })
+    }
 }
 
 #[cfg(test)]

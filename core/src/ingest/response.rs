@@ -403,6 +403,14 @@ mod tests {
         events.iter().map(|e| format!("data: {e}\n\n")).collect()
     }
 
+    /// Named events (Anthropic's, the Responses API's): an `event:` line, then the data.
+    fn named_sse<N: std::fmt::Display, D: std::fmt::Display>(events: &[(N, D)]) -> String {
+        events
+            .iter()
+            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+            .collect()
+    }
+
     fn chat_chunk(delta: &str, finish: &str) -> String {
         format!(
             r#"{{"id":"chatcmpl-7","object":"chat.completion.chunk","created":1718000000,"model":"llama-3-8b","choices":[{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{finish}}}]}}"#
@@ -516,10 +524,7 @@ mod tests {
             r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":3}}"#
                 .to_string(),
         ));
-        events
-            .iter()
-            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
-            .collect()
+        named_sse(&events)
     }
 
     /// Anthropic's extended thinking: a thinking block (two deltas and a signature), then a
@@ -555,10 +560,7 @@ mod tests {
                 r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}"#,
             ),
         ];
-        events
-            .iter()
-            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
-            .collect()
+        named_sse(events)
     }
 
     fn completions_stream() -> String {
@@ -609,10 +611,7 @@ mod tests {
             ),
             ("message_stop", r#"{"type":"message_stop"}"#),
         ];
-        events
-            .iter()
-            .map(|(kind, data)| format!("event: {kind}\ndata: {data}\n\n"))
-            .collect()
+        named_sse(events)
     }
 
     /// OpenAI's Responses API, streamed as vLLM and llama.cpp's server stream it: thinking,
@@ -669,10 +668,7 @@ mod tests {
                 r#"{"type":"response.completed","response":{"id":"resp_1","object":"response","status":"completed","max_output_tokens":64,"output":[{"type":"message","content":[{"type":"output_text","text":"Hello \"world\""}]}],"usage":{"input_tokens":20,"input_tokens_details":{"cached_tokens":0},"output_tokens":6,"output_tokens_details":{"reasoning_tokens":2},"total_tokens":26}}}"#,
             ),
         ];
-        events
-            .iter()
-            .map(|(kind, data)| format!("event: {kind}\ndata: {data}\n\n"))
-            .collect()
+        named_sse(events)
     }
 
     /// A Responses API answer, not streamed.

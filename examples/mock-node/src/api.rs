@@ -226,28 +226,29 @@ impl Completion {
     }
 
     fn whole(&self, text: String) -> Value {
-        if self.kind == Kind::Responses {
-            return self.response(
-                "completed",
-                json!([self.message_item(&text)]),
-                self.responses_usage(),
-            );
-        }
         let (object, choice) = match self.kind {
             Kind::Chat => (
                 "chat.completion",
                 json!({"index": 0, "message": {"role": "assistant", "content": text},
                        "finish_reason": self.finish_reason, "logprobs": null}),
             ),
-            Kind::Text | Kind::Responses => (
+            Kind::Text => (
                 "text_completion",
                 json!({"index": 0, "text": text, "finish_reason": self.finish_reason,
                        "logprobs": null}),
             ),
+            Kind::Responses => {
+                return self.response(
+                    "completed",
+                    json!([self.message_item(&text)]),
+                    self.responses_usage(),
+                )
+            }
         };
         self.object(json!({"object": object, "choices": [choice], "usage": self.usage()}))
     }
 
+    /// A stream chunk's `object` (the Responses API's events have none).
     fn chunk_object(&self) -> &'static str {
         match self.kind {
             Kind::Chat => "chat.completion.chunk",

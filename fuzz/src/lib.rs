@@ -41,7 +41,7 @@ pub const TARGETS: &[(&str, Target)] = &[
 
 /// Request paths the first input byte chooses from: every API the estimator knows, with the
 /// variants the filter sees in practice (prefixes, query strings), and unknown paths.
-const PATHS: [&str; 8] = [
+const PATHS: [&str; 16] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
@@ -50,6 +50,14 @@ const PATHS: [&str; 8] = [
     "/v1/chat/completions?stream=true",
     "/openai/v1/embeddings",
     "/v1/responses",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/generate_stream",
+    "/inference/v1/generate",
+    "/completion",
+    "/v1/responses/input_tokens",
+    "/api/unknown",
+    "/v1/completions?x=1",
 ];
 
 /// `default_max_tokens` values the first input byte chooses from (the configuration accepts any
@@ -60,20 +68,35 @@ const DEFAULT_MAX_TOKENS: [u64; 4] = [256, 0, 1, u64::MAX];
 const MAX_OUTPUT_TOKENS: u64 = 1 << 24;
 /// `request::MAX_N` (core/src/ingest/request.rs): the clamp on `n`.
 const MAX_N: u64 = 128;
+/// `request::MAX_BATCH` (core/src/ingest/request.rs): the clamp on a batch's prompts.
+const MAX_BATCH: u64 = 1 << 16;
+/// `request::GENERATE_PROMPTS` (core/src/ingest/request.rs): where a native generate body keeps
+/// its prompt, read on `Api::Generate` paths only.
+const GENERATE_PROMPTS: [&str; 4] = ["text", "input_ids", "token_ids", "inputs"];
+/// `request::OUTPUT_CAPS` (core/src/ingest/request.rs), as JSON pointers: where a body that is
+/// not the Responses API's caps its output.
+const OUTPUT_CAPS: [&str; 6] = [
+    "/max_completion_tokens",
+    "/max_tokens",
+    "/n_predict",
+    "/sampling_params/max_new_tokens",
+    "/sampling_params/max_tokens",
+    "/parameters/max_new_tokens",
+];
 /// `request::PER_MESSAGE_OVERHEAD` (core/src/ingest/request.rs): template tokens added per message.
 const PER_MESSAGE_OVERHEAD: u64 = 4;
 /// `request::RESPONSES_ONLY` (core/src/ingest/request.rs): the fields that make a body with
 /// `input` on a path that names no API the Responses API's rather than embeddings'.
 const RESPONSES_ONLY: [&str; 3] = ["instructions", "max_output_tokens", "previous_response_id"];
 
-/// Request body estimation. Input: one byte that chooses the request path (low 3 bits) and the
+/// Request body estimation. Input: one byte that chooses the request path (low 4 bits) and the
 /// configured `default_max_tokens` (next 2 bits), then the body.
 pub fn request_body(data: &[u8]) {
     let Some((&choice, body)) = data.split_first() else {
         return;
     };
-    let path = PATHS[usize::from(choice & 7)];
-    let default_max_tokens = DEFAULT_MAX_TOKENS[usize::from((choice >> 3) & 3)];
+    let path = PATHS[usize::from(choice & 15)];
+    let default_max_tokens = DEFAULT_MAX_TOKENS[usize::from((choice >> 4) & 3)];
     let api = Api::from_path(path);
     let got = estimate(api, body, default_max_tokens);
 
@@ -100,8 +123,18 @@ pub fn request_body(data: &[u8]) {
         .as_ref()
         .and_then(Value::as_object)
         .expect("an estimate from a body that is not a JSON object");
+    if api == Api::Count {
+        // Counting a prompt weighs nothing and has no chain, whatever the body holds.
+        assert_eq!(w, Weight::default(), "a count with a weight");
+        let e = read_with_chain(api, body, default_max_tokens, Some(16)).unwrap();
+        assert!(e.chain.is_empty(), "a count with a chain");
+        return;
+    }
     assert!(
-        obj.contains_key("messages") || obj.contains_key("prompt") || obj.contains_key("input"),
+        obj.contains_key("messages")
+            || obj.contains_key("prompt")
+            || obj.contains_key("input")
+            || (api == Api::Generate && GENERATE_PROMPTS.iter().any(|k| obj.contains_key(*k))),
         "an estimate from a body with no prompt"
     );
     check_weight(api, obj, w, default_max_tokens, body.len());
@@ -141,9 +174,10 @@ fn check_weight(
     default_max_tokens: u64,
     body_len: usize,
 ) {
-    // The documented clamps: output at most MAX_OUTPUT_TOKENS times MAX_N, never an overflow.
+    // The documented clamps: output at most MAX_OUTPUT_TOKENS times MAX_N times MAX_BATCH,
+    // never an overflow.
     assert!(
-        w.output_tokens <= MAX_OUTPUT_TOKENS * MAX_N,
+        w.output_tokens <= MAX_OUTPUT_TOKENS * MAX_N * MAX_BATCH,
         "output {} over the clamp",
         w.output_tokens
     );
@@ -156,11 +190,15 @@ fn check_weight(
         "prompt {} from {body_len} bytes",
         w.prompt_tokens
     );
-    // The prompt is in `input` when there are no `messages` (a list) and no `prompt`; then it
-    // is the Responses API's on its path, or elsewhere (but embeddings') with one of its own
-    // fields, and embeddings' otherwise.
+    // The prompt is in `input` when there are no `messages` (a list), no `prompt` and (on a
+    // native generate path) none of its names; then it is the Responses API's on its path, or
+    // elsewhere (but embeddings') with one of its own fields, and embeddings' otherwise.
+    let native = (api == Api::Generate)
+        .then(|| GENERATE_PROMPTS.iter().find_map(|k| obj.get(*k)))
+        .flatten();
     let in_input = !obj.get("messages").is_some_and(Value::is_array)
         && !obj.contains_key("prompt")
+        && native.is_none()
         && obj.contains_key("input");
     let responses_fields = RESPONSES_ONLY.iter().any(|k| obj.contains_key(*k));
     let responses = in_input && (api == Api::Responses || (api == Api::Other && responses_fields));
@@ -170,25 +208,32 @@ fn check_weight(
         return;
     }
     // Without any cap in the body the configured default applies, clamped, times n (<= 128;
-    // the Responses API has no `n`).
+    // the Responses API has no `n`) and times a batch's prompts.
     let caps: &[&str] = if responses {
-        &["max_output_tokens"]
+        &["/max_output_tokens"]
     } else {
-        &["max_completion_tokens", "max_tokens"]
+        &OUTPUT_CAPS
     };
+    let body = Value::Object(obj.clone());
     let has_cap = caps.iter().any(|k| {
-        obj.get(*k)
+        body.pointer(k)
             .and_then(Value::as_f64)
             .is_some_and(|f| f >= 1.0)
     });
     if !has_cap {
         let cap = default_max_tokens.min(MAX_OUTPUT_TOKENS);
         assert!(
-            w.output_tokens % cap.max(1) == 0 && w.output_tokens <= cap * MAX_N,
+            w.output_tokens % cap.max(1) == 0
+                && w.output_tokens <= cap.saturating_mul(MAX_N * MAX_BATCH),
             "output {} without a cap, default {default_max_tokens}",
             w.output_tokens
         );
-        if responses || obj.get("n").is_none() {
+        // One sequence of one prompt: no `n` of any name, and a prompt that is no list.
+        let several = ["/n", "/sampling_params/n", "/parameters/best_of"]
+            .iter()
+            .any(|k| body.pointer(k).is_some());
+        let list = obj.get("prompt").or(native).is_some_and(Value::is_array);
+        if responses || (!several && !list) {
             assert_eq!(w.output_tokens, cap, "default cap, n = 1");
         }
     }

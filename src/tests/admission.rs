@@ -460,3 +460,46 @@ fn a_request_no_node_would_hold_even_empty_is_never_held() {
         assert_eq!(host.metric("token_balancer.routed"), 0);
     }
 }
+
+/// A request that only counts its prompt's tokens (`/v1/messages/count_tokens`) costs the GPU
+/// nothing, however long the conversation it carries: at a full fleet with `when_full: reject`
+/// and holding on, it is neither held nor refused but routed at once, and books no tokens.
+#[test]
+fn counting_a_prompt_is_never_held_nor_refused() {
+    let json = config(r#","max_hold_ms":60000,"choices":0,"admission":{"when_full":"reject"}"#);
+    let (host, root) = reported(&json, FULL);
+    let body = format!(
+        r#"{{"model":"m","max_tokens":4000,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "a long conversation ".repeat(500)
+    );
+    let len = body.len().to_string();
+    let mut req = request(
+        &host,
+        &root,
+        2,
+        &[
+            (":path", "/v1/messages/count_tokens"),
+            ("content-length", len.as_str()),
+        ],
+    );
+    host.stream(2).body = body.as_bytes().to_vec();
+    host.enter(2);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+    assert_eq!(req.on_http_request_body(body.len(), true), Action::Continue);
+    assert_eq!(host.stream(2).reply, None, "not answered by the filter");
+    assert!(host.request_header_of(2, ROUTING).is_some());
+    assert_eq!(host.metric("token_balancer.routed"), 1);
+    assert_eq!(host.metric("token_balancer.held"), 0);
+    assert_eq!(host.metric("token_balancer.rejected.full"), 0);
+    for node in 0..2 {
+        let b = books(&root, node);
+        assert_eq!(
+            (b.inflight_tokens, b.growth_tokens, b.prefill_tokens),
+            (0, 0, 0)
+        );
+    }
+    // The same body to a generation endpoint is refused at the full fleet.
+    let (_chat, action) = post_with(&host, &root, 3, &body, &[]);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.stream(3).reply, Some(429));
+}

@@ -16,12 +16,13 @@
 //! (`request::Part`: text, tool results' content, tool uses' input; an assistant's tool calls
 //! after its content; a Responses `input`'s items as the messages they stand for), with
 //! separators that cannot occur in JSON-decoded text boundaries being confused (a role, a part
-//! and a message each end with their own control byte); a completion's `prompt` string (or
-//! strings). Parts
-//! that are not text (images, audio) count as a marker only: hashing a megabyte of base64 per
-//! request would cost more than the routing, and equal text around them still matches. Token-id
-//! prompts have no chain. Only full blocks are hashed (a partial last block is never shared by
-//! an engine either), and at most `MAX_BLOCKS` of them.
+//! and a message each end with their own control byte); a completion's (or a native generate
+//! endpoint's) prompt: its string or strings, or its token ids, four bytes an id (a block of
+//! ids then covers as many tokens as a block of text is estimated to). Parts that are not text
+//! (images, audio) count as a marker only: hashing a megabyte of base64 per request would cost
+//! more than the routing, and equal text around them still matches. Only full blocks are
+//! hashed (a partial last block is never shared by an engine either), and at most
+//! `MAX_BLOCKS` of them.
 //!
 //! Hints: OpenAI's `prompt_cache_key` (the client's own name for a group of requests that share
 //! a prefix), else `user`, become `hint`, a key that independent routers can agree on before any
@@ -200,6 +201,30 @@ impl Chainer {
         }
     }
 
+    /// A completion's prompt (see `request::text_tokens`): a string's bytes; a token id as
+    /// its four low bytes (ids are under 2^32 in every tokenizer), so a block of ids is a
+    /// quarter as many tokens as a block of text is characters, as the estimate has it; a
+    /// list item by item, each string and each list ended by a separator (a batch's prompts
+    /// are chained one after the other).
+    fn text(&mut self, prompt: &Value) {
+        match prompt {
+            Value::String(s) => self.feed(s.as_bytes()),
+            Value::Number(n) => {
+                let id = n.as_u64().unwrap_or_default() as u32;
+                self.feed(&id.to_le_bytes());
+            }
+            Value::Array(items) => {
+                for item in items {
+                    self.text(item);
+                    if !item.is_number() {
+                        self.feed(&[END_PART]);
+                    }
+                }
+            }
+            Value::Null | Value::Bool(_) | Value::Object(_) => {}
+        }
+    }
+
     /// One turn (see `request::Prompt::turns`): its role, then its content when it has one,
     /// then what the template renders as JSON (the tools, an assistant's tool calls), each
     /// ended by its separator.
@@ -268,11 +293,7 @@ pub fn chain_of(
         Some(p @ (Prompt::Messages { .. } | Prompt::Responses { .. })) => {
             p.turns(|t| c.message(t.role, t.content, t.json));
         }
-        Some(Prompt::Text(prompt)) => match prompt {
-            Value::String(s) => c.feed(s.as_bytes()),
-            Value::Array(items) if items.iter().all(Value::is_string) => c.content(prompt),
-            _ => {}
-        },
+        Some(Prompt::Text(prompt)) => c.text(prompt),
         Some(Prompt::Embed(_)) | None => {}
     }
     let hint = ["prompt_cache_key", "user"]
@@ -493,13 +514,57 @@ mod tests {
         assert_eq!(long.key(), long.blocks.first().copied());
     }
 
+    /// Token-id prompts (completions, native generate endpoints) are chained as their ids:
+    /// the same leading ids share leading blocks, a block of 32 bytes is 8 ids, and the
+    /// matched share prices the cached tokens exactly.
+    #[test]
+    fn token_id_prompts_are_chained() {
+        let ids = |n: u32, tail: u32| {
+            let v: Vec<u32> = (0..n).map(|i| 1000 + i).chain([tail]).collect();
+            serde_json::to_string(&v).unwrap()
+        };
+        let a = of_api(
+            Api::Completions,
+            &format!(r#"{{"prompt":{}}}"#, ids(40, 1)),
+            32,
+        );
+        let b = of_api(
+            Api::Generate,
+            &format!(r#"{{"input_ids":{}}}"#, ids(40, 2)),
+            32,
+        );
+        assert_eq!(a.blocks.len(), 5); // 41 ids = 164 bytes: 5 full blocks of 8 ids
+        assert_eq!(a.rendered, 164);
+        assert_eq!(shared(&a, &b), 5);
+        // 5 blocks of 41 ids matched: 40 tokens cached of 41.
+        assert_eq!(a.cached(5, 41), 40);
+        let other = of_api(
+            Api::Completions,
+            &format!(r#"{{"prompt":{}}}"#, ids(3, 1)),
+            32,
+        );
+        let c = of_api(
+            Api::Completions,
+            &format!(
+                r#"{{"prompt":[7,{}]}}"#,
+                &ids(40, 1)[1..ids(40, 1).len() - 1]
+            ),
+            32,
+        );
+        assert!(other.blocks.is_empty());
+        assert_eq!(shared(&a, &c), 0, "a different first id parts the chains");
+        // A batch is chained prompt after prompt, text and ids alike.
+        let batch = of_api(Api::Generate, r#"{"text":["abcdefgh","ijklmnop"]}"#, 8);
+        let first = of_api(Api::Generate, r#"{"text":"abcdefgh"}"#, 8);
+        assert_eq!(shared(&batch, &first), 1);
+    }
+
     #[test]
     fn chains_are_bounded_and_odd_bodies_give_none() {
         let huge = "a".repeat(MAX_BLOCKS * 8 + 100);
         let c = of(&format!(r#"{{"prompt":"{huge}"}}"#), 8);
         assert_eq!(c.blocks.len(), MAX_BLOCKS);
         for body in [
-            r#"{"prompt":[1,2,3]}"#,
             r#"{"prompt":7}"#,
             r#"{"input":"embed me, please, all of me"}"#,
             r#"{"messages":"nope"}"#,

@@ -6,12 +6,16 @@
 //! BPE tokenizers (GPT/Llama families) follow closely enough for balancing: about 4 characters a
 //! token in English-like ASCII text, about 3 in Spanish and other accented Latin-script text
 //! (accents split words into more pieces), about 2 in other alphabets (Cyrillic, Greek, Arabic,
-//! Hebrew, Indic), and about 1 per CJK character (Han, Kana, Hangul). Output tokens come from the
-//! request's own cap (`max_tokens`, `max_completion_tokens`), or a configured default, times `n`:
-//! the decode budget the engine reserves KV cache for.
+//! Hebrew, Indic), and about 1 per CJK character (Han, Kana, Hangul); a prompt sent as token
+//! ids is counted exactly, one token an id. Output tokens come from the request's own cap
+//! (`max_tokens`, `max_completion_tokens`, or an engine's native name for it, `OUTPUT_CAPS`),
+//! or a configured default, times `n` and times the prompts of a batch: the decode budget the
+//! engine reserves KV cache for.
 //!
 //! Shapes understood: OpenAI `/v1/chat/completions` (string or array-of-parts content),
-//! `/v1/completions` (string or array prompt), `/v1/embeddings` (no output), Anthropic
+//! `/v1/completions` (a prompt as text or token ids, or a batch of them), engines' native
+//! generate endpoints (SGLang's and TGI's `/generate`, vLLM's tokens-in
+//! `/inference/v1/generate`, llama.cpp's `/completion`), `/v1/embeddings` (no output), Anthropic
 //! `/v1/messages` (`system` plus content blocks), and OpenAI's Responses API, `/v1/responses`
 //! (`instructions`, and `input` as a string or a list of items: messages, tool calls and their
 //! outputs, reasoning; `max_output_tokens`), which vLLM, SGLang and llama.cpp's server serve
@@ -19,7 +23,8 @@
 //! told once ([`Prompt`]) for both the weight and the prefix chain (`prompt`). An agent's
 //! prompt is more than its messages' text: the `tools` it offers (which a chat template
 //! renders as JSON ahead of the messages), an assistant's tool calls, tool results and
-//! Anthropic's tool blocks are counted too ([`json_tokens`], `part_tokens`). A body that is
+//! Anthropic's tool blocks are counted too ([`json_tokens`], `part_tokens`). A request that
+//! only counts, tokenizes or renders its prompt ([`Api::Count`]) weighs nothing. A body that is
 //! not JSON, or whose shape gives no prompt, is `None`: the caller then leaves the request to
 //! Envoy's fallback balancer. Fields of the wrong type are ignored one by one rather than
 //! failing the whole estimate.
@@ -32,7 +37,7 @@ use crate::ingest::prompt::{self, Chain};
 use serde_json::Value;
 
 /// Estimated token cost of one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Weight {
     /// Tokens to prefill.
     pub prompt_tokens: u64,
@@ -191,14 +196,36 @@ pub enum Api {
     Messages,
     /// OpenAI's Responses API.
     Responses,
+    /// An engine's native generate endpoint: SGLang's and TGI's `/generate` (TGI's
+    /// `/generate_stream` too) and vLLM's tokens-in `/inference/v1/generate`. The prompt is a
+    /// completion's, under the engine's own name (`text`, `input_ids`, `token_ids`, `inputs`).
+    Generate,
+    /// Counting, tokenizing or rendering a prompt without running it: Anthropic's
+    /// `/v1/messages/count_tokens`, OpenAI's `/v1/responses/input_tokens`, the engines'
+    /// `/tokenize` and `/detokenize`, llama.cpp's `/apply-template`. Nothing is prefilled or
+    /// decoded, however long the prompt the body carries.
+    Count,
     /// Unknown path: the body's shape decides.
     Other,
 }
 
+/// Path endings of requests that only count, tokenize or render a prompt (`Api::Count`).
+const COUNT_PATHS: [&str; 5] = [
+    "/count_tokens",
+    "/input_tokens",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+];
+
 impl Api {
     pub fn from_path(path: &str) -> Api {
         let path = path.split('?').next().unwrap_or(path);
-        if path.ends_with("/chat/completions") {
+        if COUNT_PATHS.iter().any(|end| path.ends_with(end)) {
+            Api::Count
+        } else if path.ends_with("/generate") || path.ends_with("/generate_stream") {
+            Api::Generate
+        } else if path.ends_with("/chat/completions") {
             Api::Chat
         } else if path.ends_with("/completions") {
             Api::Completions
@@ -291,12 +318,18 @@ pub fn read_with_chain(
         Some(Value::String(m)) if !m.is_empty() => Some(m),
         _ => None,
     };
-    // Where the prompt is, read once for both the weight and the chain.
-    let found = Prompt::of(api, &obj)?;
-    let weight = weight_of(api, found, &obj, default_max_tokens);
-    let chain = match block_chars {
-        Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
-        None => Chain::NONE,
+    let (weight, chain) = if api == Api::Count {
+        // Costs the GPU nothing, whatever it carries; its model still says where it may go.
+        (Weight::default(), Chain::NONE)
+    } else {
+        // Where the prompt is, read once for both the weight and the chain.
+        let found = Prompt::of(api, &obj)?;
+        let weight = weight_of(api, found, &obj, default_max_tokens);
+        let chain = match block_chars {
+            Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
+            None => Chain::NONE,
+        };
+        (weight, chain)
     };
     let user = match obj.remove("user") {
         Some(Value::String(u)) if !u.is_empty() => Some(u),
@@ -327,11 +360,49 @@ pub enum Prompt<'a> {
         instructions: Option<&'a Value>,
         input: &'a Value,
     },
-    /// Completions: one prompt, or a list of them (a batch: each is prefilled).
+    /// Completions and native generate endpoints: one prompt or a batch of them (see
+    /// [`text_tokens`], [`batch_size`]), as text or token ids.
     Text(&'a Value),
-    /// Embeddings: the texts to embed. No output, and nothing an engine's prefix cache keeps.
+    /// Embeddings: the texts (or token ids) to embed. No output, and nothing an engine's
+    /// prefix cache keeps.
     Embed(&'a Value),
 }
+
+/// Prompt tokens of a completion's prompt or an embedding's input, as text or token ids: a
+/// string by the text rule, a token id as exactly one token, a list as the sum of its items.
+/// Engines take all of these: vLLM and SGLang a string, a list of strings, a list of ids or
+/// a list of id lists; llama.cpp also ids and strings mixed in one prompt. Reinforcement
+/// learning rollouts and agents that keep their own tokenizer send ids, often long ones.
+pub fn text_tokens(v: &Value) -> u64 {
+    match v {
+        Value::String(s) => estimate_text_tokens(s),
+        Value::Number(_) => 1,
+        Value::Array(items) => items
+            .iter()
+            .fold(0u64, |sum, item| sum.saturating_add(text_tokens(item))),
+        Value::Null | Value::Bool(_) | Value::Object(_) => 0,
+    }
+}
+
+/// Largest batch a body's prompt list is taken to be (a bound for arithmetic, as `MAX_N`).
+const MAX_BATCH: u64 = 1 << 16;
+
+/// How many prompts a completion's prompt is, each decoded on its own: a list of strings or
+/// of id lists is a batch of that many; a string, a list of token ids, and llama.cpp's mix
+/// of ids and strings are one prompt.
+pub fn batch_size(v: &Value) -> u64 {
+    match v {
+        Value::Array(items) if !items.is_empty() && !items.iter().any(Value::is_number) => {
+            (items.len() as u64).min(MAX_BATCH)
+        }
+        _ => 1,
+    }
+}
+
+/// Where an engine's native generate body keeps its prompt (`Api::Generate`): SGLang's `text`
+/// or `input_ids`, vLLM's `token_ids`, TGI's `inputs`. Read on those paths only: elsewhere
+/// such a field may be anything (SGLang's `/encode` embeds a `text`).
+const GENERATE_PROMPTS: [&str; 4] = ["text", "input_ids", "token_ids", "inputs"];
 
 /// Fields only a Responses API body has, which tell it from an embeddings one on a path that
 /// names neither.
@@ -352,6 +423,11 @@ impl<'a> Prompt<'a> {
         }
         if let Some(prompt) = obj.get("prompt") {
             return text(prompt).map(Prompt::Text);
+        }
+        if api == Api::Generate {
+            if let Some(prompt) = GENERATE_PROMPTS.iter().find_map(|k| obj.get(*k)) {
+                return text(prompt).map(Prompt::Text);
+            }
         }
         let input = text(obj.get("input")?)?;
         let responses = api == Api::Responses
@@ -456,7 +532,7 @@ impl<'a> Prompt<'a> {
     /// the template's overhead for each message.
     fn tokens(&self) -> u64 {
         match *self {
-            Prompt::Text(text) | Prompt::Embed(text) => text_of_content(text),
+            Prompt::Text(text) | Prompt::Embed(text) => text_tokens(text),
             Prompt::Messages { .. } | Prompt::Responses { .. } => {
                 let mut tokens = 0u64;
                 self.turns(|t| {
@@ -485,6 +561,33 @@ pub struct Turn<'a> {
     pub framed: bool,
 }
 
+/// Where a body caps its output, first found first: OpenAI's names, llama.cpp's
+/// `n_predict`, SGLang's `sampling_params.max_new_tokens`, vLLM's tokens-in
+/// `sampling_params.max_tokens`, TGI's `parameters.max_new_tokens`.
+const OUTPUT_CAPS: [&[&str]; 6] = [
+    &["max_completion_tokens"],
+    &["max_tokens"],
+    &["n_predict"],
+    &["sampling_params", "max_new_tokens"],
+    &["sampling_params", "max_tokens"],
+    &["parameters", "max_new_tokens"],
+];
+
+/// Where a body asks for several sequences at once, each decoded and held in the KV cache:
+/// `n` (OpenAI), `sampling_params.n` (SGLang, vLLM's tokens-in), TGI's `parameters.best_of`.
+const CHOICES: [&[&str]; 3] = [
+    &["n"],
+    &["sampling_params", "n"],
+    &["parameters", "best_of"],
+];
+
+/// The value at `path` in `obj`, object within object.
+fn field<'a>(obj: &'a serde_json::Map<String, Value>, path: &[&str]) -> Option<&'a Value> {
+    let (first, rest) = path.split_first()?;
+    rest.iter()
+        .try_fold(obj.get(*first)?, |v, key| v.as_object()?.get(*key))
+}
+
 /// The weight of a request to `api` whose body `obj` keeps its prompt as `prompt`.
 fn weight_of(
     api: Api,
@@ -500,12 +603,21 @@ fn weight_of(
             .unwrap_or(default_max_tokens)
             .min(MAX_OUTPUT_TOKENS),
         Prompt::Messages { .. } | Prompt::Text(_) => {
-            let cap = positive_u64(obj.get("max_completion_tokens"))
-                .or_else(|| positive_u64(obj.get("max_tokens")))
+            let cap = OUTPUT_CAPS
+                .iter()
+                .find_map(|path| positive_u64(field(obj, path)))
                 .unwrap_or(default_max_tokens)
                 .min(MAX_OUTPUT_TOKENS);
-            let n = positive_u64(obj.get("n")).unwrap_or(1).min(MAX_N);
-            cap.saturating_mul(n)
+            let n = CHOICES
+                .iter()
+                .find_map(|path| positive_u64(field(obj, path)))
+                .unwrap_or(1)
+                .min(MAX_N);
+            let batch = match prompt {
+                Prompt::Text(text) => batch_size(text),
+                _ => 1,
+            };
+            cap.saturating_mul(n).saturating_mul(batch)
         }
     };
     Weight {
@@ -626,11 +738,11 @@ mod tests {
                 r#"{"prompt":"abcdabcd","max_tokens":5}"#,
                 w(2, 5),
             ),
-            // completions, array prompt: every prompt counted
+            // completions, array prompt: a batch, every prompt counted and decoded
             (
                 Api::Completions,
                 r#"{"prompt":["abcd","abcdabcd"],"max_tokens":5}"#,
-                w(3, 5),
+                w(3, 10),
             ),
             // embeddings: no output
             (
@@ -746,6 +858,93 @@ mod tests {
         }
     }
 
+    /// Prompts as token ids (one token each, exactly) and engines' native generate bodies,
+    /// with their own names for the prompt, the output cap and the number of sequences.
+    #[test]
+    fn token_ids_and_native_generate_bodies() {
+        let cases: &[(Api, &str, Option<Weight>)] = &[
+            // vLLM and SGLang completions: ids, a batch of id lists, a batch of strings
+            (
+                Api::Completions,
+                r#"{"prompt":[1,2,3,4,5],"max_tokens":7}"#,
+                w(5, 7),
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":[[1,2,3],[4,5]],"max_tokens":7,"n":2}"#,
+                w(5, 28),
+            ),
+            // llama.cpp: ids and strings mixed are one prompt; `n_predict` caps it
+            (
+                Api::Other,
+                r#"{"prompt":[9,"abcdabcd",9],"n_predict":3}"#,
+                w(4, 3),
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"abcd","n_predict":-1}"#,
+                w(1, 256),
+            ),
+            // embeddings of ids
+            (Api::Embeddings, r#"{"input":[[1,2],[3,4,5]]}"#, w(5, 0)),
+            // SGLang's /generate: text or input_ids, sampling_params
+            (
+                Api::Generate,
+                r#"{"text":"abcdabcd","sampling_params":{"max_new_tokens":9}}"#,
+                w(2, 9),
+            ),
+            (
+                Api::Generate,
+                r#"{"text":["abcd","abcd"],"sampling_params":{"max_new_tokens":9,"n":2}}"#,
+                w(2, 36),
+            ),
+            (
+                Api::Generate,
+                r#"{"input_ids":[1,2,3],"sampling_params":{"temperature":0}}"#,
+                w(3, 256),
+            ),
+            // vLLM's tokens-in generate
+            (
+                Api::Generate,
+                r#"{"token_ids":[1,2,3,4],"sampling_params":{"max_tokens":11}}"#,
+                w(4, 11),
+            ),
+            // TGI: inputs, parameters (best_of sequences are all decoded)
+            (
+                Api::Generate,
+                r#"{"inputs":"abcdabcdabcd","parameters":{"max_new_tokens":20,"best_of":2}}"#,
+                w(3, 40),
+            ),
+            // A native field elsewhere is no prompt (SGLang's /encode embeds a `text`)
+            (Api::Other, r#"{"text":"abcd"}"#, None),
+            (Api::Generate, r#"{"input_embeds":[[0.1,0.2]]}"#, None),
+            (Api::Generate, r#"{"text":7}"#, None),
+        ];
+        for (api, body, want) in cases {
+            assert_eq!(estimate(*api, body.as_bytes(), 256), *want, "{body}");
+        }
+    }
+
+    /// Counting, tokenizing or rendering a prompt costs nothing, however long the prompt; the
+    /// model still comes with it.
+    #[test]
+    fn counting_a_prompt_costs_nothing() {
+        let long = "abcd".repeat(1000);
+        for body in [
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"{long}"}}],"max_tokens":9}}"#
+            ),
+            format!(r#"{{"model":"m","input":"{long}"}}"#),
+            r#"{"model":"m","tokens":[1,2,3]}"#.to_string(),
+        ] {
+            let e = read_with_chain(Api::Count, body.as_bytes(), 256, Some(64)).unwrap();
+            assert_eq!(e.weight, Weight::default(), "{body}");
+            assert_eq!(e.model.as_deref(), Some("m"));
+            assert!(e.chain.is_empty());
+        }
+        assert_eq!(read(Api::Count, b"not json", 256), None);
+    }
+
     #[test]
     fn malformed_bodies() {
         let cases: &[(&str, Option<Weight>)] = &[
@@ -815,9 +1014,16 @@ mod tests {
             ("/v1/messages", Api::Messages),
             ("/v1/responses", Api::Responses),
             ("/responses", Api::Responses),
-            // llama.cpp's token count: no generation, read by the body's shape
-            ("/v1/responses/input_tokens", Api::Other),
-            ("/generate", Api::Other),
+            ("/v1/responses/input_tokens", Api::Count),
+            ("/v1/messages/count_tokens", Api::Count),
+            ("/tokenize", Api::Count),
+            ("/detokenize", Api::Count),
+            ("/apply-template", Api::Count),
+            ("/generate", Api::Generate),
+            ("/generate_stream", Api::Generate),
+            ("/inference/v1/generate?x=1", Api::Generate),
+            ("/completion", Api::Other),
+            ("/encode", Api::Other),
         ] {
             assert_eq!(Api::from_path(path), api, "{path}");
         }

@@ -1175,6 +1175,17 @@ mod tests {
             matches!(ask(&mut b, 50), Outcome::TooLate { retry_after_ms } if (150..=151).contains(&retry_after_ms))
         );
         assert_eq!(ask(&mut b, 5_000), Outcome::Saturated);
+        // A request of no weight (a prompt only counted or tokenized) on the same terms is
+        // neither late nor held: it goes.
+        let free = Terms {
+            may_hold: true,
+            ttft_left_ms: Some(50),
+            tpot_ms: Some(1),
+            lane: true,
+        };
+        let none = Weight::default();
+        let out = b.route_on(none, None, &Chain::NONE, 0, &mut rng, free, &mut OwnBooks);
+        assert!(matches!(out, Outcome::Routed { .. }), "{out:?}");
     }
 
     /// A request with a long answer: node 0 (10,000 tokens/s, one request queued) ranks first,

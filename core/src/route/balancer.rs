@@ -618,7 +618,8 @@ impl Balancer {
         self.route_on(weight, model, chain, now_ms, rng, terms, books)
     }
 
-    /// `route`, on the request's terms: with a time-to-first-token budget (`ttft_left_ms`),
+    /// `route`, on the request's terms (none for a request of no weight): with a
+    /// time-to-first-token budget (`ttft_left_ms`),
     /// a node whose forecast (`choice::first_token`) passes it is not chosen, and when no
     /// ranked node meets it the answer is `TooLate` (nothing booked), whether or not the fleet
     /// is also over the VRAM ceiling: the fleet is saturated for this request.
@@ -633,6 +634,13 @@ impl Balancer {
         terms: Terms,
         books: &mut dyn BookSource,
     ) -> Outcome {
+        // A request that costs the GPU nothing (a prompt only counted or tokenized) has no
+        // room to wait for and no token a node could be late with: it goes now, wherever.
+        let terms = if weight.total() == 0 {
+            Terms::default()
+        } else {
+            terms
+        };
         let may_hold = terms.may_hold;
         let budget = terms.ttft_left_ms.map(|ms| ms as f64 / 1000.0);
         // Prompts queued at a node past the limit make it full for a request that may wait:

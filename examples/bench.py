@@ -427,9 +427,11 @@ def main():
     ap.add_argument("--node-options", default="",
                     help="mock node settings added to every node, comma-separated k=v (see "
                          "`mock-gpu-node --help`), e.g. 'reasoning=0.8' for a reasoning model")
-    ap.add_argument("--api", choices=["chat", "responses"], default="chat",
-                    help="the API the clients speak: chat completions, or OpenAI's Responses API "
-                         "(POST /v1/responses, the prompt as input, the cap as max_output_tokens)")
+    ap.add_argument("--api", choices=["chat", "responses", "generate", "tokens"], default="chat",
+                    help="the API the clients speak: chat completions, OpenAI's Responses API "
+                         "(POST /v1/responses, the prompt as input, the cap as max_output_tokens), "
+                         "SGLang's native /generate (the prompt as text), or completions with the "
+                         "prompt as token ids (tokens)")
     ap.add_argument("--tools", type=int, default=0,
                     help="every request offers an agent's N tools (the same list each time, about 100 "
                          "tokens each, rendered into the prompt by the engine)")

@@ -27,8 +27,13 @@
 //! - a tool call's arguments as they are generated: `"arguments":"…"` pieces in OpenAI-style
 //!   `tool_calls` deltas, Anthropic's `"partial_json":"…"`. An agent's turn is often a tool
 //!   call and nothing else: read as nothing, it would show no output at all;
-//! - the count the server reports (`"completion_tokens":N`, or Anthropic's
-//!   `"output_tokens":N`), the last one in the body, which wins over the events when present.
+//! - the count the server reports (`"completion_tokens":N`, SGLang's native `meta_info` too;
+//!   Anthropic's and the Responses API's `"output_tokens":N`; llama.cpp's native
+//!   `"tokens_predicted":N`; TGI's `"generated_tokens":N`), the last one in the body, which
+//!   wins over the events when present. Native `/generate` streams are read the same way:
+//!   SGLang's events each carry a `"text"` (the whole text so far, or with
+//!   `--incremental-streaming-output` the new piece: one event either way), TGI's a token's
+//!   `"text"`, llama.cpp's `/completion` a `"content"`.
 //!
 //! A key is a quoted name and a colon, with the whitespace JSON allows around the colon (Python
 //! servers write `"content": "…"`). Inside a string value quotes are escaped, so a key quoted
@@ -67,7 +72,7 @@
 //! 200 read to its end, with a positive count, is one.
 
 /// The keys the scan reads: the name between the quotes, and what its value is.
-const KEYS: [(&[u8], Kind); 10] = [
+const KEYS: [(&[u8], Kind); 12] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
     (b"delta", Kind::Text),
@@ -78,6 +83,8 @@ const KEYS: [(&[u8], Kind); 10] = [
     (b"partial_json", Kind::Text),
     (b"completion_tokens", Kind::Count),
     (b"output_tokens", Kind::Count),
+    (b"tokens_predicted", Kind::Count),
+    (b"generated_tokens", Kind::Count),
 ];
 
 /// Chunks of one content event each a stream must show, read, before one is counted unread.
@@ -674,6 +681,42 @@ mod tests {
     /// A Responses API answer, not streamed.
     const RESPONSES_REPLY: &str = r#"{"id":"resp_2","object":"response","status":"completed","max_output_tokens":null,"output":[{"id":"msg_2","type":"message","role":"assistant","content":[{"type":"output_text","text":"Hi there.","annotations":[]}]}],"usage":{"input_tokens":12,"output_tokens":4,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":16}}"#;
 
+    /// SGLang's native `/generate` stream, as it streams by default: each event the whole text
+    /// so far, `meta_info` counting the tokens.
+    fn sglang_stream() -> String {
+        let mut text = String::new();
+        let mut events: Vec<String> = (1..=4)
+            .map(|i| {
+                text.push_str(&format!(" w{i}"));
+                let finish = if i == 4 { r#"{"type":"length","length":4}"# } else { "null" };
+                format!(
+                    r#"{{"text":"{text}","output_ids":[{i}],"meta_info":{{"id":"a1","finish_reason":{finish},"prompt_tokens":7,"completion_tokens":{i},"cached_tokens":0}},"index":0}}"#
+                )
+            })
+            .collect();
+        events.push("[DONE]".to_string());
+        sse(&events)
+    }
+
+    /// TGI's `/generate_stream`: a token a event, the last with the whole text and `details`.
+    fn tgi_stream() -> String {
+        let token = |i: u32, last: bool| {
+            let end = if last {
+                r#""generated_text":" a b c","details":{"finish_reason":"length","generated_tokens":3,"seed":null}"#
+            } else {
+                r#""generated_text":null,"details":null"#
+            };
+            format!(
+                r#"{{"index":{i},"token":{{"id":{i},"text":" x","logprob":-0.5,"special":false}},{end}}}"#
+            )
+        };
+        sse(&[token(1, false), token(2, false), token(3, true)])
+    }
+
+    const SGLANG_REPLY: &str = r#"{"text":" a b","output_ids":[5,6],"meta_info":{"id":"a2","finish_reason":{"type":"length","length":2},"prompt_tokens":7,"completion_tokens":2,"cached_tokens":0}}"#;
+
+    const LLAMACPP_NATIVE_REPLY: &str = r#"{"index":0,"content":" upon a time there","tokens":[],"id_slot":0,"stop":true,"model":"m","tokens_predicted":5,"tokens_evaluated":4,"generation_settings":{"n_predict":5},"prompt":"Once","has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":8}"#;
+
     const CHAT_REPLY: &str = r#"{"id":"chatcmpl-9","object":"chat.completion","created":1718000000,"model":"llama-3-8b","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there, how can I help you today?","tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"total_tokens":20,"completion_tokens":11,"completion_tokens_details":null}}"#;
 
     /// A reply as Python's `json.dumps` writes it by default: a space after each colon.
@@ -775,6 +818,30 @@ mod tests {
                 body: ANTHROPIC_REPLY.to_string(),
                 progress: 8,
                 sample: Some(8),
+            },
+            Case {
+                name: "SGLang's native stream (the whole text so far in each event)",
+                body: sglang_stream(),
+                progress: 4,
+                sample: Some(4),
+            },
+            Case {
+                name: "SGLang's native reply",
+                body: SGLANG_REPLY.to_string(),
+                progress: 2,
+                sample: Some(2),
+            },
+            Case {
+                name: "TGI's stream, with details",
+                body: tgi_stream(),
+                progress: 3,
+                sample: Some(3),
+            },
+            Case {
+                name: "llama.cpp's native reply",
+                body: LLAMACPP_NATIVE_REPLY.to_string(),
+                progress: 5,
+                sample: Some(5),
             },
             Case {
                 name: "chat reply without usage",

@@ -49,14 +49,50 @@ usage: loadgen --url http://HOST:PORT
                      budget: MS of model time (MS / time scale on the wall clock)
   --slo-tpot-ms MS   send every request with x-slo-tpot-ms, the longest time per output
                      token it accepts: MS of model time (scaled the same way)
-  --api A           chat (POST /v1/chat/completions, max_tokens) or responses
+  --api A           chat (POST /v1/chat/completions, max_tokens), responses
                      (POST /v1/responses: OpenAI's Responses API, the prompt as input,
-                     the cap as max_output_tokens) (default chat)
+                     the cap as max_output_tokens), generate (POST /generate: SGLang's
+                     native endpoint, the prompt as text, the cap as
+                     sampling_params.max_new_tokens) or tokens (POST /v1/completions with
+                     the prompt as token ids, as clients with their own tokenizer send
+                     it: the trace's length exactly, shared blocks as shared ids)
+                     (default chat)
   --tools N          every request offers an agent's N tools (the same list each time,
                      about 100 tokens each, which the engine renders into the prompt
                      ahead of the messages) (default 0)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
+
+/// The API a request speaks (`--api`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Responses,
+    Generate,
+    Tokens,
+}
+
+impl Api {
+    const ALL: [Api; 4] = [Api::Chat, Api::Responses, Api::Generate, Api::Tokens];
+
+    fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Responses => "responses",
+            Api::Generate => "generate",
+            Api::Tokens => "tokens",
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+            Api::Generate => "/generate",
+            Api::Tokens => "/v1/completions",
+        }
+    }
+}
 
 struct Args {
     host: String,
@@ -79,8 +115,8 @@ struct Args {
     objectives: Vec<(String, String)>,
     slo_ttft_ms: Option<f64>,
     slo_tpot_ms: Option<f64>,
-    /// Requests to OpenAI's Responses API instead of chat completions.
-    responses: bool,
+    /// The API every request speaks.
+    api: Api,
     /// Tools offered with every request.
     tools: usize,
 }
@@ -108,7 +144,7 @@ fn parse_args() -> Result<Args, String> {
         objectives: vec![],
         slo_ttft_ms: None,
         slo_tpot_ms: None,
-        responses: false,
+        api: Api::Chat,
         tools: 0,
     };
     let mut it = std::env::args().skip(1);
@@ -152,11 +188,13 @@ fn parse_args() -> Result<Args, String> {
             "--slo-tpot-ms" => a.slo_tpot_ms = Some(pos(v()?, "--slo-tpot-ms")?.max(1.0)),
             "--tools" => a.tools = pos(v()?, "--tools")? as usize,
             "--api" => {
-                a.responses = match v()?.as_str() {
-                    "chat" => false,
-                    "responses" => true,
-                    other => return Err(format!("--api {other:?}: chat or responses")),
-                }
+                let name = v()?;
+                a.api = Api::ALL
+                    .into_iter()
+                    .find(|api| api.name() == name)
+                    .ok_or_else(|| {
+                        format!("--api {name:?}: chat, responses, generate or tokens")
+                    })?;
             }
             "--label" => a.label = v()?,
             "--seed" => a.seed = pos(v()?, "--seed")? as u64,
@@ -209,6 +247,12 @@ fn parse_args() -> Result<Args, String> {
     }
     if let Some(only) = &a.only_tenant {
         a.trace.retain(|r| r.tenant == Some(only.as_str()));
+    }
+    if a.tools > 0 && !matches!(a.api, Api::Chat | Api::Responses) {
+        return Err(format!(
+            "--tools: only chat and responses requests offer tools, not {}",
+            a.api.name()
+        ));
     }
     Ok(a)
 }
@@ -284,12 +328,7 @@ async fn one(
         .await
         .map_err(|e| format!("handshake: {e}"))?;
     tokio::spawn(conn);
-    let path = if args.responses {
-        "/v1/responses"
-    } else {
-        "/v1/chat/completions"
-    };
-    let req = Request::post(path)
+    let req = Request::post(args.api.path())
         .header("host", format!("{}:{}", args.host, args.port))
         .header("content-type", "application/json")
         .header("x-mock-output-tokens", output.to_string())
@@ -375,31 +414,36 @@ async fn one(
 }
 
 /// Whether an SSE event's data carries a token: of the answer, of a reasoning model's thinking
-/// before it, or of a tool call's arguments, in a chat chunk's delta or as a Responses API
-/// `….delta` event. The first of any is the first token, as engines count it.
+/// before it, or of a tool call's arguments, in a chat chunk's delta, as a Responses API
+/// `….delta` event, a completion chunk's `text` or a native `/generate` event's. The first of
+/// any is the first token, as engines count it.
 fn is_token_event(payload: &str) -> bool {
     let Ok(v) = serde_json::from_str::<Value>(payload) else {
         return false;
     };
-    let responses_delta = v
+    // A Responses API event: only its `….delta` events carry tokens (the closing ones repeat
+    // the whole text).
+    if let Some(kind) = v
         .get("type")
         .and_then(Value::as_str)
-        .is_some_and(|t| t.starts_with("response.") && t.ends_with(".delta"));
-    if responses_delta {
-        return v
-            .get("delta")
-            .and_then(Value::as_str)
-            .is_some_and(|s| !s.is_empty());
+        .filter(|t| t.starts_with("response."))
+    {
+        return kind.ends_with(".delta")
+            && v.get("delta")
+                .and_then(Value::as_str)
+                .is_some_and(|s| !s.is_empty());
     }
     [
-        "content",
-        "reasoning_content",
-        "reasoning",
-        "tool_calls/0/function/arguments",
+        "/choices/0/delta/content",
+        "/choices/0/delta/reasoning_content",
+        "/choices/0/delta/reasoning",
+        "/choices/0/delta/tool_calls/0/function/arguments",
+        "/choices/0/text",
+        "/text",
     ]
     .iter()
     .any(|k| {
-        v.pointer(&format!("/choices/0/delta/{k}"))
+        v.pointer(k)
             .and_then(Value::as_str)
             .is_some_and(|s| !s.is_empty())
     })
@@ -487,7 +531,7 @@ async fn main() {
     }
     let seen = trace::seen_before(&selected);
     // Bodies are built before the clock starts, so building never delays an arrival.
-    let tools = (args.tools > 0).then(|| prompt::tools(args.tools, args.responses));
+    let tools = (args.tools > 0).then(|| prompt::tools(args.tools, args.api == Api::Responses));
     let plan: Vec<(f64, Bytes, u64, u64, String, &'static str)> = selected
         .iter()
         .enumerate()
@@ -495,18 +539,21 @@ async fn main() {
             let prompt_tokens = args
                 .max_prompt_tokens
                 .map_or(r.prompt_tokens, |cap| r.prompt_tokens.min(cap));
-            let text = prompt::build(
-                i as u64 + 1,
-                prompt_tokens,
-                &r.blocks,
-                trace::MOONCAKE_BLOCK_TOKENS,
-            );
-            let mut body = if args.responses {
-                json!({"model": "mock-model", "stream": true, "max_output_tokens": args.max_tokens,
-                       "input": [{"role": "user", "content": text}]})
-            } else {
-                json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
-                       "messages": [{"role": "user", "content": text}]})
+            let (seed, block) = (i as u64 + 1, trace::MOONCAKE_BLOCK_TOKENS);
+            let text = || prompt::build(seed, prompt_tokens, &r.blocks, block);
+            let mut body = match args.api {
+                Api::Chat => {
+                    json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
+                           "messages": [{"role": "user", "content": text()}]})
+                }
+                Api::Responses => json!({"model": "mock-model", "stream": true,
+                                         "max_output_tokens": args.max_tokens,
+                                         "input": [{"role": "user", "content": text()}]}),
+                Api::Generate => json!({"model": "mock-model", "stream": true, "text": text(),
+                                        "sampling_params": {"max_new_tokens": args.max_tokens}}),
+                Api::Tokens => json!({"model": "mock-model", "stream": true,
+                                      "max_tokens": args.max_tokens,
+                                      "prompt": prompt::ids(seed, prompt_tokens, &r.blocks, block)}),
             };
             if let (Some(tools), Some(o)) = (&tools, body.as_object_mut()) {
                 o.insert("tools".into(), tools.clone());
@@ -595,7 +642,7 @@ async fn main() {
         let doc = json!({"label": args.label, "time_scale": args.time_scale, "rate": args.rate,
                          "start_s": args.start_s, "duration_s": args.duration_s,
                          "max_tokens": args.max_tokens,
-                         "api": if args.responses { "responses" } else { "chat" },
+                         "api": args.api.name(),
                          "tools": args.tools,
                          "summary": summary,
                          "requests": records.iter().map(Record::to_json).collect::<Vec<_>>()});
@@ -650,6 +697,13 @@ mod tests {
                 false,
             ),
             (r#"{"type":"response.created","response":{}}"#, false),
+            // a completion chunk, a native /generate event (SGLang)
+            (r#"{"choices":[{"index":0,"text":"Hi"}]}"#, true),
+            (
+                r#"{"choices":[{"index":0,"text":"","finish_reason":"length"}]}"#,
+                false,
+            ),
+            (r#"{"text":"Hi","meta_info":{"completion_tokens":1}}"#, true),
             ("not json", false),
         ];
         for (payload, token) in cases {

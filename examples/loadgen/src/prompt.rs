@@ -59,6 +59,35 @@ pub fn build(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens
     out
 }
 
+/// A request's prompt as token ids, as a client with its own tokenizer sends it: exactly
+/// `prompt_tokens` ids, laid out as [`build`] lays out text (each full prefix block from the
+/// block's hash id, shared by every request that has the block; the rest from the request's
+/// own seed).
+pub fn ids(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens: u64) -> Vec<u32> {
+    let mut out = Vec::with_capacity(prompt_tokens as usize);
+    let mut own = request_seed ^ 0x1d5;
+    let push = |state: &mut u64, n: u64, out: &mut Vec<u32>| {
+        // Ids of a 150k-token vocabulary, as today's tokenizers have.
+        out.extend((0..n).map(|_| (next(state) % 150_000) as u32));
+    };
+    let mut left = prompt_tokens;
+    for b in blocks {
+        if left == 0 {
+            break;
+        }
+        let n = left.min(block_tokens);
+        if n == block_tokens {
+            let mut shared = b.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c;
+            push(&mut shared, n, &mut out);
+        } else {
+            push(&mut own, n, &mut out);
+        }
+        left -= n;
+    }
+    push(&mut own, left, &mut out);
+    out
+}
+
 /// An agent's tool list: `n` function tools in OpenAI's chat shape (`{"type":"function",
 /// "function":{...}}`), each a name, a description of about 40 words and a JSON schema of three
 /// string parameters, the same for every request (an agent offers the same tools every turn).
@@ -99,6 +128,22 @@ pub fn tools(n: usize, responses: bool) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_are_as_many_as_asked_and_share_the_shared_blocks() {
+        let a = ids(1, 1024 + 100, &[7, 8, 9], 512);
+        let b = ids(2, 1024 + 50, &[7, 8, 10], 512);
+        let c = ids(3, 1024, &[1, 2], 512);
+        assert_eq!((a.len(), b.len(), c.len()), (1124, 1074, 1024));
+        assert_eq!(a[..1024], b[..1024], "two shared blocks");
+        assert_ne!(
+            a[1024..1074],
+            b[1024..],
+            "a partial block is the request's own"
+        );
+        assert_ne!(a[..512], c[..512]);
+        assert_eq!(ids(4, 10, &[], 512).len(), 10);
+    }
 
     #[test]
     fn lengths_and_sharing() {

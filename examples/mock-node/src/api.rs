@@ -46,6 +46,7 @@ pub async fn handle(
         (Method::POST, "/v1/chat/completions") => completion(node.clone(), Kind::Chat, req).await,
         (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
         (Method::POST, "/v1/responses") => completion(node.clone(), Kind::Responses, req).await,
+        (Method::POST, "/generate") => completion(node.clone(), Kind::Generate, req).await,
         (Method::GET, "/health") => health(&node).await,
         (Method::GET, "/metrics") => metrics(&node, false, query.as_deref()),
         (Method::GET, "/prometheus/metrics")
@@ -156,6 +157,10 @@ enum Kind {
     /// /v1/responses (OpenAI's Responses API), its events as vLLM and llama.cpp's server send
     /// them
     Responses,
+    /// /generate, SGLang's native endpoint: `text` or `input_ids`, `sampling_params`; streamed
+    /// as SGLang does with `--incremental-streaming-output` (each event the new text, with
+    /// `meta_info` counting the tokens so far)
+    Generate,
 }
 
 /// The generated text: token `i` is the word `tok<i>` and a space.
@@ -225,6 +230,17 @@ impl Completion {
                "content": [{"type": "output_text", "text": text, "annotations": []}]})
     }
 
+    /// SGLang's `meta_info` after `tokens` output tokens (`finished`: with its finish reason).
+    fn meta_info(&self, tokens: u64, finished: bool) -> Value {
+        let finish = if finished {
+            json!({"type": self.finish_reason, "length": tokens})
+        } else {
+            Value::Null
+        };
+        json!({"id": self.id, "finish_reason": finish, "prompt_tokens": self.prompt_tokens,
+               "completion_tokens": tokens, "cached_tokens": self.cached_tokens})
+    }
+
     fn whole(&self, text: String) -> Value {
         let (object, choice) = match self.kind {
             Kind::Chat => (
@@ -244,6 +260,10 @@ impl Completion {
                     self.responses_usage(),
                 )
             }
+            Kind::Generate => {
+                return json!({"text": text,
+                              "meta_info": self.meta_info(self.completion_tokens, true)})
+            }
         };
         self.object(json!({"object": object, "choices": [choice], "usage": self.usage()}))
     }
@@ -252,7 +272,7 @@ impl Completion {
     fn chunk_object(&self) -> &'static str {
         match self.kind {
             Kind::Chat => "chat.completion.chunk",
-            Kind::Text | Kind::Responses => "text_completion",
+            Kind::Text | Kind::Responses | Kind::Generate => "text_completion",
         }
     }
 
@@ -306,10 +326,18 @@ impl Completion {
 
     /// The SSE event carrying token `i`.
     fn token_event(&self, i: u64) -> Bytes {
-        if self.kind == Kind::Responses {
-            return self.responses_event(i);
-        }
         let text = token_text(i);
+        match self.kind {
+            Kind::Responses => return self.responses_event(i),
+            Kind::Generate => {
+                let last = i + 1 >= self.completion_tokens;
+                return sse(
+                    &json!({"text": text, "meta_info": self.meta_info(i + 1, last),
+                                   "index": 0}),
+                );
+            }
+            Kind::Chat | Kind::Text => {}
+        }
         let choice = match self.kind {
             Kind::Chat if i < self.reasoning_tokens && i == 0 => {
                 json!({"index": 0, "finish_reason": null,
@@ -333,7 +361,7 @@ impl Completion {
             Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
                                            "delta": {"role": "assistant", "content": text}}),
             Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),
-            Kind::Text | Kind::Responses => {
+            Kind::Text | Kind::Responses | Kind::Generate => {
                 json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null})
             }
         };
@@ -348,6 +376,8 @@ impl Completion {
             Kind::Text => json!({"index": 0, "text": "", "finish_reason": self.finish_reason,
                                  "logprobs": null}),
             Kind::Responses => return self.responses_closing(),
+            // The last token's event carried the finish reason.
+            Kind::Generate => return vec![Bytes::from_static(b"data: [DONE]\n\n")],
         };
         vec![
             sse(&self.object(json!({"object": self.chunk_object(), "choices": [last]}))),
@@ -398,6 +428,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         Kind::Responses => {
             tokenize::responses_as_chat(&body).and_then(|c| tokenize::chat_prompt_ids(&c))
         }
+        Kind::Generate => tokenize::generate_prompt_ids(&body),
     };
     let prompt_ids = match prompt_ids {
         Ok(ids) => ids,
@@ -420,6 +451,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         .get("max_completion_tokens")
         .or_else(|| body.get("max_tokens"))
         .or_else(|| body.get("max_output_tokens"))
+        .or_else(|| body.pointer("/sampling_params/max_new_tokens"))
         .and_then(Value::as_u64)
         .filter(|n| *n > 0)
         .unwrap_or(DEFAULT_MAX_TOKENS);
@@ -441,6 +473,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
                 Kind::Chat => "chatcmpl",
                 Kind::Text => "cmpl",
                 Kind::Responses => "resp",
+                Kind::Generate => "gen",
             },
             node.name,
             ticket.id()

@@ -163,10 +163,23 @@ pub fn responses_as_chat(body: &Value) -> Result<Value, String> {
 /// Prompt token ids of a `/v1/completions` body; token-id prompts are their own ids. As many as
 /// `completion_prompt_tokens` counts.
 pub fn completion_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
+    prompt_ids(body.get("prompt")).ok_or_else(|| "`prompt` must be a string or an array".into())
+}
+
+/// Prompt token ids of a native `/generate` body, as SGLang's: `text` (a string or strings) or
+/// `input_ids` (ids, or lists of ids), read as a completion's prompt.
+pub fn generate_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
+    prompt_ids(body.get("text").or_else(|| body.get("input_ids")))
+        .ok_or_else(|| "Either text or input_ids should be provided.".into())
+}
+
+/// The ids of a prompt given as text or token ids (see `completion_prompt_ids`); `None` when it
+/// is neither.
+fn prompt_ids(prompt: Option<&Value>) -> Option<Vec<u64>> {
     let mut out = Vec::new();
     // A JSON integer that is not a u64 (negative, say) still stands for one token.
     let id = |n: &serde_json::Number| n.as_u64().unwrap_or_else(|| n.as_i64().unwrap_or(0) as u64);
-    match body.get("prompt") {
+    match prompt {
         Some(Value::String(s)) => text_ids(s, &mut out),
         Some(Value::Array(items)) => {
             for item in items {
@@ -181,9 +194,9 @@ pub fn completion_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
                 }
             }
         }
-        _ => return Err("`prompt` must be a string or an array".into()),
+        _ => return None,
     }
-    Ok(out)
+    Some(out)
 }
 
 #[cfg(test)]
@@ -291,6 +304,19 @@ mod tests {
             let ids = completion_prompt_ids(&body).map(|v| v.len() as u64);
             assert_eq!(ids.map_err(|_| ()), want, "{body}");
         }
+    }
+
+    /// SGLang's `/generate`: `text` or `input_ids`, the ids as given.
+    #[test]
+    fn generate_bodies() {
+        let ids = |body: Value| generate_prompt_ids(&body);
+        assert_eq!(
+            ids(json!({"text": "Once upon a time"})).map(|v| v.len()),
+            Ok(6)
+        );
+        assert_eq!(ids(json!({"input_ids": [5, 6, 7]})), Ok(vec![5, 6, 7]));
+        assert_eq!(ids(json!({"input_ids": [[5], [6]]})), Ok(vec![5, 6]));
+        assert!(ids(json!({"prompt": "no"})).is_err());
     }
 
     #[test]

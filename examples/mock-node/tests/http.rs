@@ -1025,3 +1025,45 @@ fn the_responses_api_is_served_as_engines_serve_it() {
     let r = c.call("POST", "/v1/responses", &[], r#"{"input":7}"#);
     assert_eq!(r.status, 400);
 }
+
+/// SGLang's native `/generate`: the prompt as `text` or `input_ids`, the cap from
+/// `sampling_params.max_new_tokens`; streamed as one event per token with `meta_info` counting
+/// the tokens so far (the last with its finish reason), then `[DONE]`; whole, one object.
+#[test]
+fn the_native_generate_endpoint_is_served_as_sglang_serves_it() {
+    let mock = start(&["name=delta"], &["--time-scale", "10"]);
+    let mut c = Conn::open(mock.ports[0]);
+    let body =
+        r#"{"text":"Once upon a time","sampling_params":{"max_new_tokens":3},"stream":true}"#;
+    let r = c.call("POST", "/generate", &[], body);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 3 + 1, "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..3]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["text"], "tok0 ");
+    assert_eq!(chunks[0]["meta_info"]["completion_tokens"], 1);
+    assert_eq!(chunks[0]["meta_info"]["finish_reason"], Value::Null);
+    assert_eq!(chunks[0]["meta_info"]["prompt_tokens"], 6);
+    assert_eq!(chunks[2]["meta_info"]["completion_tokens"], 3);
+    assert_eq!(chunks[2]["meta_info"]["finish_reason"]["type"], "length");
+
+    let r = c.call(
+        "POST",
+        "/generate",
+        &[("x-mock-output-tokens", "2")],
+        r#"{"input_ids":[1,2,3,4,5],"sampling_params":{"max_new_tokens":8}}"#,
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["text"], "tok0 tok1 ");
+    assert_eq!(v["meta_info"]["prompt_tokens"], 5);
+    assert_eq!(v["meta_info"]["completion_tokens"], 2);
+    assert_eq!(v["meta_info"]["finish_reason"]["type"], "stop");
+    let r = c.call("POST", "/generate", &[], r#"{"prompt":"no"}"#);
+    assert_eq!(r.status, 400);
+}

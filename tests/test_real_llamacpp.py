@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import http.client
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -218,6 +219,47 @@ def test_the_responses_api_through_envoy(envoy):
     assert 1 <= events[-1].response.usage.output_tokens <= 12
 
     assert envoy.counter("token_balancer.routed") == routed + 2
+    assert fallbacks(envoy) == fell_back
+
+
+def test_token_ids_counting_and_the_native_endpoint_through_envoy(envoy):
+    """What clients with their own tokenizer and llama.cpp's own clients send: `/tokenize`
+    (routed at no cost: it books nothing), a completion whose prompt is those token ids (booked
+    at exactly as many prompt tokens), and llama.cpp's native `/completion`, capped by
+    `n_predict`, whole and streamed. Every one routed by the filter's choice."""
+    routed = envoy.counter("token_balancer.routed")
+    fell_back = fallbacks(envoy)
+
+    def booked(r) -> dict:
+        return dict(kv.split("=", 1) for kv in r.headers["x-token-balancer"].split("; "))
+
+    r = envoy.post("/tokenize", {"content": "Once upon a time, in a land far away, there lived"}, timeout=60)
+    assert r.status == 200, r.body[:200]
+    assert (booked(r)["prompt_tokens"], booked(r)["output_tokens"]) == ("0", "0"), booked(r)
+    ids = r.json()["tokens"]
+    assert len(ids) >= 8 and all(isinstance(i, int) for i in ids), ids
+
+    r = envoy.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0},
+                   timeout=120)
+    assert r.status == 200, r.body[:200]
+    assert booked(r)["prompt_tokens"] == str(len(ids)), (booked(r), len(ids))
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == len(ids) and 1 <= usage["completion_tokens"] <= 6, usage
+
+    r = envoy.post("/completion", {"prompt": "Once upon a time", "n_predict": 5, "temperature": 0}, timeout=120)
+    assert r.status == 200, r.body[:200]
+    assert 1 <= int(booked(r)["output_tokens"]) <= 5, booked(r)
+    whole = r.json()
+    assert whole["content"] and 1 <= whole["tokens_predicted"] <= 5, whole
+    r = envoy.post("/completion", {"prompt": "Once upon a time", "n_predict": 5, "temperature": 0,
+                                   "stream": True}, timeout=120)
+    assert r.status == 200, r.body[:200]
+    events = [json.loads(line.removeprefix("data: ")) for line in r.body.decode().splitlines()
+              if line.startswith("data: ")]
+    assert "".join(e.get("content", "") for e in events) == whole["content"], events
+    assert events[-1]["stop"] is True, events[-1]
+
+    assert envoy.counter("token_balancer.routed") == routed + 4
     assert fallbacks(envoy) == fell_back
 
 

@@ -310,6 +310,41 @@ def test_responses_api_requests_are_priced_and_their_output_learned(cluster):
         e.stop()
 
 
+def test_native_generate_and_token_id_requests_are_priced_and_their_output_learned(cluster):
+    """SGLang's native /generate (the prompt as `text` or `input_ids`, the cap in
+    `sampling_params`) and completions whose prompt is token ids: priced (ids exactly, one token
+    an id; a batch decoded once per prompt) at the body's own cap, and the native answers,
+    streamed or whole, teach the real output length from their `meta_info`."""
+    e = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}))
+    ids = list(range(1000, 1300))
+
+    def generate(stream: bool, **prompt) -> dict:
+        return {"model": "mock-model", **prompt, "sampling_params": {"max_new_tokens": 400}, "stream": stream}
+
+    def routed():
+        d = debug_fields(e.post("/generate", generate(False, input_ids=ids), headers={"x-mock-output-tokens": "6"}))
+        return d if "output_tokens" in d else None
+
+    try:
+        first = wait_until(routed, 10, "a routed request")
+        assert (first["prompt_tokens"], first["output_tokens"]) == ("300", "400"), first
+        text = debug_fields(e.post("/generate", generate(False, text="word " * 400),
+                                   headers={"x-mock-output-tokens": "6"}))
+        assert text["prompt_tokens"] == "500", text
+        batch = debug_fields(e.post("/v1/completions", {"model": "mock-model", "prompt": [ids[:100], ids[:50]],
+                                                        "max_tokens": 30},
+                                   headers={"x-mock-output-tokens": "6"}))
+        assert (batch["prompt_tokens"], batch["output_tokens"]) == ("150", "60"), batch
+        for i in range(24):
+            r = e.post("/generate", generate(i % 2 == 0, input_ids=ids), headers={"x-mock-output-tokens": "6"})
+            assert r.status == 200, r.body[:200]
+        learned = debug_fields(e.post("/generate", generate(False, input_ids=ids)))
+        assert int(learned["output_tokens"]) == 6, learned
+    finally:
+        e.stop()
+
+
 def test_an_agents_tools_are_priced_as_its_prompt(envoy):
     """The tools a chat request offers are rendered into its prompt by the engine: the filter
     prices them (an agent's tool list is often thousands of tokens no message shows)."""

@@ -9,8 +9,9 @@ the counters are not zero):
   core/tests/data/llamacpp_slots.json          GET /slots
   core/tests/data/llamacpp_props.json          GET /props
   core/tests/data/streams/llamacpp_*.sse       streamed answers as served (chat without and with
-                                               usage, a completion, OpenAI's Responses API),
-                                               40 tokens each
+                                               usage, a completion, OpenAI's Responses API,
+                                               Anthropic's Messages API, the native
+                                               /completion), 40 tokens each
 and prints the observations (health while loading, model names served, usage in streams,
 an over-long prompt) as JSON on stdout; tests/REAL_ENGINES.md is written from them.
 Volatile values (timestamps, the cache path of the model) are kept as served: the fixtures
@@ -47,6 +48,11 @@ STREAMS = {
     "llamacpp_responses": ("/v1/responses", {"model": "smollm2", "stream": True, "max_output_tokens": 40, "temperature": 0,
                                              "instructions": "Answer in plain prose.",
                                              "input": "Write two sentences about the sea."}),
+    "llamacpp_messages": ("/v1/messages", {"model": "smollm2", "stream": True, "max_tokens": 40, "temperature": 0,
+                                           "system": "Answer in plain prose.",
+                                           "messages": [{"role": "user", "content": "Write two sentences about the sea."}]}),
+    "llamacpp_native": ("/completion", {"stream": True, "n_predict": 40, "temperature": 0,
+                                        "prompt": "Once upon a time"}),
 }
 
 

@@ -7,6 +7,9 @@ The servers are unequal (slots and context size). Most tests configure each node
 naming what the clients send); one gives the addresses alone. Then:
 - the filter routes by its own choice (`routed` grows, no `fallback.*`);
 - the official openai client gets completions and streams (with the usage chunk when asked);
+- OpenAI's Responses API, Anthropic's Messages API, token-id prompts, `/tokenize` and
+  `/v1/messages/count_tokens` (booked at nothing), and llama.cpp's native `/completion` are
+  priced and routed;
 - a server killed under load costs no failed non-streaming request (Envoy retries on the
   filter's next pick, the filter ejects the node) and is taken back when it returns;
 - the README's minimal configuration (node addresses only) routes too: the filter finds the
@@ -260,6 +263,42 @@ def test_token_ids_counting_and_the_native_endpoint_through_envoy(envoy):
     assert events[-1]["stop"] is True, events[-1]
 
     assert envoy.counter("token_balancer.routed") == routed + 4
+    assert fallbacks(envoy) == fell_back
+
+
+def test_anthropics_messages_api_through_envoy(envoy):
+    """Anthropic's Messages API (llama-server serves /v1/messages and /v1/messages/count_tokens):
+    priced from `system` and the content blocks at `max_tokens`, whole and streamed; counting
+    the same conversation's tokens is routed at no cost."""
+    routed = envoy.counter("token_balancer.routed")
+    fell_back = fallbacks(envoy)
+
+    def booked(r) -> dict:
+        return dict(kv.split("=", 1) for kv in r.headers["x-token-balancer"].split("; "))
+
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "system": "Answer briefly.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]}
+    r = envoy.post("/v1/messages", body, timeout=120)
+    assert r.status == 200, r.body[:200]
+    assert int(booked(r)["prompt_tokens"]) > 8 and 1 <= int(booked(r)["output_tokens"]) <= 12, booked(r)
+    whole = r.json()
+    assert whole["type"] == "message" and whole["content"][0]["text"], whole
+    assert 1 <= whole["usage"]["output_tokens"] <= 12, whole["usage"]
+
+    r = envoy.post("/v1/messages", {**body, "stream": True}, timeout=120)
+    assert r.status == 200, r.body[:200]
+    events = [json.loads(line.removeprefix("data: ")) for line in r.body.decode().splitlines()
+              if line.startswith("data: ")]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert text == whole["content"][0]["text"], (text, whole)
+    assert events[-1]["type"] == "message_stop", events[-1]
+
+    r = envoy.post("/v1/messages/count_tokens", {k: v for k, v in body.items() if k != "max_tokens"}, timeout=60)
+    assert r.status == 200, r.body[:200]
+    assert (booked(r)["prompt_tokens"], booked(r)["output_tokens"]) == ("0", "0"), booked(r)
+    assert r.json()["input_tokens"] > 8, r.json()
+
+    assert envoy.counter("token_balancer.routed") == routed + 3
     assert fallbacks(envoy) == fell_back
 
 

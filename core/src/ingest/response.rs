@@ -1227,6 +1227,38 @@ mod tests {
         assert!(unread * 2 >= deltas, "{unread} of {} unread", chunks.len());
     }
 
+    /// Real llama-server b11434 streams of Anthropic's Messages API (20 `text_delta` events,
+    /// the server's `output_tokens` 21, EOS included, in `message_delta`) and of the native
+    /// `/completion` (40 events each with its `content` and the running `tokens_predicted`, then
+    /// a closing event with the settings and timings), recorded by `llamacpp-facts.py`: followed
+    /// chunk by chunk as if read whole, at the server's count.
+    #[test]
+    fn real_messages_and_native_streams_are_followed() {
+        for (body, events, count) in [
+            (
+                include_str!("../../tests/data/streams/llamacpp_messages.sse"),
+                "event: content_block_delta\n",
+                21,
+            ),
+            (
+                include_str!("../../tests/data/streams/llamacpp_native.sse"),
+                "data: {\"index\":0,\"content\":\"",
+                40,
+            ),
+        ] {
+            let chunks: Vec<String> = body.split_inclusive("\n\n").map(str::to_string).collect();
+            let tokens = chunks.iter().filter(|c| c.starts_with(events)).count() as u64;
+            assert!(tokens >= 20, "{tokens}");
+            let whole = read(&[body.as_bytes()]);
+            let (m, _) = follow(&chunks);
+            assert_eq!(seen(&m), seen(&whole));
+            assert_eq!(m.finish(true, true), Some(count));
+            // Before the last events the running count is the tokens so far.
+            let (early, _) = follow(&chunks[..10]);
+            assert!((8..=10).contains(&early.progress()), "{}", early.progress());
+        }
+    }
+
     #[test]
     fn reasoning_values_that_are_not_text_count_nothing() {
         let events = [

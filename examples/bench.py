@@ -226,6 +226,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--api", args.api]
         if getattr(args, "tools", 0):
             cmd += ["--tools", str(args.tools)]
+        if getattr(args, "images", 0):
+            cmd += ["--images", str(args.images)]
         cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -432,6 +434,9 @@ def main():
                          "(POST /v1/responses, the prompt as input, the cap as max_output_tokens), "
                          "SGLang's native /generate (the prompt as text), or completions with the "
                          "prompt as token ids (tokens)")
+    ap.add_argument("--images", type=int, default=0,
+                    help="every request's message opens with N images (PNGs of 640 x 480 to 1920 x 1080, "
+                         "each its own), which the mock nodes count as a vision model does")
     ap.add_argument("--tools", type=int, default=0,
                     help="every request offers an agent's N tools (the same list each time, about 100 "
                          "tokens each, rendered into the prompt by the engine)")

@@ -23,7 +23,7 @@
 use std::time::Instant;
 use token_balancer_core::config::Config;
 use token_balancer_core::ingest::prompt::Chain;
-use token_balancer_core::ingest::request::{self, Api, Weight};
+use token_balancer_core::ingest::request::{self, Api, Pricing, Weight};
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::balancer::{Balancer, Outcome, OwnBooks};
 use token_balancer_core::route::survival::{peak, Lengths, Running};
@@ -72,6 +72,7 @@ static NO_CHAIN: Chain = Chain::NONE;
 /// Chat bodies of 50 tenants (a 16 KiB system prompt each) with four questions each, read
 /// into their weights and prefix chains as the filter reads them.
 fn tenant_prompts() -> Vec<(Weight, Chain)> {
+    let pricing = Pricing::new(256);
     let mut out = Vec::new();
     for t in 0..50 {
         let system = format!("Tenant {t}: be brief and cite the handbook. ").repeat(400);
@@ -80,9 +81,12 @@ fn tenant_prompts() -> Vec<(Weight, Chain)> {
             let body = serde_json::json!({"model": "m", "max_tokens": 256, "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": format!("question {q} of tenant {t}")}]});
-            if let Some(e) =
-                request::read_with_chain(Api::Chat, body.to_string().as_bytes(), 256, Some(256))
-            {
+            if let Some(e) = request::read_with_chain(
+                Api::Chat,
+                body.to_string().as_bytes(),
+                &pricing,
+                Some(256),
+            ) {
                 out.push((e.weight, e.chain));
             }
         }
@@ -325,6 +329,7 @@ fn answer_cost() {
 
 /// The other pure work of a request: reading the weight and model from a 4 KiB chat body.
 fn body_cost() {
+    let pricing = Pricing::new(256);
     let words = "the quick brown fox jumps over the lazy dog ".repeat(100);
     let content = words.get(..3990).unwrap_or(&words);
     let body = format!(
@@ -336,7 +341,7 @@ fn body_cost() {
         for _ in 0..15 {
             let start = Instant::now();
             for _ in 0..1000 {
-                tokens += request::read_with_chain(Api::Chat, body.as_bytes(), 256, chain)
+                tokens += request::read_with_chain(Api::Chat, body.as_bytes(), &pricing, chain)
                     .map_or(0, |e| e.weight.prompt_tokens);
             }
             batches.push(start.elapsed().as_secs_f64() * 1e6 / 1000.0);

@@ -451,10 +451,10 @@ impl<H: Host> HttpContext for Request<H> {
         if self.decided {
             return Action::Continue;
         }
-        let Some((limit, default_max_tokens, block_chars, session_header)) = self.with(|s| {
+        let Some((limit, pricing, block_chars, session_header)) = self.with(|s| {
             (
                 s.config.max_body_bytes,
-                s.config.default_max_tokens,
+                s.config.pricing(),
                 s.balancer.chain_block_chars(),
                 s.config.prefix.session_header.clone(),
             )
@@ -469,7 +469,7 @@ impl<H: Host> HttpContext for Request<H> {
             return Action::Pause;
         }
         let body = self.host.request_body(body_size).unwrap_or_default();
-        match request::read_with_chain(self.api, &body, default_max_tokens, block_chars) {
+        match request::read_with_chain(self.api, &body, &pricing, block_chars) {
             Some(e) => {
                 // A session header is an affinity hint when the body gives none.
                 let chain = match (&session_header, block_chars) {

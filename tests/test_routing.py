@@ -345,6 +345,23 @@ def test_native_generate_and_token_id_requests_are_priced_and_their_output_learn
         e.stop()
 
 
+def test_images_are_priced_as_prompt(envoy):
+    """An image in a chat message is prompt for a vision model: priced from the size in its
+    PNG header (1024 x 768: 1,004 tokens at the default 784 pixels a token), or, given as a
+    link, at the default 1,024."""
+    png = "iVBORw0KGgoAAAANSUhEUgAABAAAAAMACAIAAAA="
+
+    def with_image(url: str) -> dict:
+        return {**chat("Describe it.", 8), "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}]}
+
+    plain = int(debug_fields(envoy.post("/v1/chat/completions", chat("Describe it.", 8)))["prompt_tokens"])
+    sent = debug_fields(envoy.post("/v1/chat/completions", with_image(f"data:image/png;base64,{png}")))
+    linked = debug_fields(envoy.post("/v1/chat/completions", with_image("https://example.com/cat.png")))
+    assert int(sent["prompt_tokens"]) - plain == 1004, (plain, sent)
+    assert int(linked["prompt_tokens"]) - plain == 1024, (plain, linked)
+
+
 def test_an_agents_tools_are_priced_as_its_prompt(envoy):
     """The tools a chat request offers are rendered into its prompt by the engine: the filter
     prices them (an agent's tool list is often thousands of tokens no message shows)."""

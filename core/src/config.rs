@@ -12,6 +12,8 @@
 use crate::explain::Cidr;
 use crate::fleet::models::{MAX_MODELS_PER_NODE, MAX_MODEL_NAME_BYTES};
 use crate::ingest::engine::HealthFormat;
+use crate::ingest::image::{ImagePricing, MAX_IMAGE_TOKENS};
+use crate::ingest::request::Pricing;
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -154,6 +156,8 @@ pub struct Config {
     pub prefix: PrefixConfig,
     /// Who waits, who goes first, who is told to come back (see `route::admission`).
     pub admission: AdmissionConfig,
+    /// How an image in a prompt is counted (see `ingest::image`).
+    pub images: ImagePricing,
 }
 
 /// What a request claims at admission (see `ingest::claim` and `route::admission`): its
@@ -376,6 +380,24 @@ impl Default for PrefixConfig {
     }
 }
 
+const IMAGES_FIELDS: &[&str] = &["tokens", "pixels_per_token"];
+
+fn parse_images(value: &Value) -> Result<ImagePricing, ConfigError> {
+    let f = Fields::new(value, "images.", IMAGES_FIELDS)?;
+    let d = ImagePricing::default();
+    let tokens = f.uint("tokens")?.unwrap_or(d.tokens);
+    if tokens > MAX_IMAGE_TOKENS {
+        return Err(err(
+            f.name("tokens"),
+            format!("must be at most {MAX_IMAGE_TOKENS}"),
+        ));
+    }
+    Ok(ImagePricing {
+        tokens,
+        pixels_per_token: f.uint("pixels_per_token")?.unwrap_or(d.pixels_per_token),
+    })
+}
+
 const PREFIX_FIELDS: &[&str] = &[
     "enabled",
     "block_chars",
@@ -472,6 +494,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "membership",
     "poller",
     "prefix",
+    "images",
     "admission",
 ];
 const NODE_FIELDS: &[&str] = &[
@@ -839,6 +862,14 @@ fn model_names(value: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
 }
 
 impl Config {
+    /// What a request's weight is read with (`ingest::request::read_with_chain`).
+    pub fn pricing(&self) -> Pricing {
+        Pricing {
+            default_max_tokens: self.default_max_tokens,
+            images: self.images,
+        }
+    }
+
     /// Parses and validates the plugin configuration bytes.
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
@@ -1045,6 +1076,10 @@ impl Config {
             None => AdmissionConfig::default(),
             Some(v) => parse_admission(v)?,
         };
+        let images = match f.get("images") {
+            None => ImagePricing::default(),
+            Some(v) => parse_images(v)?,
+        };
         // The filter removes these from every request before reading any hint.
         if let Some(h) = &prefix.session_header {
             let taken = [
@@ -1065,6 +1100,7 @@ impl Config {
         Ok(Config {
             poller,
             prefix,
+            images,
             admission,
             membership,
             models_poll_ms,
@@ -1314,6 +1350,43 @@ mod tests {
             let e = Config::parse(json.as_bytes()).expect_err(&json);
             assert_eq!(e.field, field, "config {json}: {e}");
             assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
+    fn images_parse_with_their_defaults_and_name_each_error() {
+        let c = Config::parse(MIN.as_bytes()).unwrap();
+        assert_eq!(c.images, ImagePricing::default());
+        assert_eq!(c.pricing(), Pricing::new(256));
+        let with = |p: &str| {
+            format!(r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h",{p}}}"#)
+        };
+        let c = Config::parse(with(r#""images":{"tokens":256,"pixels_per_token":0}"#).as_bytes())
+            .unwrap();
+        let want = ImagePricing {
+            tokens: 256,
+            pixels_per_token: 0,
+        };
+        assert_eq!(c.images, want);
+        assert_eq!(c.pricing().images, want);
+        for (json, field, why) in [
+            (r#""images":{"tokens":-1}"#, "images.tokens", ""),
+            (
+                r#""images":{"tokens":16385}"#,
+                "images.tokens",
+                "at most 16384",
+            ),
+            (r#""images":{"pixels":784}"#, "images.pixels", ""),
+            (
+                r#""images":{"pixels_per_token":"784"}"#,
+                "images.pixels_per_token",
+                "",
+            ),
+            (r#""images":784"#, "images", "JSON object"),
+        ] {
+            let e = Config::parse(with(json).as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+            assert!(e.to_string().contains(why), "{json}: {e}");
         }
     }
 

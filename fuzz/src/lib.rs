@@ -20,10 +20,11 @@
 use serde_json::{json, Value};
 use token_balancer_core::config::{is_ip_port, Config, NodeConfig, Poller, UnknownModel};
 use token_balancer_core::ingest::engine::{self, Health, HealthFormat};
+use token_balancer_core::ingest::image::MAX_IMAGE_TOKENS;
 use token_balancer_core::ingest::prometheus::parse_prometheus_samples;
 use token_balancer_core::ingest::prompt::MAX_BLOCKS;
 use token_balancer_core::ingest::rates::Tracker;
-use token_balancer_core::ingest::request::{estimate, read_with_chain, Api, Weight};
+use token_balancer_core::ingest::request::{estimate, read_with_chain, Api, Pricing, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
 use token_balancer_core::ingest::telemetry::{parse_health, Report, ABSURD};
 
@@ -126,7 +127,7 @@ pub fn request_body(data: &[u8]) {
     if api == Api::Count {
         // Counting a prompt weighs nothing and has no chain, whatever the body holds.
         assert_eq!(w, Weight::default(), "a count with a weight");
-        let e = read_with_chain(api, body, default_max_tokens, Some(16)).unwrap();
+        let e = read_with_chain(api, body, &Pricing::new(default_max_tokens), Some(16)).unwrap();
         assert!(e.chain.is_empty(), "a count with a chain");
         return;
     }
@@ -137,7 +138,7 @@ pub fn request_body(data: &[u8]) {
             || (api == Api::Generate && GENERATE_PROMPTS.iter().any(|k| obj.contains_key(*k))),
         "an estimate from a body with no prompt"
     );
-    check_weight(api, obj, w, default_max_tokens, body.len());
+    check_weight(api, obj, w, default_max_tokens, body);
     check_chain(api, body, default_max_tokens, w);
 }
 
@@ -146,7 +147,7 @@ pub fn request_body(data: &[u8]) {
 /// priced match never the whole prompt, and the same chain for the same body.
 fn check_chain(api: Api, body: &[u8], default_max_tokens: u64, w: Weight) {
     for block in [16usize, 256] {
-        let e = read_with_chain(api, body, default_max_tokens, Some(block))
+        let e = read_with_chain(api, body, &Pricing::new(default_max_tokens), Some(block))
             .expect("a body with a weight has one with a chain too");
         assert_eq!(e.weight, w, "the chain changed the weight");
         let c = &e.chain;
@@ -162,8 +163,24 @@ fn check_chain(api: Api, body: &[u8], default_max_tokens: u64, w: Weight) {
         }
         assert_eq!(
             Some(e.chain.clone()),
-            read_with_chain(api, body, default_max_tokens, Some(block)).map(|e| e.chain)
+            read_with_chain(api, body, &Pricing::new(default_max_tokens), Some(block))
+                .map(|e| e.chain)
         );
+    }
+}
+
+/// Objects anywhere in `v` whose `type` names an image part (`request::Part::Image`).
+fn image_parts(v: &Value) -> u64 {
+    match v {
+        Value::Array(items) => items.iter().map(image_parts).sum(),
+        Value::Object(o) => {
+            let own = matches!(
+                o.get("type").and_then(Value::as_str),
+                Some("image_url" | "input_image" | "image")
+            );
+            u64::from(own) + o.values().map(image_parts).sum::<u64>()
+        }
+        _ => 0,
     }
 }
 
@@ -172,7 +189,7 @@ fn check_weight(
     obj: &serde_json::Map<String, Value>,
     w: Weight,
     default_max_tokens: u64,
-    body_len: usize,
+    body: &[u8],
 ) {
     // The documented clamps: output at most MAX_OUTPUT_TOKENS times MAX_N times MAX_BATCH,
     // never an overflow.
@@ -183,11 +200,13 @@ fn check_weight(
     );
     assert_eq!(w.total(), w.prompt_tokens + w.output_tokens);
     // A prompt token needs at least one character of the body, and a message at least one
-    // byte, worth PER_MESSAGE_OVERHEAD tokens: the prompt estimate is bounded by the size.
-    let body_len = body_len as u64;
+    // byte, worth PER_MESSAGE_OVERHEAD tokens; an image part (its `type` names an image) is
+    // at most MAX_IMAGE_TOKENS: the prompt estimate is bounded by the size.
+    let images = image_parts(&Value::Object(obj.clone()));
+    let body_len = body.len() as u64;
     assert!(
-        w.prompt_tokens <= PER_MESSAGE_OVERHEAD * body_len,
-        "prompt {} from {body_len} bytes",
+        w.prompt_tokens <= PER_MESSAGE_OVERHEAD * body_len + MAX_IMAGE_TOKENS * images,
+        "prompt {} from {body_len} bytes and {images} images",
         w.prompt_tokens
     );
     // The prompt is in `input` when there are no `messages` (a list), no `prompt` and (on a

@@ -3,6 +3,7 @@
 
 pub mod claim;
 pub mod engine;
+pub mod image;
 pub mod members;
 pub mod prometheus;
 pub mod prompt;

@@ -18,9 +18,13 @@
 //! separators that cannot occur in JSON-decoded text boundaries being confused (a role, a part
 //! and a message each end with their own control byte); a completion's (or a native generate
 //! endpoint's) prompt: its string or strings, or its token ids, four bytes an id (a block of
-//! ids then covers as many tokens as a block of text is estimated to). Parts that are not text
-//! (images, audio) count as a marker only: hashing a megabyte of base64 per request would cost
-//! more than the routing, and equal text around them still matches. Only full blocks are
+//! ids then covers as many tokens as a block of text is estimated to). An image counts as a
+//! marker, its source's length and its source's last 64 bytes (hashing a megabyte of base64
+//! per request would cost more than the routing; two images rarely end alike), so equal text
+//! after different images does not match, as in an engine's cache; other parts that are not
+//! text (audio) count as a marker only. A matched image is priced by its share of the
+//! rendered characters (a few), not of its tokens: the cached share of a prompt that opens
+//! with a large image is underestimated. Only full blocks are
 //! hashed (a partial last block is never shared by an engine either), and at most
 //! `MAX_BLOCKS` of them.
 //!
@@ -45,6 +49,9 @@ const END_ROLE: u8 = 0x1e;
 const END_PART: u8 = 0x1f;
 const END_MESSAGE: u8 = 0x1d;
 const OTHER_PART: &[u8] = b"\x1c";
+const IMAGE_PART: &[u8] = b"\x1c\x1c";
+/// Bytes of an image's source that stand for it in the chain (see `Chainer::image`).
+const IMAGE_TAIL: usize = 64;
 
 /// SplitMix64's finaliser: every input bit reaches every output bit.
 pub fn finish(mut z: u64) -> u64 {
@@ -192,12 +199,27 @@ impl Chainer {
                         Part::Text(t) => self.feed(t.as_bytes()),
                         Part::Content(content) => self.content(content),
                         Part::Json(v) => self.json(v),
+                        Part::Image(source) => self.image(source),
                         Part::Other => self.feed(OTHER_PART),
                     }
                     self.feed(&[END_PART]);
                 }
             }
             _ => {}
+        }
+    }
+
+    /// An image part: a marker, then what tells one image from another without hashing it
+    /// whole (a megabyte of base64 per request would cost more than the routing): its
+    /// source's length and last `IMAGE_TAIL` bytes (a link whole, when shorter).
+    fn image(&mut self, source: Option<&str>) {
+        self.feed(IMAGE_PART);
+        if let Some(s) = source.map(str::as_bytes) {
+            self.feed(&(s.len() as u64).to_le_bytes());
+            self.feed(
+                s.get(s.len().saturating_sub(IMAGE_TAIL)..)
+                    .unwrap_or_default(),
+            );
         }
     }
 

@@ -33,8 +33,29 @@
 //! go to (see `models`). It is moved out of the parsed value, not copied; a missing, empty or
 //! non-string `model` is no model, as vLLM serves such a request with its default model.
 
+use crate::ingest::image::ImagePricing;
 use crate::ingest::prompt::{self, Chain};
 use serde_json::Value;
+
+/// What a request's weight is read with besides its body: the configuration's
+/// `default_max_tokens` and `images`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pricing {
+    /// Output tokens of a request that caps none.
+    pub default_max_tokens: u64,
+    /// How an image in a prompt is counted (`ingest::image`).
+    pub images: ImagePricing,
+}
+
+impl Pricing {
+    /// `default_max_tokens`, and images at their defaults.
+    pub fn new(default_max_tokens: u64) -> Pricing {
+        Pricing {
+            default_max_tokens,
+            images: ImagePricing::default(),
+        }
+    }
+}
 
 /// Estimated token cost of one request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -102,10 +123,12 @@ pub fn estimate_text_tokens(text: &str) -> u64 {
 }
 
 /// Prompt tokens of a message's content: a string, or parts (see [`part_tokens`]).
-fn text_of_content(content: &Value) -> u64 {
+fn text_of_content(content: &Value, images: &ImagePricing) -> u64 {
     match content {
         Value::String(s) => estimate_text_tokens(s),
-        Value::Array(parts) => parts.iter().map(part_tokens).sum(),
+        Value::Array(parts) => parts
+            .iter()
+            .fold(0u64, |sum, p| sum.saturating_add(part_tokens(p, images))),
         _ => 0,
     }
 }
@@ -121,7 +144,11 @@ pub enum Part<'a> {
     Content(&'a Value),
     /// Anthropic's `tool_use` block: its `input`, rendered as JSON.
     Json(&'a Value),
-    /// Anything else (an image, audio): what it costs is the engine's encoder's, not told by
+    /// An image: OpenAI's `image_url` part (its `url`), the Responses API's `input_image`
+    /// (its `image_url`), Anthropic's `image` block (its `source`'s `data` or `url`). The
+    /// source is a `data:` URL, a link, or bare base64; `None` when the part gives none.
+    Image(Option<&'a str>),
+    /// Anything else (audio, video): what it costs is the engine's encoder's, not told by
     /// the body.
     Other,
 }
@@ -135,6 +162,17 @@ impl<'a> Part<'a> {
                 _ => Part::Other,
             };
         };
+        if let Some("image_url" | "input_image" | "image") = o.get("type").and_then(Value::as_str) {
+            let url = match o.get("image_url") {
+                Some(Value::Object(u)) => u.get("url"),
+                url => url,
+            };
+            let source = url.or_else(|| {
+                let s = o.get("source")?;
+                s.get("data").or_else(|| s.get("url"))
+            });
+            return Part::Image(source.and_then(Value::as_str));
+        }
         if let Some(Value::String(text)) = o.get("text") {
             Part::Text(text)
         } else if let Some(content) = o.get("content") {
@@ -150,11 +188,12 @@ impl<'a> Part<'a> {
 }
 
 /// Prompt tokens of one part of a message's content (see [`Part`]).
-fn part_tokens(part: &Value) -> u64 {
+fn part_tokens(part: &Value, images: &ImagePricing) -> u64 {
     match Part::of(part) {
         Part::Text(text) => estimate_text_tokens(text),
-        Part::Content(content) => text_of_content(content),
+        Part::Content(content) => text_of_content(content, images),
         Part::Json(v) => json_tokens(v),
+        Part::Image(source) => images.tokens(source),
         Part::Other => 0,
     }
 }
@@ -291,23 +330,24 @@ pub struct Estimate {
     pub user: Option<String>,
 }
 
-/// Estimates a request's weight from its JSON body, or `None` when the body gives no basis.
+/// Estimates a request's weight from its JSON body, or `None` when the body gives no basis
+/// (images at their default pricing).
 pub fn estimate(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Weight> {
     read(api, body, default_max_tokens).map(|e| e.weight)
 }
 
 /// Reads a request's weight and model from its JSON body, or `None` when the body gives no
-/// basis for a weight (whatever its model).
+/// basis for a weight (whatever its model); images at their default pricing.
 pub fn read(api: Api, body: &[u8], default_max_tokens: u64) -> Option<Estimate> {
-    read_with_chain(api, body, default_max_tokens, None)
+    read_with_chain(api, body, &Pricing::new(default_max_tokens), None)
 }
 
-/// `read`, and with `block_chars` the prompt's prefix chain in blocks of that many characters
-/// (see `prompt`), from the same parse.
+/// `read` with `pricing`, and with `block_chars` the prompt's prefix chain in blocks of that
+/// many characters (see `prompt`), from the same parse.
 pub fn read_with_chain(
     api: Api,
     body: &[u8],
-    default_max_tokens: u64,
+    pricing: &Pricing,
     block_chars: Option<usize>,
 ) -> Option<Estimate> {
     let v: Value = serde_json::from_slice(body).ok()?;
@@ -324,7 +364,7 @@ pub fn read_with_chain(
     } else {
         // Where the prompt is, read once for both the weight and the chain.
         let found = Prompt::of(api, &obj)?;
-        let weight = weight_of(api, found, &obj, default_max_tokens);
+        let weight = weight_of(api, found, &obj, pricing);
         let chain = match block_chars {
             Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
             None => Chain::NONE,
@@ -528,17 +568,18 @@ impl<'a> Prompt<'a> {
         }
     }
 
-    /// Estimated prompt tokens (see the module comment): every turn's content and JSON, and
-    /// the template's overhead for each message.
-    fn tokens(&self) -> u64 {
+    /// Estimated prompt tokens (see the module comment): every turn's content (images as
+    /// `images` prices them) and JSON, and the template's overhead for each message.
+    fn tokens(&self, images: &ImagePricing) -> u64 {
         match *self {
             Prompt::Text(text) | Prompt::Embed(text) => text_tokens(text),
             Prompt::Messages { .. } | Prompt::Responses { .. } => {
                 let mut tokens = 0u64;
                 self.turns(|t| {
+                    let content = t.content.map_or(0, |c| text_of_content(c, images));
                     tokens = tokens
                         .saturating_add(if t.framed { PER_MESSAGE_OVERHEAD } else { 0 })
-                        .saturating_add(t.content.map(text_of_content).unwrap_or(0))
+                        .saturating_add(content)
                         .saturating_add(t.json.map(json_tokens).unwrap_or(0));
                 });
                 tokens
@@ -593,8 +634,9 @@ fn weight_of(
     api: Api,
     prompt: Prompt<'_>,
     obj: &serde_json::Map<String, Value>,
-    default_max_tokens: u64,
+    pricing: &Pricing,
 ) -> Weight {
+    let default_max_tokens = pricing.default_max_tokens;
     let output_tokens = match prompt {
         // Whatever its shape, a body sent to an embeddings endpoint decodes nothing.
         _ if api == Api::Embeddings => 0,
@@ -621,7 +663,7 @@ fn weight_of(
         }
     };
     Weight {
-        prompt_tokens: prompt.tokens(),
+        prompt_tokens: prompt.tokens(&pricing.images),
         output_tokens,
     }
 }
@@ -720,11 +762,12 @@ mod tests {
                 r#"{"messages":[{"role":"user","content":"abcdabcdabcdabcd"}],"max_tokens":10}"#,
                 w(8, 10),
             ),
-            // chat, array-of-parts content, images ignored, max_completion_tokens wins
+            // chat, array-of-parts content, an image of unknown size at the default,
+            // max_completion_tokens wins
             (
                 Api::Chat,
                 r#"{"messages":[{"role":"user","content":[{"type":"text","text":"abcdabcd"},{"type":"image_url","image_url":{"url":"x"}}]}],"max_completion_tokens":7,"max_tokens":99}"#,
-                w(6, 7),
+                w(6 + 1024, 7),
             ),
             // two messages, default max tokens, n = 3
             (
@@ -779,11 +822,12 @@ mod tests {
                 r#"{"instructions":"abcd","input":"abcd","max_tokens":99}"#,
                 w(10, 256),
             ),
-            // input items: a message with parts, a tool call, its output, reasoning
+            // input items: a message with parts (an image of unknown size), a tool call, its
+            // output, reasoning
             (
                 Api::Responses,
                 r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"abcdabcd"},{"type":"input_image","image_url":"x"}]},{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},{"type":"function_call_output","call_id":"c1","output":"abcd"},{"type":"reasoning","summary":[{"type":"summary_text","text":"abcd"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"abcd"}]}],"max_output_tokens":5}"#,
-                w(4 + 2 + 4 + 2 + 4 + 1 + 4 + 1 + 4 + 1, 5),
+                w(4 + 2 + 1024 + 4 + 2 + 4 + 1 + 4 + 1 + 4 + 1, 5),
             ),
             // items of the wrong shape count their overhead only
             (
@@ -925,6 +969,56 @@ mod tests {
         }
     }
 
+    /// Images are prompt: by their size where the body carries the image (a PNG header in a
+    /// `data:` URL or Anthropic's base64), else at the configured default, in every API's
+    /// shape; `pixels_per_token: 0` counts every one at the default.
+    #[test]
+    fn images_are_prompt() {
+        // A PNG header of 1024 x 768 (1,004 tokens at 784 pixels a token), in base64.
+        let png = "iVBORw0KGgoAAAANSUhEUgAABAAAAAMACAIAAAA=";
+        let cases: &[(Api, String, u64)] = &[
+            (
+                Api::Chat,
+                format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{png}"}}}},{{"type":"text","text":"abcd"}}]}}]}}"#),
+                4 + 1004 + 1,
+            ),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":"https://x/y.png"}]}]}"#.to_string(),
+                4 + 1024,
+            ),
+            (
+                Api::Responses,
+                format!(r#"{{"input":[{{"role":"user","content":[{{"type":"input_image","image_url":"data:image/png;base64,{png}"}}]}}]}}"#),
+                4 + 1004,
+            ),
+            (
+                Api::Messages,
+                format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{png}"}}}},{{"type":"image","source":{{"type":"url","url":"https://x/y.png"}}}}]}}],"max_tokens":5}}"#),
+                4 + 1004 + 1024,
+            ),
+            // an image in a tool's result
+            (
+                Api::Messages,
+                format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t","content":[{{"type":"image","source":{{"type":"base64","data":"{png}"}}}}]}}]}}],"max_tokens":5}}"#),
+                4 + 1004,
+            ),
+        ];
+        for (api, body, want) in cases {
+            let got = estimate(*api, body.as_bytes(), 256).map(|w| w.prompt_tokens);
+            assert_eq!(got, Some(*want), "{body}");
+        }
+        let fixed = Pricing {
+            default_max_tokens: 256,
+            images: ImagePricing {
+                tokens: 256,
+                pixels_per_token: 0,
+            },
+        };
+        let e = read_with_chain(Api::Chat, cases[0].1.as_bytes(), &fixed, None).unwrap();
+        assert_eq!(e.weight.prompt_tokens, 4 + 256 + 1);
+    }
+
     /// Counting, tokenizing or rendering a prompt costs nothing, however long the prompt; the
     /// model still comes with it.
     #[test]
@@ -937,7 +1031,8 @@ mod tests {
             format!(r#"{{"model":"m","input":"{long}"}}"#),
             r#"{"model":"m","tokens":[1,2,3]}"#.to_string(),
         ] {
-            let e = read_with_chain(Api::Count, body.as_bytes(), 256, Some(64)).unwrap();
+            let e =
+                read_with_chain(Api::Count, body.as_bytes(), &Pricing::new(256), Some(64)).unwrap();
             assert_eq!(e.weight, Weight::default(), "{body}");
             assert_eq!(e.model.as_deref(), Some("m"));
             assert!(e.chain.is_empty());

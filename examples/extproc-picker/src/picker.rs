@@ -287,8 +287,7 @@ impl Session {
         let body = std::mem::take(&mut self.body);
         let api = self.api.unwrap_or(Api::Other);
         let block_chars = picker.balancer.chain_block_chars();
-        let Some(e) =
-            request::read_with_chain(api, &body, picker.config.default_max_tokens, block_chars)
+        let Some(e) = request::read_with_chain(api, &body, &picker.config.pricing(), block_chars)
         else {
             picker.counts.fallback += 1;
             return None;

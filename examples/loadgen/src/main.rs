@@ -57,6 +57,9 @@ usage: loadgen --url http://HOST:PORT
                      the prompt as token ids, as clients with their own tokenizer send
                      it: the trace's length exactly, shared blocks as shared ids)
                      (default chat)
+  --images N         every request's message opens with N images (PNG data URLs of
+                     sizes from 640 x 480 to 1920 x 1080, each its own; a vision model
+                     counts each at hundreds to thousands of tokens) (default 0)
   --tools N          every request offers an agent's N tools (the same list each time,
                      about 100 tokens each, which the engine renders into the prompt
                      ahead of the messages) (default 0)
@@ -119,6 +122,8 @@ struct Args {
     api: Api,
     /// Tools offered with every request.
     tools: usize,
+    /// Images at the start of every request's message.
+    images: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -146,6 +151,7 @@ fn parse_args() -> Result<Args, String> {
         slo_tpot_ms: None,
         api: Api::Chat,
         tools: 0,
+        images: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -187,6 +193,7 @@ fn parse_args() -> Result<Args, String> {
             "--slo-ttft-ms" => a.slo_ttft_ms = Some(pos(v()?, "--slo-ttft-ms")?.max(1.0)),
             "--slo-tpot-ms" => a.slo_tpot_ms = Some(pos(v()?, "--slo-tpot-ms")?.max(1.0)),
             "--tools" => a.tools = pos(v()?, "--tools")? as usize,
+            "--images" => a.images = pos(v()?, "--images")? as usize,
             "--api" => {
                 let name = v()?;
                 a.api = Api::ALL
@@ -248,9 +255,9 @@ fn parse_args() -> Result<Args, String> {
     if let Some(only) = &a.only_tenant {
         a.trace.retain(|r| r.tenant == Some(only.as_str()));
     }
-    if a.tools > 0 && !matches!(a.api, Api::Chat | Api::Responses) {
+    if (a.tools > 0 || a.images > 0) && !matches!(a.api, Api::Chat | Api::Responses) {
         return Err(format!(
-            "--tools: only chat and responses requests offer tools, not {}",
+            "--tools and --images: only chat and responses requests carry them, not {}",
             a.api.name()
         ));
     }
@@ -541,14 +548,37 @@ async fn main() {
                 .map_or(r.prompt_tokens, |cap| r.prompt_tokens.min(cap));
             let (seed, block) = (i as u64 + 1, trace::MOONCAKE_BLOCK_TOKENS);
             let text = || prompt::build(seed, prompt_tokens, &r.blocks, block);
+            // The message: its text, after the request's images when it has any.
+            let content = |responses: bool| {
+                if args.images == 0 {
+                    return json!(text());
+                }
+                let (image, text_part) = if responses {
+                    ("input_image", "input_text")
+                } else {
+                    ("image_url", "text")
+                };
+                let mut parts: Vec<Value> = (0..args.images as u64)
+                    .map(|k| {
+                        let url = prompt::image(seed.wrapping_mul(64).wrapping_add(k));
+                        if responses {
+                            json!({"type": image, "image_url": url})
+                        } else {
+                            json!({"type": image, "image_url": {"url": url}})
+                        }
+                    })
+                    .collect();
+                parts.push(json!({"type": text_part, "text": text()}));
+                Value::Array(parts)
+            };
             let mut body = match args.api {
                 Api::Chat => {
                     json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
-                           "messages": [{"role": "user", "content": text()}]})
+                           "messages": [{"role": "user", "content": content(false)}]})
                 }
                 Api::Responses => json!({"model": "mock-model", "stream": true,
                                          "max_output_tokens": args.max_tokens,
-                                         "input": [{"role": "user", "content": text()}]}),
+                                         "input": [{"role": "user", "content": content(true)}]}),
                 Api::Generate => json!({"model": "mock-model", "stream": true, "text": text(),
                                         "sampling_params": {"max_new_tokens": args.max_tokens}}),
                 Api::Tokens => json!({"model": "mock-model", "stream": true,
@@ -644,6 +674,7 @@ async fn main() {
                          "max_tokens": args.max_tokens,
                          "api": args.api.name(),
                          "tools": args.tools,
+                         "images": args.images,
                          "summary": summary,
                          "requests": records.iter().map(Record::to_json).collect::<Vec<_>>()});
         if let Err(e) = std::fs::write(path, doc.to_string()) {

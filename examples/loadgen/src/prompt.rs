@@ -88,6 +88,52 @@ pub fn ids(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens: 
     out
 }
 
+/// Image sizes a request's images are drawn from (photos, screenshots, scans).
+const IMAGE_SIZES: [(u32, u32); 6] = [
+    (640, 480),
+    (1024, 768),
+    (768, 1024),
+    (1280, 720),
+    (1920, 1080),
+    (1000, 1400),
+];
+
+/// An image as a `data:` URL: a PNG signature and header of a size drawn from `IMAGE_SIZES`,
+/// then 48 bytes of its own (a vision model's count reads the header; the rest only tells one
+/// image from another), in base64.
+pub fn image(seed: u64) -> String {
+    let mut s = seed ^ 0x1a6e;
+    let (w, h) = IMAGE_SIZES[(next(&mut s) % IMAGE_SIZES.len() as u64) as usize];
+    let mut bytes = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+    bytes.extend_from_slice(&w.to_be_bytes());
+    bytes.extend_from_slice(&h.to_be_bytes());
+    bytes.extend_from_slice(b"\x08\x02\0\0\0");
+    for _ in 0..6 {
+        bytes.extend_from_slice(&next(&mut s).to_le_bytes());
+    }
+    format!("data:image/png;base64,{}", base64(&bytes))
+}
+
+/// Standard base64, padded.
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let w = c
+            .iter()
+            .enumerate()
+            .fold(0u32, |w, (k, b)| w | u32::from(*b) << (16 - 8 * k));
+        for k in 0..4 {
+            out.push(if k <= c.len() {
+                char::from(A[((w >> (18 - 6 * k)) & 63) as usize])
+            } else {
+                '='
+            });
+        }
+    }
+    out
+}
+
 /// An agent's tool list: `n` function tools in OpenAI's chat shape (`{"type":"function",
 /// "function":{...}}`), each a name, a description of about 40 words and a JSON schema of three
 /// string parameters, the same for every request (an agent offers the same tools every turn).
@@ -128,6 +174,17 @@ pub fn tools(n: usize, responses: bool) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn images_are_pngs_of_the_listed_sizes_each_its_own() {
+        assert_eq!(base64(b"Man"), "TWFu");
+        assert_eq!(base64(b"Ma"), "TWE=");
+        assert_eq!(base64(b"M"), "TQ==");
+        let a = image(1);
+        assert!(a.starts_with("data:image/png;base64,iVBORw0KGgo"), "{a}");
+        assert_ne!(a, image(2));
+        assert_eq!(a, image(1));
+    }
 
     #[test]
     fn ids_are_as_many_as_asked_and_share_the_shared_blocks() {

@@ -4,7 +4,8 @@
 //! error.
 //!
 //! Rule: ceil(1.3 x whitespace-separated words) + one per ASCII punctuation mark, and for chat
-//! bodies 4 more per message (role markers and separators of a chat template).
+//! bodies 4 more per message (role markers and separators of a chat template). An image in a
+//! chat counts as Qwen2.5-VL counts it (`image_ids`): not the filter's rule either.
 //!
 //! The same rule also yields token *ids* (`*_ids`), one per counted token, for prefix caching:
 //! they are a function of the text up to that token only, so two prompts with the same leading
@@ -72,9 +73,9 @@ pub fn text_ids(text: &str, out: &mut Vec<u64>) {
 /// ids), then per message `PER_MESSAGE` template ids derived from its role, its content's ids
 /// and an assistant's `tool_calls` (as JSON). `messages` is an array whose `content` is a
 /// string, an array of parts (`{"type":"text","text":..}` or strings, Anthropic-style
-/// `tool_result` blocks by their `content` and `tool_use` blocks by their `input` as JSON;
-/// other parts such as images count nothing), or absent/null (e.g. an assistant message with
-/// tool calls).
+/// `tool_result` blocks by their `content` and `tool_use` blocks by their `input` as JSON,
+/// images as a vision model counts them (`image_ids`); other parts such as audio count
+/// nothing), or absent/null (e.g. an assistant message with tool calls).
 pub fn chat_prompt_ids(body: &Value) -> Result<Vec<u64>, String> {
     let Some(messages) = body.get("messages").and_then(Value::as_array) else {
         return Err("`messages` must be an array".into());
@@ -111,6 +112,8 @@ fn content_ids(content: &Value, out: &mut Vec<u64>) {
             for p in parts {
                 if let Value::String(s) = p {
                     text_ids(s, out);
+                } else if is_image(p) {
+                    image_ids(p, out);
                 } else if let Some(t) = p.get("text").and_then(Value::as_str) {
                     text_ids(t, out);
                 } else if let Some(c) = p.get("content") {
@@ -122,6 +125,88 @@ fn content_ids(content: &Value, out: &mut Vec<u64>) {
         }
         _ => {}
     }
+}
+
+/// An image part: OpenAI's `image_url`, the Responses API's `input_image`, Anthropic's
+/// `image`.
+fn is_image(part: &Value) -> bool {
+    matches!(
+        part.get("type").and_then(Value::as_str),
+        Some("image_url" | "input_image" | "image")
+    )
+}
+
+/// Most pixels Qwen2.5-VL's processor keeps of an image (and fewest it scales one up to).
+const MAX_PIXELS: f64 = 12_845_056.0;
+const MIN_PIXELS: f64 = 3_136.0;
+/// Tokens of an image whose size the body does not give (a link): a 1008 x 1008 one.
+const LINKED_IMAGE_TOKENS: u64 = 1_296;
+
+/// Appends the ids of an image part, as a Qwen2.5-VL-like engine counts it: the image resized
+/// to multiples of 28 pixels within its pixel bounds, a token per 28 x 28 square, plus the
+/// vision start and end markers. The size is read from a PNG header in a `data:` URL (or bare
+/// base64); any other image is counted at `LINKED_IMAGE_TOKENS`. The ids are the image's own
+/// (its source's length and last bytes), so the same image gives the same ids.
+fn image_ids(part: &Value, out: &mut Vec<u64>) {
+    let url = match part.get("image_url") {
+        Some(Value::Object(u)) => u.get("url"),
+        url => url,
+    };
+    let source = url
+        .or_else(|| part.pointer("/source/data"))
+        .or_else(|| part.pointer("/source/url"))
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let tokens = png_size(source).map_or(LINKED_IMAGE_TOKENS, |(w, h)| {
+        let (w, h) = (f64::from(w), f64::from(h));
+        let side = |x: f64| ((x / 28.0).round() * 28.0).max(28.0);
+        let (mut bw, mut bh) = (side(w), side(h));
+        if bw * bh > MAX_PIXELS {
+            let beta = (w * h / MAX_PIXELS).sqrt();
+            bw = ((w / beta / 28.0).floor() * 28.0).max(28.0);
+            bh = ((h / beta / 28.0).floor() * 28.0).max(28.0);
+        } else if bw * bh < MIN_PIXELS {
+            let beta = (MIN_PIXELS / (w * h)).sqrt();
+            bw = (w * beta / 28.0).ceil() * 28.0;
+            bh = (h * beta / 28.0).ceil() * 28.0;
+        }
+        (bw * bh / 784.0) as u64
+    });
+    let bytes = source.as_bytes();
+    let tail = bytes
+        .get(bytes.len().saturating_sub(64)..)
+        .unwrap_or_default();
+    let h = fnv1a(fnv1a(FNV_OFFSET, &(bytes.len() as u64).to_le_bytes()), tail);
+    out.push(TEMPLATE_TAG | 0x7673); // vision start
+    out.extend((0..tokens).map(|k| h.wrapping_add(k)));
+    out.push(TEMPLATE_TAG | 0x7665); // vision end
+}
+
+/// Width and height of a PNG given as a `data:` URL or bare base64.
+fn png_size(source: &str) -> Option<(u32, u32)> {
+    let b64 = match source.strip_prefix("data:") {
+        Some(rest) => rest.split_once(";base64,")?.1,
+        None => source,
+    };
+    let sextet = |c: u8| match c {
+        b'A'..=b'Z' => Some(c - b'A'),
+        b'a'..=b'z' => Some(c - b'a' + 26),
+        b'0'..=b'9' => Some(c - b'0' + 52),
+        b'+' => Some(62),
+        b'/' => Some(63),
+        _ => None,
+    };
+    // The first 24 bytes: the signature and the IHDR's width and height.
+    let mut bytes = Vec::with_capacity(24);
+    for group in b64.as_bytes().get(..32)?.chunks(4) {
+        let word = group
+            .iter()
+            .try_fold(0u32, |w, c| Some(w << 6 | u32::from(sextet(*c)?)))?;
+        bytes.extend_from_slice(&word.to_be_bytes()[1..]);
+    }
+    let be32 = |i: usize| Some(u32::from_be_bytes(bytes.get(i..i + 4)?.try_into().ok()?));
+    (bytes.get(..8)? == b"\x89PNG\r\n\x1a\n").then_some(())?;
+    Some((be32(16)?, be32(20)?))
 }
 
 /// A `/v1/responses` body (OpenAI's Responses API) as the chat body it stands for, as
@@ -235,7 +320,8 @@ mod tests {
                                                  {"type": "image_url", "image_url": {"url": "x"}},
                                                  "world"]},
                     {"role": "assistant", "content": null}]}),
-                Ok((4 + 4) + (4 + 2 + 2) + 4),
+                // an image whose size is not given: LINKED_IMAGE_TOKENS and its markers
+                Ok((4 + 4) + (4 + 2 + (LINKED_IMAGE_TOKENS + 2) + 2) + 4),
             ),
             (json!({"prompt": "hi"}), Err(())),
             (json!({"messages": "hi"}), Err(())),
@@ -317,6 +403,51 @@ mod tests {
         assert_eq!(ids(json!({"input_ids": [5, 6, 7]})), Ok(vec![5, 6, 7]));
         assert_eq!(ids(json!({"input_ids": [[5], [6]]})), Ok(vec![5, 6]));
         assert!(ids(json!({"prompt": "no"})).is_err());
+    }
+
+    /// Images count as a Qwen2.5-VL-like engine counts them: 1024 x 768 resizes to 1036 x 756
+    /// (37 x 27 = 999 tokens), plus the two markers; a link counts 1,296 and the markers.
+    #[test]
+    fn images_count_as_a_vision_model_counts_them() {
+        let png = "iVBORw0KGgoAAAANSUhEUgAABAAAAAMACAIAAAA=";
+        assert_eq!(png_size(png), Some((1024, 768)));
+        assert_eq!(
+            png_size(&format!("data:image/png;base64,{png}")),
+            Some((1024, 768))
+        );
+        assert_eq!(png_size("https://x/y.png"), None);
+        let chat = |part: Value| json!({"messages": [{"role": "user", "content": [part]}]});
+        let url = format!("data:image/png;base64,{png}");
+        for (part, tokens) in [
+            (
+                json!({"type": "image_url", "image_url": {"url": url}}),
+                999 + 2,
+            ),
+            (json!({"type": "input_image", "image_url": url}), 999 + 2),
+            (
+                json!({"type": "image", "source": {"type": "base64", "data": png}}),
+                999 + 2,
+            ),
+            (
+                json!({"type": "image_url", "image_url": {"url": "https://x/y.png"}}),
+                1296 + 2,
+            ),
+        ] {
+            let ids = chat_prompt_ids(&chat(part.clone())).unwrap();
+            assert_eq!(ids.len() as u64, PER_MESSAGE + tokens, "{part}");
+        }
+        // The same image gives the same ids, another image others.
+        let a = chat_prompt_ids(&chat(
+            json!({"type": "image_url", "image_url": {"url": url}}),
+        ));
+        let b = chat_prompt_ids(&chat(
+            json!({"type": "image_url", "image_url": {"url": url}}),
+        ));
+        assert_eq!(a, b);
+        let other = chat_prompt_ids(&chat(
+            json!({"type": "image_url", "image_url": {"url": "https://x"}}),
+        ));
+        assert_ne!(a.unwrap().get(5), other.unwrap().get(5));
     }
 
     #[test]

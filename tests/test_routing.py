@@ -345,21 +345,30 @@ def test_native_generate_and_token_id_requests_are_priced_and_their_output_learn
         e.stop()
 
 
-def test_images_are_priced_as_prompt(envoy):
-    """An image in a chat message is prompt for a vision model: priced from the size in its
-    PNG header (1024 x 768: 1,004 tokens at the default 784 pixels a token), or, given as a
-    link, at the default 1,024."""
+def test_images_are_priced_as_prompt_when_asked(envoy, cluster):
+    """An image in a chat message is prompt for a vision model. With `images.enabled` it is
+    priced from the size in its PNG header (1024 x 768: 1,004 tokens at the default 784 pixels
+    a token), or, given as a link, at the default 1,024; by default images count nothing."""
     png = "iVBORw0KGgoAAAANSUhEUgAABAAAAAMACAIAAAA="
 
     def with_image(url: str) -> dict:
         return {**chat("Describe it.", 8), "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}]}
 
-    plain = int(debug_fields(envoy.post("/v1/chat/completions", chat("Describe it.", 8)))["prompt_tokens"])
-    sent = debug_fields(envoy.post("/v1/chat/completions", with_image(f"data:image/png;base64,{png}")))
-    linked = debug_fields(envoy.post("/v1/chat/completions", with_image("https://example.com/cat.png")))
-    assert int(sent["prompt_tokens"]) - plain == 1004, (plain, sent)
-    assert int(linked["prompt_tokens"]) - plain == 1024, (plain, linked)
+    def added(e, url: str) -> int:
+        plain = int(debug_fields(e.post("/v1/chat/completions", chat("Describe it.", 8)))["prompt_tokens"])
+        return int(debug_fields(e.post("/v1/chat/completions", with_image(url)))["prompt_tokens"]) - plain
+
+    sent, linked = f"data:image/png;base64,{png}", "https://example.com/cat.png"
+    assert (added(envoy, sent), added(envoy, linked)) == (0, 0)
+    e = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, "images": {"enabled": True}}))
+    try:
+        wait_until(lambda: "prompt_tokens" in debug_fields(e.post("/v1/chat/completions", chat("hi", 2))), 10,
+                   "a routed request")
+        assert (added(e, sent), added(e, linked)) == (1004, 1024)
+    finally:
+        e.stop()
 
 
 def test_an_agents_tools_are_priced_as_its_prompt(envoy):

@@ -380,7 +380,7 @@ impl Default for PrefixConfig {
     }
 }
 
-const IMAGES_FIELDS: &[&str] = &["tokens", "pixels_per_token"];
+const IMAGES_FIELDS: &[&str] = &["enabled", "tokens", "pixels_per_token"];
 
 fn parse_images(value: &Value) -> Result<ImagePricing, ConfigError> {
     let f = Fields::new(value, "images.", IMAGES_FIELDS)?;
@@ -393,6 +393,7 @@ fn parse_images(value: &Value) -> Result<ImagePricing, ConfigError> {
         ));
     }
     Ok(ImagePricing {
+        enabled: f.boolean("enabled")?.unwrap_or(d.enabled),
         tokens,
         pixels_per_token: f.uint("pixels_per_token")?.unwrap_or(d.pixels_per_token),
     })
@@ -1361,9 +1362,12 @@ mod tests {
         let with = |p: &str| {
             format!(r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h",{p}}}"#)
         };
-        let c = Config::parse(with(r#""images":{"tokens":256,"pixels_per_token":0}"#).as_bytes())
-            .unwrap();
+        let c = Config::parse(
+            with(r#""images":{"enabled":true,"tokens":256,"pixels_per_token":0}"#).as_bytes(),
+        )
+        .unwrap();
         let want = ImagePricing {
+            enabled: true,
             tokens: 256,
             pixels_per_token: 0,
         };
@@ -1371,6 +1375,7 @@ mod tests {
         assert_eq!(c.pricing().images, want);
         for (json, field, why) in [
             (r#""images":{"tokens":-1}"#, "images.tokens", ""),
+            (r#""images":{"enabled":1}"#, "images.enabled", ""),
             (
                 r#""images":{"tokens":16385}"#,
                 "images.tokens",

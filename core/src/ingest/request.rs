@@ -23,7 +23,8 @@
 //! told once ([`Prompt`]) for both the weight and the prefix chain (`prompt`). An agent's
 //! prompt is more than its messages' text: the `tools` it offers (which a chat template
 //! renders as JSON ahead of the messages), an assistant's tool calls, tool results and
-//! Anthropic's tool blocks are counted too ([`json_tokens`], `part_tokens`). A request that
+//! Anthropic's tool blocks are counted too ([`json_tokens`], `part_tokens`), and so are the
+//! images a vision-language model turns into prompt tokens (`ingest::image`). A request that
 //! only counts, tokenizes or renders its prompt ([`Api::Count`]) weighs nothing. A body that is
 //! not JSON, or whose shape gives no prompt, is `None`: the caller then leaves the request to
 //! Envoy's fallback balancer. Fields of the wrong type are ignored one by one rather than
@@ -762,12 +763,12 @@ mod tests {
                 r#"{"messages":[{"role":"user","content":"abcdabcdabcdabcd"}],"max_tokens":10}"#,
                 w(8, 10),
             ),
-            // chat, array-of-parts content, an image of unknown size at the default,
+            // chat, array-of-parts content, images not counted by default,
             // max_completion_tokens wins
             (
                 Api::Chat,
                 r#"{"messages":[{"role":"user","content":[{"type":"text","text":"abcdabcd"},{"type":"image_url","image_url":{"url":"x"}}]}],"max_completion_tokens":7,"max_tokens":99}"#,
-                w(6 + 1024, 7),
+                w(6, 7),
             ),
             // two messages, default max tokens, n = 3
             (
@@ -822,12 +823,12 @@ mod tests {
                 r#"{"instructions":"abcd","input":"abcd","max_tokens":99}"#,
                 w(10, 256),
             ),
-            // input items: a message with parts (an image of unknown size), a tool call, its
-            // output, reasoning
+            // input items: a message with parts (an image: not counted by default), a tool
+            // call, its output, reasoning
             (
                 Api::Responses,
                 r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"abcdabcd"},{"type":"input_image","image_url":"x"}]},{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},{"type":"function_call_output","call_id":"c1","output":"abcd"},{"type":"reasoning","summary":[{"type":"summary_text","text":"abcd"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"abcd"}]}],"max_output_tokens":5}"#,
-                w(4 + 2 + 1024 + 4 + 2 + 4 + 1 + 4 + 1 + 4 + 1, 5),
+                w(4 + 2 + 4 + 2 + 4 + 1 + 4 + 1 + 4 + 1, 5),
             ),
             // items of the wrong shape count their overhead only
             (
@@ -969,11 +970,17 @@ mod tests {
         }
     }
 
-    /// Images are prompt: by their size where the body carries the image (a PNG header in a
-    /// `data:` URL or Anthropic's base64), else at the configured default, in every API's
-    /// shape; `pixels_per_token: 0` counts every one at the default.
+    /// With `images.enabled`, images are prompt: by their size where the body carries the
+    /// image (a PNG header in a `data:` URL or Anthropic's base64), else at the configured
+    /// default, in every API's shape; `pixels_per_token: 0` counts every one at the default.
     #[test]
     fn images_are_prompt() {
+        let on = Pricing {
+            default_max_tokens: 256,
+            images: ImagePricing::on(),
+        };
+        let estimate =
+            |api: Api, body: &[u8], _| read_with_chain(api, body, &on, None).map(|e| e.weight);
         // A PNG header of 1024 x 768 (1,004 tokens at 784 pixels a token), in base64.
         let png = "iVBORw0KGgoAAAANSUhEUgAABAAAAAMACAIAAAA=";
         let cases: &[(Api, String, u64)] = &[
@@ -1013,10 +1020,14 @@ mod tests {
             images: ImagePricing {
                 tokens: 256,
                 pixels_per_token: 0,
+                enabled: true,
             },
         };
         let e = read_with_chain(Api::Chat, cases[0].1.as_bytes(), &fixed, None).unwrap();
         assert_eq!(e.weight.prompt_tokens, 4 + 256 + 1);
+        // Off (the default): images count nothing.
+        let off = read(Api::Chat, cases[0].1.as_bytes(), 256).unwrap();
+        assert_eq!(off.weight.prompt_tokens, 4 + 1);
     }
 
     /// Counting, tokenizing or rendering a prompt costs nothing, however long the prompt; the

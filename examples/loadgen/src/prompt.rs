@@ -35,26 +35,34 @@ pub fn text(seed: u64, tokens: u64, out: &mut String) {
     }
 }
 
-/// A request's prompt: its prefix blocks (if any), each from the block's hash id, then the rest
-/// from the request's own seed.
-pub fn build(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens: u64) -> String {
-    let mut out = String::with_capacity(prompt_tokens as usize * 5);
+/// How a prompt of `prompt_tokens` is laid out, in order: each full prefix block, shared by
+/// every request that has it (`Some` of the seed it is drawn from, the block's hash id's), and
+/// the request's own tokens (`None`: a partial last block, then whatever follows the blocks),
+/// each with its length.
+fn layout(prompt_tokens: u64, blocks: &[u64], block_tokens: u64) -> Vec<(Option<u64>, u64)> {
+    let mut parts = Vec::new();
     let mut left = prompt_tokens;
     for b in blocks {
         if left == 0 {
             break;
         }
         let n = left.min(block_tokens);
-        // A full block is shared text; a partial last block is the request's own.
-        if n == block_tokens {
-            text(b.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c, n, &mut out);
-        } else {
-            text(request_seed, n, &mut out);
-        }
+        let shared = (n == block_tokens).then(|| b.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c);
+        parts.push((shared, n));
         left -= n;
     }
     if left > 0 {
-        text(request_seed, left, &mut out);
+        parts.push((None, left));
+    }
+    parts
+}
+
+/// A request's prompt: its prefix blocks (if any), each from the block's hash id, then the rest
+/// from the request's own seed.
+pub fn build(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens: u64) -> String {
+    let mut out = String::with_capacity(prompt_tokens as usize * 5);
+    for (shared, n) in layout(prompt_tokens, blocks, block_tokens) {
+        text(shared.unwrap_or(request_seed), n, &mut out);
     }
     out
 }
@@ -66,25 +74,14 @@ pub fn build(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens
 pub fn ids(request_seed: u64, prompt_tokens: u64, blocks: &[u64], block_tokens: u64) -> Vec<u32> {
     let mut out = Vec::with_capacity(prompt_tokens as usize);
     let mut own = request_seed ^ 0x1d5;
-    let push = |state: &mut u64, n: u64, out: &mut Vec<u32>| {
+    for (mut shared, n) in layout(prompt_tokens, blocks, block_tokens) {
+        let state = match shared.as_mut() {
+            Some(block) => block,
+            None => &mut own,
+        };
         // Ids of a 150k-token vocabulary, as today's tokenizers have.
         out.extend((0..n).map(|_| (next(state) % 150_000) as u32));
-    };
-    let mut left = prompt_tokens;
-    for b in blocks {
-        if left == 0 {
-            break;
-        }
-        let n = left.min(block_tokens);
-        if n == block_tokens {
-            let mut shared = b.wrapping_mul(0x1000_0000_01b3) ^ 0xb10c;
-            push(&mut shared, n, &mut out);
-        } else {
-            push(&mut own, n, &mut out);
-        }
-        left -= n;
     }
-    push(&mut own, left, &mut out);
     out
 }
 

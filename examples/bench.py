@@ -429,9 +429,10 @@ def main():
     ap.add_argument("--node-options", default="",
                     help="mock node settings added to every node, comma-separated k=v (see "
                          "`mock-gpu-node --help`), e.g. 'reasoning=0.8' for a reasoning model")
-    ap.add_argument("--api", choices=["chat", "responses", "generate", "tokens"], default="chat",
+    ap.add_argument("--api", choices=["chat", "responses", "messages", "generate", "tokens"], default="chat",
                     help="the API the clients speak: chat completions, OpenAI's Responses API "
-                         "(POST /v1/responses, the prompt as input, the cap as max_output_tokens), "
+                         "(POST /v1/responses, the prompt as input, the cap as max_output_tokens), Anthropic's "
+                         "Messages API (POST /v1/messages), "
                          "SGLang's native /generate (the prompt as text), or completions with the "
                          "prompt as token ids (tokens)")
     ap.add_argument("--images", type=int, default=0,

@@ -310,6 +310,37 @@ def test_responses_api_requests_are_priced_and_their_output_learned(cluster):
         e.stop()
 
 
+def test_anthropic_messages_are_priced_and_their_output_learned(cluster):
+    """Anthropic's Messages API (POST /v1/messages, as vLLM and llama.cpp's server serve it):
+    priced from `system`, the content blocks and the tools at `max_tokens`, and its answers,
+    streamed as Anthropic's events (thinking first) or whole, teach the real output length."""
+    e = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": TICK_MS, "stale_after_ms": STALE_MS}))
+
+    def body(stream: bool) -> dict:
+        return {"model": "mock-model", "system": "Answer in one line. " * 50, "max_tokens": 400, "stream": stream,
+                "tools": [{"name": "lookup", "description": "Look a word up.",
+                           "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]}
+
+    def routed():
+        d = debug_fields(e.post("/v1/messages", body(False), headers={"x-mock-output-tokens": "6"}))
+        return d if "output_tokens" in d else None
+
+    try:
+        first = wait_until(routed, 10, "a routed request")
+        assert first["output_tokens"] == "400", first
+        # 1,000 characters of system prompt, the tool's JSON and a message: about 280 tokens.
+        assert 265 <= int(first["prompt_tokens"]) <= 295, first
+        for i in range(24):
+            r = e.post("/v1/messages", body(i % 2 == 0), headers={"x-mock-output-tokens": "6"})
+            assert r.status == 200, r.body[:200]
+        learned = debug_fields(e.post("/v1/messages", body(False)))
+        assert int(learned["output_tokens"]) == 6, learned
+    finally:
+        e.stop()
+
+
 def test_native_generate_and_token_id_requests_are_priced_and_their_output_learned(cluster):
     """SGLang's native /generate (the prompt as `text` or `input_ids`, the cap in
     `sampling_params`) and completions whose prompt is token ids: priced (ids exactly, one token

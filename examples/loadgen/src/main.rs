@@ -51,7 +51,8 @@ usage: loadgen --url http://HOST:PORT
                      token it accepts: MS of model time (scaled the same way)
   --api A           chat (POST /v1/chat/completions, max_tokens), responses
                      (POST /v1/responses: OpenAI's Responses API, the prompt as input,
-                     the cap as max_output_tokens), generate (POST /generate: SGLang's
+                     the cap as max_output_tokens), messages (POST /v1/messages:
+                     Anthropic's Messages API), generate (POST /generate: SGLang's
                      native endpoint, the prompt as text, the cap as
                      sampling_params.max_new_tokens) or tokens (POST /v1/completions with
                      the prompt as token ids, as clients with their own tokenizer send
@@ -71,17 +72,25 @@ usage: loadgen --url http://HOST:PORT
 enum Api {
     Chat,
     Responses,
+    Messages,
     Generate,
     Tokens,
 }
 
 impl Api {
-    const ALL: [Api; 4] = [Api::Chat, Api::Responses, Api::Generate, Api::Tokens];
+    const ALL: [Api; 5] = [
+        Api::Chat,
+        Api::Responses,
+        Api::Messages,
+        Api::Generate,
+        Api::Tokens,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Api::Chat => "chat",
             Api::Responses => "responses",
+            Api::Messages => "messages",
             Api::Generate => "generate",
             Api::Tokens => "tokens",
         }
@@ -91,6 +100,7 @@ impl Api {
         match self {
             Api::Chat => "/v1/chat/completions",
             Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
             Api::Generate => "/generate",
             Api::Tokens => "/v1/completions",
         }
@@ -200,7 +210,7 @@ fn parse_args() -> Result<Args, String> {
                     .into_iter()
                     .find(|api| api.name() == name)
                     .ok_or_else(|| {
-                        format!("--api {name:?}: chat, responses, generate or tokens")
+                        format!("--api {name:?}: chat, responses, messages, generate or tokens")
                     })?;
             }
             "--label" => a.label = v()?,
@@ -255,9 +265,9 @@ fn parse_args() -> Result<Args, String> {
     if let Some(only) = &a.only_tenant {
         a.trace.retain(|r| r.tenant == Some(only.as_str()));
     }
-    if (a.tools > 0 || a.images > 0) && !matches!(a.api, Api::Chat | Api::Responses) {
+    if (a.tools > 0 || a.images > 0) && matches!(a.api, Api::Generate | Api::Tokens) {
         return Err(format!(
-            "--tools and --images: only chat and responses requests carry them, not {}",
+            "--tools and --images: chat, responses and messages requests carry them, not {}",
             a.api.name()
         ));
     }
@@ -428,6 +438,17 @@ fn is_token_event(payload: &str) -> bool {
     let Ok(v) = serde_json::from_str::<Value>(payload) else {
         return false;
     };
+    // An Anthropic event: only its `content_block_delta` events carry tokens (text, thinking
+    // or a tool use's input).
+    if v.get("type").and_then(Value::as_str) == Some("content_block_delta") {
+        return ["/delta/text", "/delta/thinking", "/delta/partial_json"]
+            .iter()
+            .any(|k| {
+                v.pointer(k)
+                    .and_then(Value::as_str)
+                    .is_some_and(|s| !s.is_empty())
+            });
+    }
     // A Responses API event: only its `….delta` events carry tokens (the closing ones repeat
     // the whole text).
     if let Some(kind) = v
@@ -538,7 +559,12 @@ async fn main() {
     }
     let seen = trace::seen_before(&selected);
     // Bodies are built before the clock starts, so building never delays an arrival.
-    let tools = (args.tools > 0).then(|| prompt::tools(args.tools, args.api == Api::Responses));
+    let shape = match args.api {
+        Api::Responses => prompt::ToolShape::Responses,
+        Api::Messages => prompt::ToolShape::Anthropic,
+        _ => prompt::ToolShape::Chat,
+    };
+    let tools = (args.tools > 0).then(|| prompt::tools(args.tools, shape));
     let plan: Vec<(f64, Bytes, u64, u64, String, &'static str)> = selected
         .iter()
         .enumerate()
@@ -549,36 +575,41 @@ async fn main() {
             let (seed, block) = (i as u64 + 1, trace::MOONCAKE_BLOCK_TOKENS);
             let text = || prompt::build(seed, prompt_tokens, &r.blocks, block);
             // The message: its text, after the request's images when it has any.
-            let content = |responses: bool| {
+            let content = |api: Api| {
                 if args.images == 0 {
                     return json!(text());
                 }
-                let (image, text_part) = if responses {
-                    ("input_image", "input_text")
-                } else {
-                    ("image_url", "text")
-                };
                 let mut parts: Vec<Value> = (0..args.images as u64)
                     .map(|k| {
                         let url = prompt::image(seed.wrapping_mul(64).wrapping_add(k));
-                        if responses {
-                            json!({"type": image, "image_url": url})
-                        } else {
-                            json!({"type": image, "image_url": {"url": url}})
+                        match api {
+                            Api::Responses => json!({"type": "input_image", "image_url": url}),
+                            Api::Messages => json!({"type": "image", "source": {
+                                "type": "base64", "media_type": "image/png",
+                                "data": url.trim_start_matches("data:image/png;base64,")}}),
+                            _ => json!({"type": "image_url", "image_url": {"url": url}}),
                         }
                     })
                     .collect();
+                let text_part = if api == Api::Responses {
+                    "input_text"
+                } else {
+                    "text"
+                };
                 parts.push(json!({"type": text_part, "text": text()}));
                 Value::Array(parts)
             };
             let mut body = match args.api {
                 Api::Chat => {
                     json!({"model": "mock-model", "stream": true, "max_tokens": args.max_tokens,
-                           "messages": [{"role": "user", "content": content(false)}]})
+                           "messages": [{"role": "user", "content": content(Api::Chat)}]})
                 }
                 Api::Responses => json!({"model": "mock-model", "stream": true,
                                          "max_output_tokens": args.max_tokens,
-                                         "input": [{"role": "user", "content": content(true)}]}),
+                                         "input": [{"role": "user", "content": content(Api::Responses)}]}),
+                Api::Messages => json!({"model": "mock-model", "stream": true,
+                                        "max_tokens": args.max_tokens,
+                                        "messages": [{"role": "user", "content": content(Api::Messages)}]}),
                 Api::Generate => json!({"model": "mock-model", "stream": true, "text": text(),
                                         "sampling_params": {"max_new_tokens": args.max_tokens}}),
                 Api::Tokens => json!({"model": "mock-model", "stream": true,
@@ -735,6 +766,23 @@ mod tests {
                 false,
             ),
             (r#"{"text":"Hi","meta_info":{"completion_tokens":1}}"#, true),
+            // Anthropic's events
+            (
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}"#,
+                true,
+            ),
+            (
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"Hm"}}"#,
+                true,
+            ),
+            (
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+                false,
+            ),
+            (
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}"#,
+                false,
+            ),
             ("not json", false),
         ];
         for (payload, token) in cases {

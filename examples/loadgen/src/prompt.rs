@@ -131,11 +131,21 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// An agent's tool list: `n` function tools in OpenAI's chat shape (`{"type":"function",
-/// "function":{...}}`), each a name, a description of about 40 words and a JSON schema of three
-/// string parameters, the same for every request (an agent offers the same tools every turn).
-/// `responses`: in the Responses API's flat shape (`{"type":"function","name":...}`).
-pub fn tools(n: usize, responses: bool) -> serde_json::Value {
+/// The shape a request's tools come in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolShape {
+    /// OpenAI's chat: `{"type":"function","function":{name, description, parameters}}`.
+    Chat,
+    /// The Responses API's flat `{"type":"function", name, description, parameters}`.
+    Responses,
+    /// Anthropic's `{name, description, input_schema}`.
+    Anthropic,
+}
+
+/// An agent's tool list: `n` function tools in `shape`, each a name, a description of about 40
+/// words and a JSON schema of three string parameters, the same for every request (an agent
+/// offers the same tools every turn).
+pub fn tools(n: usize, shape: ToolShape) -> serde_json::Value {
     (0..n as u64)
         .map(|i| {
             let mut description = String::new();
@@ -149,20 +159,16 @@ pub fn tools(n: usize, responses: bool) -> serde_json::Value {
                     serde_json::json!({"type": "string", "description": about.trim_end()}),
                 );
             }
-            let function = serde_json::json!({
-                "name": format!("tool_{i}"),
-                "description": description.trim_end(),
-                "parameters": {"type": "object", "properties": properties,
-                               "required": ["arg0"]},
-            });
-            if responses {
-                let mut f = function;
-                if let Some(o) = f.as_object_mut() {
-                    o.insert("type".into(), "function".into());
-                }
-                f
-            } else {
-                serde_json::json!({"type": "function", "function": function})
+            let (name, description) = (format!("tool_{i}"), description.trim_end().to_string());
+            let schema = serde_json::json!({"type": "object", "properties": properties,
+                                            "required": ["arg0"]});
+            match shape {
+                ToolShape::Chat => serde_json::json!({"type": "function", "function": {
+                    "name": name, "description": description, "parameters": schema}}),
+                ToolShape::Responses => serde_json::json!({"type": "function", "name": name,
+                    "description": description, "parameters": schema}),
+                ToolShape::Anthropic => serde_json::json!({"name": name,
+                    "description": description, "input_schema": schema}),
             }
         })
         .collect()

@@ -47,6 +47,7 @@ pub async fn handle(
         (Method::POST, "/v1/completions") => completion(node.clone(), Kind::Text, req).await,
         (Method::POST, "/v1/responses") => completion(node.clone(), Kind::Responses, req).await,
         (Method::POST, "/generate") => completion(node.clone(), Kind::Generate, req).await,
+        (Method::POST, "/v1/messages") => completion(node.clone(), Kind::Messages, req).await,
         (Method::GET, "/health") => health(&node).await,
         (Method::GET, "/metrics") => metrics(&node, false, query.as_deref()),
         (Method::GET, "/prometheus/metrics")
@@ -161,6 +162,9 @@ enum Kind {
     /// as SGLang does with `--incremental-streaming-output` (each event the new text, with
     /// `meta_info` counting the tokens so far)
     Generate,
+    /// /v1/messages, Anthropic's Messages API, as vLLM and llama.cpp's server serve it:
+    /// `system`, content blocks, `max_tokens`; streamed as Anthropic's named events
+    Messages,
 }
 
 /// The generated text: token `i` is the word `tok<i>` and a space.
@@ -264,6 +268,18 @@ impl Completion {
                 return json!({"text": text,
                               "meta_info": self.meta_info(self.completion_tokens, true)})
             }
+            Kind::Messages => {
+                let answer = if self.tool_call {
+                    json!({"type": "tool_use", "id": format!("toolu-{}", self.id),
+                           "name": "lookup", "input": {"q": text}})
+                } else {
+                    json!({"type": "text", "text": text})
+                };
+                return json!({"id": self.id, "type": "message", "role": "assistant",
+                              "model": self.model, "content": [answer],
+                              "stop_reason": self.stop_reason(), "stop_sequence": null,
+                              "usage": self.messages_usage(self.completion_tokens)});
+            }
         };
         self.object(json!({"object": object, "choices": [choice], "usage": self.usage()}))
     }
@@ -272,8 +288,92 @@ impl Completion {
     fn chunk_object(&self) -> &'static str {
         match self.kind {
             Kind::Chat => "chat.completion.chunk",
-            Kind::Text | Kind::Responses | Kind::Generate => "text_completion",
+            Kind::Text | Kind::Responses | Kind::Generate | Kind::Messages => "text_completion",
         }
+    }
+
+    /// Anthropic's stop reason.
+    fn stop_reason(&self) -> &'static str {
+        match (self.tool_call, self.finish_reason) {
+            (true, _) => "tool_use",
+            (false, "length") => "max_tokens",
+            (false, _) => "end_turn",
+        }
+    }
+
+    /// Anthropic's usage after `output` tokens.
+    fn messages_usage(&self, output: u64) -> Value {
+        json!({"input_tokens": self.prompt_tokens - self.cached_tokens.min(self.prompt_tokens),
+               "cache_read_input_tokens": self.cached_tokens, "output_tokens": output})
+    }
+
+    /// The content block token `i` belongs to: its index, and its `content_block_start`
+    /// block and its delta's type and key (thinking first, then the answer: text or a tool
+    /// use).
+    fn messages_block(&self, i: u64) -> (u64, Value, &'static str, &'static str) {
+        let thinking = i < self.reasoning_tokens;
+        let index = u64::from(!thinking && self.reasoning_tokens > 0);
+        if thinking {
+            (
+                index,
+                json!({"type": "thinking", "thinking": ""}),
+                "thinking_delta",
+                "thinking",
+            )
+        } else if self.tool_call {
+            let block = json!({"type": "tool_use", "id": format!("toolu-{}", self.id),
+                               "name": "lookup", "input": {}});
+            (index, block, "input_json_delta", "partial_json")
+        } else {
+            (
+                index,
+                json!({"type": "text", "text": ""}),
+                "text_delta",
+                "text",
+            )
+        }
+    }
+
+    /// Anthropic's events carrying token `i`: `message_start` first, a block's
+    /// `content_block_start` (and the block before it stopped) where a block begins, then the
+    /// token's `content_block_delta`.
+    fn messages_event(&self, i: u64) -> Bytes {
+        let mut out = String::new();
+        if i == 0 {
+            let start = json!({"type": "message_start", "message": {"id": self.id, "type": "message",
+                "role": "assistant", "model": self.model, "content": [], "stop_reason": null,
+                "usage": self.messages_usage(0)}});
+            out.push_str(&event("message_start", &start));
+        }
+        let (index, block, delta_type, key) = self.messages_block(i);
+        if i == 0 || (i == self.reasoning_tokens && index > 0) {
+            if index > 0 {
+                let stop = json!({"type": "content_block_stop", "index": index - 1});
+                out.push_str(&event("content_block_stop", &stop));
+            }
+            let start = json!({"type": "content_block_start", "index": index,
+                               "content_block": block});
+            out.push_str(&event("content_block_start", &start));
+        }
+        let delta = json!({"type": "content_block_delta", "index": index,
+                           "delta": {"type": delta_type, key: token_text(i)}});
+        out.push_str(&event("content_block_delta", &delta));
+        Bytes::from(out)
+    }
+
+    /// Anthropic's closing events: the last block stopped, `message_delta` with the stop
+    /// reason and the output count, `message_stop`.
+    fn messages_closing(&self) -> Vec<Bytes> {
+        let (index, ..) = self.messages_block(self.completion_tokens.saturating_sub(1));
+        let stop = json!({"type": "content_block_stop", "index": index});
+        let delta = json!({"type": "message_delta",
+                           "delta": {"stop_reason": self.stop_reason(), "stop_sequence": null},
+                           "usage": {"output_tokens": self.completion_tokens}});
+        vec![
+            Bytes::from(event("content_block_stop", &stop)),
+            Bytes::from(event("message_delta", &delta)),
+            Bytes::from(event("message_stop", &json!({"type": "message_stop"}))),
+        ]
     }
 
     /// The Responses API event carrying token `i`: of thinking, of a tool call's arguments or
@@ -329,6 +429,7 @@ impl Completion {
         let text = token_text(i);
         match self.kind {
             Kind::Responses => return self.responses_event(i),
+            Kind::Messages => return self.messages_event(i),
             Kind::Generate => {
                 let last = i + 1 >= self.completion_tokens;
                 return sse(
@@ -361,7 +462,7 @@ impl Completion {
             Kind::Chat if i == 0 => json!({"index": 0, "finish_reason": null,
                                            "delta": {"role": "assistant", "content": text}}),
             Kind::Chat => json!({"index": 0, "finish_reason": null, "delta": {"content": text}}),
-            Kind::Text | Kind::Responses | Kind::Generate => {
+            Kind::Text | Kind::Responses | Kind::Generate | Kind::Messages => {
                 json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null})
             }
         };
@@ -376,6 +477,7 @@ impl Completion {
             Kind::Text => json!({"index": 0, "text": "", "finish_reason": self.finish_reason,
                                  "logprobs": null}),
             Kind::Responses => return self.responses_closing(),
+            Kind::Messages => return self.messages_closing(),
             // The last token's event carried the finish reason.
             Kind::Generate => return vec![Bytes::from_static(b"data: [DONE]\n\n")],
         };
@@ -429,6 +531,9 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
             tokenize::responses_as_chat(&body).and_then(|c| tokenize::chat_prompt_ids(&c))
         }
         Kind::Generate => tokenize::generate_prompt_ids(&body),
+        Kind::Messages => {
+            tokenize::messages_as_chat(&body).and_then(|c| tokenize::chat_prompt_ids(&c))
+        }
     };
     let prompt_ids = match prompt_ids {
         Ok(ids) => ids,
@@ -474,6 +579,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
                 Kind::Text => "cmpl",
                 Kind::Responses => "resp",
                 Kind::Generate => "gen",
+                Kind::Messages => "msg",
             },
             node.name,
             ticket.id()

@@ -209,6 +209,25 @@ fn png_size(source: &str) -> Option<(u32, u32)> {
     Some((be32(16)?, be32(20)?))
 }
 
+/// A `/v1/messages` body (Anthropic's Messages API) as the chat body it stands for: its
+/// `system` (a string or text blocks) the system message, then its messages (content blocks
+/// read as a chat's parts), and its `tools`.
+pub fn messages_as_chat(body: &Value) -> Result<Value, String> {
+    let Some(Value::Array(given)) = body.get("messages") else {
+        return Err("messages: Field required".into());
+    };
+    let mut messages = Vec::with_capacity(given.len() + 1);
+    if let Some(system) = body.get("system").filter(|s| !s.is_null()) {
+        messages.push(serde_json::json!({"role": "system", "content": system}));
+    }
+    messages.extend(given.iter().cloned());
+    let mut chat = serde_json::json!({"messages": messages});
+    if let (Some(tools), Some(o)) = (body.get("tools"), chat.as_object_mut()) {
+        o.insert("tools".into(), tools.clone());
+    }
+    Ok(chat)
+}
+
 /// A `/v1/responses` body (OpenAI's Responses API) as the chat body it stands for, as
 /// llama.cpp's server converts it before its chat template: `instructions` is the system
 /// message, a string `input` the user's, and `input`'s items are messages (`role`, `content`),

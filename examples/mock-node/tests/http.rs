@@ -1067,3 +1067,58 @@ fn the_native_generate_endpoint_is_served_as_sglang_serves_it() {
     let r = c.call("POST", "/generate", &[], r#"{"prompt":"no"}"#);
     assert_eq!(r.status, 400);
 }
+
+/// Anthropic's Messages API: the prompt from `system` and the content blocks as the chat they
+/// stand for, the cap from `max_tokens`; streamed as `message_start`, a thinking block then a
+/// text block (`content_block_start`, one `content_block_delta` a token, `content_block_stop`),
+/// `message_delta` with the output count and `message_stop`; whole, a `message` object.
+#[test]
+fn the_messages_api_is_served_as_engines_serve_it() {
+    let mock = start(&["name=eps,reasoning=0.5"], &["--time-scale", "10"]);
+    let mut c = Conn::open(mock.ports[0]);
+    let body = r#"{"model":"m1","stream":true,"max_tokens":4,"system":"Be brief.",
+        "messages":[{"role":"user","content":[{"type":"text","text":"Hello, how are you today?"}]}]}"#;
+    let r = c.call("POST", "/v1/messages", &[], body);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = named_events(&r.text());
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+    // System (4 + 4) and the message (4 + 9), as the chat body would count.
+    assert_eq!(events[0].1["message"]["usage"]["input_tokens"], 21);
+    assert_eq!(events[2].1["delta"]["thinking"], "tok0 ");
+    assert_eq!(events[5].1["content_block"]["type"], "text");
+    assert_eq!(events[7].1["delta"]["text"], "tok3 ");
+    assert_eq!(events[9].1["usage"]["output_tokens"], 4);
+    assert_eq!(events[9].1["delta"]["stop_reason"], "max_tokens");
+
+    let r = c.call(
+        "POST",
+        "/v1/messages",
+        &[("x-mock-output-tokens", "2")],
+        r#"{"max_tokens":8,"messages":[{"role":"user","content":"Hello, how are you today?"}]}"#,
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["content"][0]["text"], "tok0 tok1 ");
+    assert_eq!(v["usage"]["output_tokens"], 2);
+    assert_eq!(v["stop_reason"], "end_turn");
+    let r = c.call("POST", "/v1/messages", &[], r#"{"max_tokens":8}"#);
+    assert_eq!(r.status, 400);
+}

@@ -202,7 +202,8 @@ fn check_weight(
     // A prompt token needs at least one character of the body, and a message at least one
     // byte, worth PER_MESSAGE_OVERHEAD tokens; an image part (its `type` names an image) is
     // at most MAX_IMAGE_TOKENS: the prompt estimate is bounded by the size.
-    let images = image_parts(&Value::Object(obj.clone()));
+    let json = Value::Object(obj.clone());
+    let images = image_parts(&json);
     let body_len = body.len() as u64;
     assert!(
         w.prompt_tokens <= PER_MESSAGE_OVERHEAD * body_len + MAX_IMAGE_TOKENS * images,
@@ -233,9 +234,8 @@ fn check_weight(
     } else {
         &OUTPUT_CAPS
     };
-    let body = Value::Object(obj.clone());
     let has_cap = caps.iter().any(|k| {
-        body.pointer(k)
+        json.pointer(k)
             .and_then(Value::as_f64)
             .is_some_and(|f| f >= 1.0)
     });
@@ -250,7 +250,7 @@ fn check_weight(
         // One sequence of one prompt: no `n` of any name, and a prompt that is no list.
         let several = ["/n", "/sampling_params/n", "/parameters/best_of"]
             .iter()
-            .any(|k| body.pointer(k).is_some());
+            .any(|k| json.pointer(k).is_some());
         let list = obj.get("prompt").or(native).is_some_and(Value::is_array);
         if responses || (!several && !list) {
             assert_eq!(w.output_tokens, cap, "default cap, n = 1");

@@ -541,37 +541,23 @@ mod tests {
     /// matched share prices the cached tokens exactly.
     #[test]
     fn token_id_prompts_are_chained() {
-        let ids = |n: u32, tail: u32| {
-            let v: Vec<u32> = (0..n).map(|i| 1000 + i).chain([tail]).collect();
-            serde_json::to_string(&v).unwrap()
+        let ids =
+            |n: u32, tail: u32| -> Vec<u32> { (0..n).map(|i| 1000 + i).chain([tail]).collect() };
+        let chain = |api: Api, key: &str, ids: Vec<u32>| {
+            of_api(api, &serde_json::json!({ key: ids }).to_string(), 32)
         };
-        let a = of_api(
-            Api::Completions,
-            &format!(r#"{{"prompt":{}}}"#, ids(40, 1)),
-            32,
-        );
-        let b = of_api(
-            Api::Generate,
-            &format!(r#"{{"input_ids":{}}}"#, ids(40, 2)),
-            32,
-        );
+        let a = chain(Api::Completions, "prompt", ids(40, 1));
+        let b = chain(Api::Generate, "input_ids", ids(40, 2));
         assert_eq!(a.blocks.len(), 5); // 41 ids = 164 bytes: 5 full blocks of 8 ids
         assert_eq!(a.rendered, 164);
         assert_eq!(shared(&a, &b), 5);
         // 5 blocks of 41 ids matched: 40 tokens cached of 41.
         assert_eq!(a.cached(5, 41), 40);
-        let other = of_api(
+        let other = chain(Api::Completions, "prompt", ids(3, 1));
+        let c = chain(
             Api::Completions,
-            &format!(r#"{{"prompt":{}}}"#, ids(3, 1)),
-            32,
-        );
-        let c = of_api(
-            Api::Completions,
-            &format!(
-                r#"{{"prompt":[7,{}]}}"#,
-                &ids(40, 1)[1..ids(40, 1).len() - 1]
-            ),
-            32,
+            "prompt",
+            [7].into_iter().chain(ids(40, 1)).collect(),
         );
         assert!(other.blocks.is_empty());
         assert_eq!(shared(&a, &c), 0, "a different first id parts the chains");

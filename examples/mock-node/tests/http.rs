@@ -972,6 +972,18 @@ fn named_events(body: &str) -> Vec<(String, Value)> {
         .collect()
 }
 
+/// The named events of a 200 event stream answered to `body` posted to `path`.
+fn named_stream(c: &mut Conn, path: &str, body: &str) -> Vec<(String, Value)> {
+    let r = c.call("POST", path, &[], body);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    named_events(&r.text())
+}
+
+fn event_names(events: &[(String, Value)]) -> Vec<&str> {
+    events.iter().map(|(n, _)| n.as_str()).collect()
+}
+
 /// OpenAI's Responses API: the prompt from `instructions` and `input` as the chat they stand
 /// for, the cap from `max_output_tokens`; streamed as `response.created`, one `"delta"` event
 /// per token (thinking first with `reasoning`), the whole answer once more and
@@ -982,13 +994,9 @@ fn the_responses_api_is_served_as_engines_serve_it() {
     let mut c = Conn::open(mock.ports[0]);
     let body = r#"{"model":"m1","stream":true,"max_output_tokens":4,"instructions":"Be brief.",
         "input":[{"role":"user","content":[{"type":"input_text","text":"Hello, how are you today?"}]}]}"#;
-    let r = c.call("POST", "/v1/responses", &[], body);
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("content-type"), Some("text/event-stream"));
-    let events = named_events(&r.text());
-    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let events = named_stream(&mut c, "/v1/responses", body);
     assert_eq!(
-        names,
+        event_names(&events),
         [
             "response.created",
             "response.reasoning_text.delta",
@@ -1078,13 +1086,9 @@ fn the_messages_api_is_served_as_engines_serve_it() {
     let mut c = Conn::open(mock.ports[0]);
     let body = r#"{"model":"m1","stream":true,"max_tokens":4,"system":"Be brief.",
         "messages":[{"role":"user","content":[{"type":"text","text":"Hello, how are you today?"}]}]}"#;
-    let r = c.call("POST", "/v1/messages", &[], body);
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("content-type"), Some("text/event-stream"));
-    let events = named_events(&r.text());
-    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let events = named_stream(&mut c, "/v1/messages", body);
     assert_eq!(
-        names,
+        event_names(&events),
         [
             "message_start",
             "content_block_start",

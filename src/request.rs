@@ -35,8 +35,10 @@ use token_balancer_core::ingest::claim::{self, Claim};
 use token_balancer_core::ingest::prompt::Chain;
 use token_balancer_core::ingest::request::{self, Api, Unreadable, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
+use token_balancer_core::ingest::stored::{self, IdScan};
 use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{Outcome, Terms};
+use token_balancer_core::route::choice::Pin;
 use token_balancer_core::share::sync::Reads;
 use token_balancer_core::share::Change;
 
@@ -85,6 +87,11 @@ pub struct Request<H: Host> {
     /// length.
     status_ok: bool,
     completed: bool,
+    /// The id the answer is stored under, while its first bytes may still tell it (a
+    /// Responses request the engine is asked to store, see `ingest::stored`).
+    id_scan: Option<IdScan>,
+    /// That id and the address of the node that stores it, once seen.
+    stored: Option<(String, String)>,
 }
 
 impl<H: Host> Request<H> {
@@ -110,6 +117,8 @@ impl<H: Host> Request<H> {
             paced: None,
             status_ok: false,
             completed: false,
+            id_scan: None,
+            stored: None,
         }
     }
 
@@ -157,6 +166,7 @@ impl<H: Host> Request<H> {
     /// Decides where the request goes, on its claims (`claim`, see `route::admission`):
     /// routed, held while the fleet is saturated, or answered at once (too late for its
     /// budget, shed, or an unknown model). `bytes` is the body's size, held while it waits.
+    /// A pinned request (it names a stored response) goes to that response's node.
     fn route(
         &mut self,
         weight: Weight,
@@ -164,6 +174,7 @@ impl<H: Host> Request<H> {
         chain: Chain,
         claim: Claim,
         bytes: u64,
+        pin: Option<Pin>,
     ) -> Action {
         let now = self.host.now_ms();
         // A reader decides on the poller's fleet and every worker's books, or not at all.
@@ -196,6 +207,7 @@ impl<H: Host> Request<H> {
                 ttft_left_ms: claim.ttft_ms,
                 tpot_ms: claim.tpot_ms,
                 lane: s.held.others_active(claim.tenant, now),
+                pin,
             };
             let (outcome, reads) = s.decide(weight, m, &chain, now, terms);
             // A request that cannot wait for room (the queue is full, or no node would hold it
@@ -341,7 +353,41 @@ impl<H: Host> Request<H> {
         }
     }
 
+    /// A chunk of an answer to be stored: once it tells the answer's id, the id is noted at
+    /// the node that serves it (the prompt so far; the output is added at the end).
+    fn scan_id(&mut self, chunk: &[u8]) {
+        let Some(scan) = self.id_scan.as_mut() else {
+            return;
+        };
+        if !scan.feed(chunk) {
+            return;
+        }
+        let Some(id) = scan.id().map(str::to_string) else {
+            return;
+        };
+        let ticket = self.ticket;
+        let address = match ticket {
+            Some(t) => self.with(|s| s.address_of(&t)).flatten(),
+            None => self.host.upstream_address(),
+        };
+        let Some(address) = address else {
+            return;
+        };
+        let prompt = ticket.map_or(0, |t| t.weight.prompt_tokens);
+        self.with(|s| s.note_stored(&id, &address, prompt));
+        self.stored = Some((id, address));
+    }
+
     fn release(&mut self) {
+        // A stored answer read whole: its conversation is now its prompt and its output.
+        if let (Some((id, address)), Some(ticket)) = (self.stored.take(), self.ticket) {
+            if self.status_ok && self.completed {
+                // The server's count when it gave one, else the output events seen.
+                let output = self.meter.finish(true, true).unwrap_or(self.received);
+                let context = ticket.weight.prompt_tokens.saturating_add(output);
+                self.with(|s| s.note_stored(&id, &address, context));
+            }
+        }
         if let Some(ticket) = self.ticket.take() {
             let sample = self.meter.finish(self.status_ok, self.completed);
             // The books are released by the count they were advanced by, so they balance
@@ -421,6 +467,22 @@ impl<H: Host> HttpContext for Request<H> {
             }
             path = Some(p);
         }
+        // Header lookups one by one: inside Envoy an absent header costs 0.3 us and a present
+        // one 1.4 us, while the whole map in one call costs 2 us with a handful of headers
+        // and grows with every header a client sends.
+        let path = path
+            .or_else(|| self.host.request_header(":path"))
+            .unwrap_or_default();
+        // A request naming a stored response (its poll, its cancellation) goes to the node that
+        // stores it, body or not; one this Envoy has not seen stored goes on as any other.
+        if config.stored_responses.enabled {
+            if let Some(id) = stored::path_id(&path) {
+                if let Some(pin) = self.with(|s| s.pin_for(id)).flatten() {
+                    let none = Weight::default();
+                    return self.route(none, None, Chain::NONE, Claim::default(), 0, Some(pin));
+                }
+            }
+        }
         match request::unreadable(
             end_of_stream,
             |h| self.host.request_header(h),
@@ -435,12 +497,6 @@ impl<H: Host> HttpContext for Request<H> {
             }
             None => {}
         }
-        // Header lookups one by one: inside Envoy an absent header costs 0.3 us and a present
-        // one 1.4 us, while the whole map in one call costs 2 us with a handful of headers
-        // and grows with every header a client sends.
-        let path = path
-            .or_else(|| self.host.request_header(":path"))
-            .unwrap_or_default();
         self.api = Api::from_path(&path);
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter config, or Envoy
         // stops all iteration and the body never comes (see docs/CONFIGURATION.md).
@@ -451,12 +507,13 @@ impl<H: Host> HttpContext for Request<H> {
         if self.decided {
             return Action::Continue;
         }
-        let Some((limit, pricing, block_chars, session_header)) = self.with(|s| {
+        let Some((limit, pricing, block_chars, session_header, follow_stored)) = self.with(|s| {
             (
                 s.config.max_body_bytes,
                 s.config.pricing(),
                 s.balancer.chain_block_chars(),
                 s.config.prefix.session_header.clone(),
+                s.config.stored_responses.enabled,
             )
         }) else {
             return Action::Continue;
@@ -479,7 +536,16 @@ impl<H: Host> HttpContext for Request<H> {
                     _ => e.chain,
                 };
                 let claim = self.claim(e.user.as_deref());
-                self.route(e.weight, e.model, chain, claim, body_size as u64)
+                // A turn continuing a stored conversation goes where it is stored, priced with
+                // it; an answer to be stored is followed for its id.
+                let pin = match &e.continues {
+                    Some(id) if follow_stored => self.with(|s| s.pin_for(id)).flatten(),
+                    _ => None,
+                };
+                if follow_stored && e.stores {
+                    self.id_scan = Some(IdScan::new());
+                }
+                self.route(e.weight, e.model, chain, claim, body_size as u64, pin)
             }
             None => self.fallback("body_unusable", Stat::FallbackBodyUnusable),
         }
@@ -509,21 +575,32 @@ impl<H: Host> HttpContext for Request<H> {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         // Only requests this filter routed feed the books; a chunk is read (or counted
-        // unread), never held.
+        // unread), never held. An answer to be stored is read until its id is seen.
+        let scanning = self.status_ok && self.id_scan.as_ref().is_some_and(IdScan::wants);
         if let Some(ticket) = self.ticket {
             if self.status_ok && body_size > 0 {
                 // A chunk the size of the stream's single token events is counted unread,
                 // which spares its copy into the VM (`OutputMeter::may_skim`).
-                if self.meter.may_skim(body_size, end_of_stream) {
+                if !scanning && self.meter.may_skim(body_size, end_of_stream) {
                     self.meter.skim();
                     self.unread_chunks = self.unread_chunks.saturating_add(1);
                     self.progress(&ticket);
                 } else if let Some(chunk) = self.host.response_body(body_size) {
                     self.meter.feed(&chunk);
+                    self.scan_id(&chunk);
                     self.progress(&ticket);
                 }
             }
             self.completed |= end_of_stream;
+        } else if scanning && body_size > 0 {
+            if let Some(chunk) = self.host.response_body(body_size) {
+                self.scan_id(&chunk);
+            }
+        }
+        if end_of_stream {
+            if let Some(scan) = self.id_scan.as_mut() {
+                scan.end();
+            }
         }
         Action::Continue
     }

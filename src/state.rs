@@ -21,6 +21,8 @@ use token_balancer_core::ingest::request::Weight;
 use token_balancer_core::rng::SplitMix64;
 use token_balancer_core::route::admission::{Held, HoldQueue};
 use token_balancer_core::route::balancer::{Balancer, Outcome};
+use token_balancer_core::route::choice::Pin;
+use token_balancer_core::share::stored::{self, Stored};
 use token_balancer_core::share::sync::Reads;
 use token_balancer_core::share::Change;
 
@@ -264,6 +266,50 @@ impl<H: Host> State<H> {
         self.publish_placements(now);
         self.metrics.bump(Stat::ServedElsewhere);
         Some(moved)
+    }
+
+    /// Where the response `id` is stored (`ingest::stored`): the pin of a request that names
+    /// it, counted as found or unknown. `None` for an id this Envoy has not seen answered (or
+    /// whose slot a later one took), or stored at a node no longer in the fleet.
+    pub fn pin_for(&mut self, id: &str) -> Option<Pin> {
+        let slots = self.config.stored_responses.slots;
+        let found = match stored::find(&mut self.host, slots, id) {
+            Ok(found) => found,
+            Err(_) => {
+                self.metrics.bump(Stat::SharedFailed);
+                None
+            }
+        };
+        let pin = found.and_then(|s| self.balancer.pin_at(&s.address, s.context_tokens));
+        self.metrics.bump(if pin.is_some() {
+            Stat::StoredFound
+        } else {
+            Stat::StoredUnknown
+        });
+        pin
+    }
+
+    /// Notes that the response `id` is stored at `address`, ending a conversation of
+    /// `context_tokens` so far.
+    pub fn note_stored(&mut self, id: &str, address: &str, context_tokens: u64) {
+        let slots = self.config.stored_responses.slots;
+        let entry = Stored {
+            address: address.to_string(),
+            context_tokens,
+        };
+        if stored::record(&mut self.host, slots, id, &entry) {
+            self.metrics.bump(Stat::StoredRecorded);
+        } else {
+            self.metrics.bump(Stat::SharedFailed);
+        }
+    }
+
+    /// The address of the node `ticket` is booked on.
+    pub fn address_of(&self, ticket: &Ticket) -> Option<String> {
+        self.balancer
+            .nodes()
+            .get(ticket.node)
+            .map(|n| n.address().to_string())
     }
 
     /// Whether `place` answers a request with this outcome itself (a local reply).

@@ -158,6 +158,26 @@ pub struct Config {
     pub admission: AdmissionConfig,
     /// How an image in a prompt is counted (see `ingest::image`).
     pub images: ImagePricing,
+    /// Responses stored by the node that answered them, and the requests that come back to
+    /// them (see `ingest::stored`).
+    pub stored_responses: StoredResponses,
+}
+
+/// Whether requests naming a stored response (OpenAI's Responses API) go to the node that
+/// stored it, and how many stored responses are remembered (see `share::stored`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredResponses {
+    pub enabled: bool,
+    pub slots: u32,
+}
+
+impl Default for StoredResponses {
+    fn default() -> Self {
+        StoredResponses {
+            enabled: true,
+            slots: crate::share::stored::DEFAULT_SLOTS,
+        }
+    }
 }
 
 /// What a request claims at admission (see `ingest::claim` and `route::admission`): its
@@ -399,6 +419,23 @@ fn parse_images(value: &Value) -> Result<ImagePricing, ConfigError> {
     })
 }
 
+const STORED_FIELDS: &[&str] = &["enabled", "slots"];
+
+fn parse_stored(value: &Value) -> Result<StoredResponses, ConfigError> {
+    let f = Fields::new(value, "stored_responses.", STORED_FIELDS)?;
+    let d = StoredResponses::default();
+    let max = crate::share::stored::MAX_SLOTS;
+    let slots = f.uint("slots")?.unwrap_or(u64::from(d.slots));
+    let slots = u32::try_from(slots)
+        .ok()
+        .filter(|s| (1..=max).contains(s))
+        .ok_or_else(|| err(f.name("slots"), format!("must be 1 to {max}")))?;
+    Ok(StoredResponses {
+        enabled: f.boolean("enabled")?.unwrap_or(d.enabled),
+        slots,
+    })
+}
+
 const PREFIX_FIELDS: &[&str] = &[
     "enabled",
     "block_chars",
@@ -496,6 +533,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "poller",
     "prefix",
     "images",
+    "stored_responses",
     "admission",
 ];
 const NODE_FIELDS: &[&str] = &[
@@ -1081,6 +1119,10 @@ impl Config {
             None => ImagePricing::default(),
             Some(v) => parse_images(v)?,
         };
+        let stored_responses = match f.get("stored_responses") {
+            None => StoredResponses::default(),
+            Some(v) => parse_stored(v)?,
+        };
         // The filter removes these from every request before reading any hint.
         if let Some(h) = &prefix.session_header {
             let taken = [
@@ -1102,6 +1144,7 @@ impl Config {
             poller,
             prefix,
             images,
+            stored_responses,
             admission,
             membership,
             models_poll_ms,
@@ -1351,6 +1394,61 @@ mod tests {
             let e = Config::parse(json.as_bytes()).expect_err(&json);
             assert_eq!(e.field, field, "config {json}: {e}");
             assert!(e.to_string().contains(field), "{e}");
+        }
+    }
+
+    #[test]
+    fn stored_responses_parse_with_their_defaults_and_name_each_error() {
+        let c = Config::parse(MIN.as_bytes()).unwrap();
+        assert_eq!(c.stored_responses, StoredResponses::default());
+        assert!(c.stored_responses.enabled);
+        assert_eq!(c.stored_responses.slots, 16_384);
+        let with = |p: &str| {
+            format!(r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h",{p}}}"#)
+        };
+        let c =
+            Config::parse(with(r#""stored_responses":{"enabled":false,"slots":64}"#).as_bytes())
+                .unwrap();
+        let want = StoredResponses {
+            enabled: false,
+            slots: 64,
+        };
+        assert_eq!(c.stored_responses, want);
+        for (json, field, why) in [
+            (
+                r#""stored_responses":{"slots":0}"#,
+                "stored_responses.slots",
+                "1 to 1048576",
+            ),
+            (
+                r#""stored_responses":{"slots":1048577}"#,
+                "stored_responses.slots",
+                "1 to 1048576",
+            ),
+            (
+                r#""stored_responses":{"slots":-3}"#,
+                "stored_responses.slots",
+                "",
+            ),
+            (
+                r#""stored_responses":{"enabled":"yes"}"#,
+                "stored_responses.enabled",
+                "",
+            ),
+            (
+                r#""stored_responses":{"pin":true}"#,
+                "stored_responses.pin",
+                "",
+            ),
+            (
+                r#""stored_responses":true"#,
+                "stored_responses",
+                "JSON object",
+            ),
+        ] {
+            let e = Config::parse(with(json).as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+            assert!(e.to_string().contains(why), "{json}: {e}");
         }
     }
 

@@ -26,6 +26,7 @@ use token_balancer_core::ingest::prompt::MAX_BLOCKS;
 use token_balancer_core::ingest::rates::Tracker;
 use token_balancer_core::ingest::request::{estimate, read_with_chain, Api, Pricing, Weight};
 use token_balancer_core::ingest::response::OutputMeter;
+use token_balancer_core::ingest::stored::{self, IdScan};
 use token_balancer_core::ingest::telemetry::{parse_health, Report, ABSURD};
 
 /// A fuzz target: takes any bytes, panics when an invariant breaks.
@@ -579,6 +580,27 @@ pub fn response_usage(data: &[u8]) {
         rest = r;
     }
     assert_eq!(told(&meter(&chunks)), whole, "in chunks");
+
+    // The stored response's id reads the same whatever the chunks, is an id, and is in the
+    // answer's first bytes.
+    let id_of = |chunks: &[&[u8]]| {
+        let mut scan = IdScan::new();
+        for c in chunks {
+            scan.feed(c);
+        }
+        scan.end();
+        assert!(!scan.wants());
+        scan.id().map(str::to_string)
+    };
+    let id = id_of(&[data]);
+    assert_eq!(id_of(&[a, b]), id, "id split at {}", a.len());
+    assert_eq!(id_of(&bytes), id, "id byte by byte");
+    assert_eq!(id_of(&chunks), id, "id in chunks");
+    if let Some(id) = &id {
+        assert!(stored::valid_id(id.as_bytes()), "{id:?}");
+        let head = data.get(..stored::ID_WITHIN).unwrap_or(data);
+        assert!(head.windows(id.len()).any(|w| w == id.as_bytes()));
+    }
 
     // Followed as the filter does, chunks of a learned size counted unread: the count still
     // never goes back, and the last chunk is always read.

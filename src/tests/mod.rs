@@ -9,6 +9,7 @@ mod explain;
 mod metrics;
 mod requests;
 mod roots;
+mod stored;
 
 use crate::fake::FakeHost;
 use crate::request::Request;

@@ -10,4 +10,5 @@ pub mod prompt;
 pub mod rates;
 pub mod request;
 pub mod response;
+pub mod stored;
 pub mod telemetry;

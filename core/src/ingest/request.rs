@@ -36,6 +36,7 @@
 
 use crate::ingest::image::ImagePricing;
 use crate::ingest::prompt::{self, Chain};
+use crate::ingest::stored;
 use serde_json::Value;
 
 /// What a request's weight is read with besides its body: the configuration's
@@ -329,6 +330,12 @@ pub struct Estimate {
     pub chain: Chain,
     /// The body's `user` (OpenAI's end-user id), a tenant for fair queuing (see `claim`).
     pub user: Option<String>,
+    /// The stored response a Responses request continues (`previous_response_id`, see
+    /// `ingest::stored`).
+    pub continues: Option<String>,
+    /// A Responses request whose answer the engine is asked to keep (`store`, true unless the
+    /// body says false).
+    pub stores: bool,
 }
 
 /// Estimates a request's weight from its JSON body, or `None` when the body gives no basis
@@ -359,12 +366,14 @@ pub fn read_with_chain(
         Some(Value::String(m)) if !m.is_empty() => Some(m),
         _ => None,
     };
+    let mut responses = false;
     let (weight, chain) = if api == Api::Count {
         // Costs the GPU nothing, whatever it carries; its model still says where it may go.
         (Weight::default(), Chain::NONE)
     } else {
         // Where the prompt is, read once for both the weight and the chain.
         let found = Prompt::of(api, &obj)?;
+        responses = matches!(found, Prompt::Responses { .. });
         let weight = weight_of(api, found, &obj, pricing);
         let chain = match block_chars {
             Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
@@ -376,11 +385,18 @@ pub fn read_with_chain(
         Some(Value::String(u)) if !u.is_empty() => Some(u),
         _ => None,
     };
+    let continues = match obj.get("previous_response_id") {
+        Some(Value::String(id)) if responses && stored::valid_id(id.as_bytes()) => Some(id.clone()),
+        _ => None,
+    };
+    let stores = responses && !matches!(obj.get("store"), Some(Value::Bool(false)));
     Some(Estimate {
         weight,
         model,
         chain,
         user,
+        continues,
+        stores,
     })
 }
 
@@ -1108,6 +1124,69 @@ mod tests {
         }
         // A model does not make a body without a prompt usable.
         assert_eq!(read(Api::Chat, br#"{"model":"m1"}"#, 256), None);
+    }
+
+    #[test]
+    fn a_responses_request_names_what_it_continues_and_whether_it_stores() {
+        let cases: &[(Api, &str, Option<&str>, bool)] = &[
+            (Api::Responses, r#"{"input":"hi"}"#, None, true),
+            (Api::Responses, r#"{"input":"hi","store":true}"#, None, true),
+            (
+                Api::Responses,
+                r#"{"input":"hi","store":false}"#,
+                None,
+                false,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","previous_response_id":"resp_1"}"#,
+                Some("resp_1"),
+                true,
+            ),
+            // On an unknown path the body's shape tells a Responses request.
+            (
+                Api::Other,
+                r#"{"input":"hi","previous_response_id":"resp_1","store":false}"#,
+                Some("resp_1"),
+                false,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","previous_response_id":"a b"}"#,
+                None,
+                true,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","previous_response_id":7}"#,
+                None,
+                true,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","previous_response_id":null}"#,
+                None,
+                true,
+            ),
+            // Only a Responses request stores, or continues a stored one.
+            (
+                Api::Chat,
+                r#"{"messages":[],"previous_response_id":"resp_1"}"#,
+                None,
+                false,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","store":true}"#,
+                None,
+                false,
+            ),
+        ];
+        for (api, body, continues, stores) in cases {
+            let e = read(*api, body.as_bytes(), 256).unwrap();
+            assert_eq!(e.continues.as_deref(), *continues, "{body}");
+            assert_eq!(e.stores, *stores, "{body}");
+        }
     }
 
     #[test]

@@ -416,6 +416,7 @@ impl<T> HoldQueue<T> {
             ttft_left_ms: h.ttft_left_ms(now_ms),
             tpot_ms: h.claim.tpot_ms,
             lane,
+            pin: None,
         };
         match h.route(terms, now_ms, balancer, rng, books) {
             outcome @ (Outcome::Saturated | Outcome::Oversized) if reject => Outcome::Full {
@@ -466,6 +467,7 @@ impl<T> HoldQueue<T> {
                 ttft_left_ms: h.ttft_left_ms(now_ms),
                 tpot_ms: h.claim.tpot_ms,
                 lane: self.others_active(h.claim.tenant, now_ms),
+                pin: None,
             };
             let outcome = match h.route(terms, now_ms, balancer, rng, books) {
                 Outcome::Saturated => break,
@@ -1182,6 +1184,7 @@ mod tests {
             ttft_left_ms: Some(50),
             tpot_ms: Some(1),
             lane: true,
+            pin: None,
         };
         let none = Weight::default();
         let out = b.route_on(none, None, &Chain::NONE, 0, &mut rng, free, &mut OwnBooks);

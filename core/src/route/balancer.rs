@@ -32,7 +32,7 @@ use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
 use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
-use crate::route::choice::{self, Ask, AssumedCapacity, Growth, Params, Prefix, Ranked};
+use crate::route::choice::{self, Ask, AssumedCapacity, Growth, Params, Pin, Prefix, Ranked};
 use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 use crate::route::routers::{self, Routers};
@@ -113,6 +113,8 @@ pub struct Terms {
     /// Other tenants than its own are active: with `admission.short_lane_ms`, a long request
     /// leaves them a node with a short queue (see `Bar::lane_limit`).
     pub lane: bool,
+    /// The one node it may go to, whose stored conversation it continues (see `Pin`).
+    pub pin: Option<Pin>,
 }
 
 /// What a node must offer to be given the request now: a first token within the budget
@@ -636,10 +638,28 @@ impl Balancer {
     ) -> Outcome {
         // A request that costs the GPU nothing (a prompt only counted or tokenized) has no
         // room to wait for and no token a node could be late with: it goes now, wherever.
-        let terms = if weight.total() == 0 {
-            Terms::default()
-        } else {
-            terms
+        // A pinned one has nowhere else to wait for room: it goes now, to its node, whose own
+        // queue keeps it if that node is full, and it carries the stored turns in its prompt.
+        let (weight, terms) = match terms.pin {
+            _ if weight.total() == 0 => (
+                weight,
+                Terms {
+                    pin: terms.pin,
+                    ..Terms::default()
+                },
+            ),
+            Some(pin) => (
+                Weight {
+                    prompt_tokens: weight.prompt_tokens.saturating_add(pin.cached),
+                    ..weight
+                },
+                Terms {
+                    may_hold: false,
+                    lane: false,
+                    ..terms
+                },
+            ),
+            None => (weight, terms),
         };
         let may_hold = terms.may_hold;
         let budget = terms.ttft_left_ms.map(|ms| ms as f64 / 1000.0);
@@ -679,7 +699,7 @@ impl Balancer {
         // is compared, and ranked.
         let lane = bar.lane.is_some();
         let params = Params {
-            choices: if lane {
+            choices: if lane || terms.pin.is_some() {
                 0
             } else if self.auto_choices {
                 self.routers.choices(chained)
@@ -715,6 +735,7 @@ impl Balancer {
             model,
             named,
             prefix,
+            pin: terms.pin,
         };
         let sampled = if params.choices > 0 {
             candidates::sample(
@@ -794,7 +815,24 @@ impl Balancer {
                     Decision::NoFreshNodes if may_hold && self.warming(now_ms) => {
                         return Outcome::Saturated
                     }
-                    Decision::NoFreshNodes => return Outcome::NoFreshNodes,
+                    // A pinned request's node without a fresh report (or out of the choice
+                    // after a failed request) is still the only one that can serve it.
+                    Decision::NoFreshNodes => match terms.pin {
+                        Some(pin) if pin.node < self.nodes().len() => (
+                            vec![Ranked {
+                                node: pin.node,
+                                seconds: 0.0,
+                                kv_fraction: None,
+                                cached: pin.cached.min(weight.prompt_tokens),
+                                first_token_seconds: None,
+                                queued_seconds: None,
+                                tpot_seconds: None,
+                                prefill_room_seconds: None,
+                            }],
+                            false,
+                        ),
+                        _ => return Outcome::NoFreshNodes,
+                    },
                 }
             }
         };
@@ -908,8 +946,8 @@ impl Balancer {
     /// ever find it room.
     fn fits_somewhere(&self, ask: &Ask, now_ms: u64) -> bool {
         let stale = self.params.stale_after_ms;
-        self.fleet.nodes().iter().any(|n| {
-            choice::may_serve(n, ask)
+        self.fleet.nodes().iter().enumerate().any(|(i, n)| {
+            choice::may_serve(i, n, ask)
                 && n.fresh_report(now_ms, stale).is_some_and(|r| {
                     choice::fits_empty(n, r, ask, &self.params, self.hold_kv_ceiling)
                 })
@@ -986,6 +1024,19 @@ impl Balancer {
             expected_tpot: None,
         };
         self.book(to, booking, chain)
+    }
+
+    /// The pin of a request continuing a conversation stored at `address` that is
+    /// `context_tokens` long (see `Pin`); `None` for an address this balancer does not know.
+    pub fn pin_at(&self, address: &str, context_tokens: u64) -> Option<Pin> {
+        let node = self
+            .nodes()
+            .iter()
+            .position(|n| same_address(n.address(), address))?;
+        Some(Pin {
+            node,
+            cached: context_tokens,
+        })
     }
 
     /// A request sent to node `node` failed there and was served elsewhere (see `moved`): the

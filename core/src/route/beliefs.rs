@@ -76,6 +76,7 @@ pub fn render(b: &Balancer, now_ms: u64, books: &mut dyn BookSource, held: Optio
         model: None,
         named: false,
         prefix: None,
+        pin: None,
     };
     let rendered: Vec<Value> = nodes
         .iter()

@@ -241,7 +241,7 @@ pub fn sample(
         }
         drawn.push(i);
         let Some(n) = nodes.get_mut(i) else { continue };
-        if !may_serve(n, ask) || n.fresh_report(now_ms, p.stale_after_ms).is_none() {
+        if !may_serve(i, n, ask) || n.fresh_report(now_ms, p.stale_after_ms).is_none() {
             continue;
         }
         // Only the compared nodes' books are read: with books in shared data that is a host

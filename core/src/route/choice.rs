@@ -431,6 +431,18 @@ pub struct Ask<'a> {
     /// What is known of where the prompt's prefix is cached; `None` prices the prompt the
     /// same on every node.
     pub prefix: Option<Prefix<'a>>,
+    /// The one node the request may go to (see `Pin`).
+    pub pin: Option<Pin>,
+}
+
+/// A request that can only be served by one node: a turn continuing a response that node
+/// stores (`ingest::stored`). Its prompt includes the stored turns, which that node computed
+/// last and is believed to hold in its prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    pub node: usize,
+    /// Prompt tokens believed cached there: the stored conversation's.
+    pub cached: u64,
 }
 
 /// Share of its predicted time a node preferred for the request's prefix key is let off: the
@@ -487,7 +499,11 @@ impl<'a> Prefix<'a> {
 /// is not known, or it serves any name and no node names the model), and the request's prompt
 /// fits the node's per-slot context when its model list gives one (a longer prompt is refused
 /// there before any work).
-pub fn may_serve(n: &NodeState, ask: &Ask) -> bool {
+pub fn may_serve(i: usize, n: &NodeState, ask: &Ask) -> bool {
+    // Only its node can serve a pinned request, whatever its model or length.
+    if let Some(pin) = ask.pin {
+        return pin.node == i;
+    }
     let model = match ask.model {
         None => true,
         Some(m) => match n.models().serves(m) {
@@ -573,6 +589,10 @@ pub fn evaluate(
     let cached = ask
         .prefix
         .map_or(0, |x| x.cached(node, weight.prompt_tokens));
+    let cached = match ask.pin {
+        Some(pin) if pin.node == node => cached.max(pin.cached.min(weight.prompt_tokens)),
+        _ => cached,
+    };
     let work = weight.total().saturating_sub(cached) as f64;
     let mut seconds = (backlog + work) / spare;
     let queued = reported_queue.max(books.prefill_tokens as f64);
@@ -1094,6 +1114,7 @@ mod tests {
                     model: None,
                     named: false,
                     prefix: None,
+                    pin: None,
                 },
                 100.0,
                 2000,
@@ -1246,6 +1267,7 @@ mod tests {
             model: None,
             named: false,
             prefix: None,
+            pin: None,
         };
         let report = |sustained: Option<f64>| Report {
             load_tokens_per_sec: 0.0,
@@ -1293,6 +1315,7 @@ mod tests {
                 model: None,
                 named: false,
                 prefix: None,
+                pin: None,
             };
             decide(&nodes, &ask, 100.0, 2000, &P, &mut SplitMix64::new(1))
         };

@@ -8,6 +8,8 @@ pub mod candidates;
 pub mod choice;
 pub mod outputs;
 #[cfg(test)]
+mod pin_tests;
+#[cfg(test)]
 mod prefix_tests;
 pub mod ranking;
 pub mod routers;

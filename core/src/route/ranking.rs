@@ -240,19 +240,19 @@ fn rank(
     // second walk.
     let mut assumed = AssumedCapacity::default();
     let mut any = false;
-    for n in nodes {
+    for (i, n) in nodes.iter().enumerate() {
         let Some(r) = n.fresh_report(now_ms, p.stale_after_ms) else {
             continue;
         };
         assumed.add(n, r);
-        any |= may_serve(n, ask);
+        any |= may_serve(i, n, ask);
     }
     if !any {
         return Ranks::Done(Decision::NoFreshNodes);
     }
     let fresh = nodes.iter().enumerate().filter_map(|(i, n)| {
         let r = n.fresh_report(now_ms, p.stale_after_ms)?;
-        may_serve(n, ask).then_some((i, n, r))
+        may_serve(i, n, ask).then_some((i, n, r))
     });
 
     if p.rule == Rule::LeastReportedLoad {
@@ -435,6 +435,7 @@ mod tests {
             model: None,
             named: false,
             prefix: None,
+            pin: None,
         };
         let mut seen = [0usize; 4];
         for _ in 0..200 {

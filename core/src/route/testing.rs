@@ -225,6 +225,7 @@ pub(crate) fn ask(weight: Weight, model: Option<&str>) -> Ask<'_> {
         model,
         named: false,
         prefix: None,
+        pin: None,
     }
 }
 

@@ -111,7 +111,7 @@ impl<'a> Reader<'a> {
         Some(f64::from_bits(self.u64()?))
     }
 
-    fn str(&mut self) -> Option<String> {
+    pub(crate) fn str(&mut self) -> Option<String> {
         let n = self.u16()? as usize;
         String::from_utf8(self.take(n)?.to_vec()).ok()
     }

@@ -53,6 +53,7 @@ pub mod codec;
 pub mod fleet;
 pub mod journal;
 pub mod ledger;
+pub mod stored;
 pub mod sync;
 #[cfg(test)]
 pub(crate) mod testing;

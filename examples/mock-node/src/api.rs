@@ -56,6 +56,7 @@ pub async fn handle(
             metrics(&node, true, query.as_deref())
         }
         (Method::GET, "/v1/models") => json_response(StatusCode::OK, &node.model_list()),
+        (Method::GET, p) if p.starts_with("/v1/responses/") => stored_response(&node, p),
         (Method::POST, "/admin/health") => admin_health(&node, req).await,
         (Method::GET, "/admin/stats") => json_response(StatusCode::OK, &admin_stats(&node)),
         (method, _) => error(
@@ -69,6 +70,23 @@ pub async fn handle(
         r.headers_mut().insert("x-mock-node", v);
     }
     Ok(r)
+}
+
+/// `GET /v1/responses/{id}`: a stored answer, found only on the node that stores it.
+fn stored_response(node: &Node, path: &str) -> Response<BoxBody> {
+    let id = path.trim_start_matches("/v1/responses/");
+    match node.stored(id) {
+        Some(tokens) => json_response(
+            StatusCode::OK,
+            &json!({"id": id, "object": "response", "status": "completed",
+                    "usage": {"total_tokens": tokens.len()}}),
+        ),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            &format!("Response with id '{id}' not found."),
+        ),
+    }
 }
 
 fn full(
@@ -535,10 +553,32 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
             tokenize::messages_as_chat(&body).and_then(|c| tokenize::chat_prompt_ids(&c))
         }
     };
-    let prompt_ids = match prompt_ids {
+    let mut prompt_ids = match prompt_ids {
         Ok(ids) => ids,
         Err(msg) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &msg),
     };
+    // A turn continuing a stored answer is served only by the node that stores it, as vLLM
+    // serves it (its store is each server's memory), with the stored conversation ahead of
+    // its own input. Instant answers neither store nor look up.
+    let previous = body.get("previous_response_id").and_then(Value::as_str);
+    if let (Kind::Responses, Some(previous), false) = (kind, previous, node.instant) {
+        match node.stored(previous) {
+            Some(history) => {
+                let mut ids = history.to_vec();
+                ids.append(&mut prompt_ids);
+                prompt_ids = ids;
+            }
+            None => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    &format!("Response with id '{previous}' not found."),
+                )
+            }
+        }
+    }
+    let stores =
+        kind == Kind::Responses && body.get("store").and_then(Value::as_bool) != Some(false);
     let prompt_tokens = prompt_ids.len() as u64;
     // llama.cpp refuses a prompt longer than a slot's context before any work.
     if let Some(n_ctx) = node.n_ctx().filter(|n| prompt_tokens > *n) {
@@ -569,21 +609,29 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         model: &served,
         ends_at_length,
     });
-    drop(prompt_ids);
+    let id = format!(
+        "{}-{}-{}",
+        match kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Text => "cmpl",
+            Kind::Responses => "resp",
+            Kind::Generate => "gen",
+            Kind::Messages => "msg",
+        },
+        node.name,
+        ticket.id()
+    );
+    if stores {
+        // The conversation so far: its prompt, then its output (ids of this answer's own).
+        let seed = ticket.id().wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1 << 63;
+        prompt_ids.extend((0..output).map(|i| seed.wrapping_add(i)));
+        node.store(id.clone(), prompt_ids);
+    } else {
+        drop(prompt_ids);
+    }
     let mut c = Completion {
         kind,
-        id: format!(
-            "{}-{}-{}",
-            match kind {
-                Kind::Chat => "chatcmpl",
-                Kind::Text => "cmpl",
-                Kind::Responses => "resp",
-                Kind::Generate => "gen",
-                Kind::Messages => "msg",
-            },
-            node.name,
-            ticket.id()
-        ),
+        id,
         created: unix_now(),
         model: served.name,
         finish_reason: if ends_at_length { "length" } else { "stop" },

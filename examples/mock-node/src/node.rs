@@ -137,7 +137,21 @@ pub struct Node {
     pub lost_model_us: AtomicU64,
     /// Model times at which requests finished, over the last window (for the ORCA report).
     finished: Mutex<VecDeque<f64>>,
+    /// Responses API answers kept in this node's memory (`store`), as vLLM keeps them: a
+    /// later turn naming one (`previous_response_id`) is served only here.
+    stored: Mutex<Stored>,
 }
+
+/// Stored conversations: each answer's id to its token ids (the prompt it continued, the
+/// stored turns included, then its output), the oldest forgotten past `MAX_STORED`.
+#[derive(Default)]
+struct Stored {
+    ids: HashMap<String, Arc<Vec<u64>>>,
+    order: VecDeque<String>,
+}
+
+/// Stored answers a node keeps at most.
+const MAX_STORED: usize = 20_000;
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
 fn unix_secs() -> u64 {
@@ -213,7 +227,26 @@ impl Node {
             metrics_bytes_total: AtomicU64::new(0),
             lost_model_us: AtomicU64::new(0),
             finished: Mutex::new(VecDeque::new()),
+            stored: Mutex::new(Stored::default()),
         })
+    }
+
+    /// Keeps the conversation `tokens` under the answer's `id`.
+    pub fn store(&self, id: String, tokens: Vec<u64>) {
+        let mut s = lock(&self.stored);
+        if s.ids.insert(id.clone(), Arc::new(tokens)).is_none() {
+            s.order.push_back(id);
+        }
+        while s.order.len() > MAX_STORED {
+            if let Some(old) = s.order.pop_front() {
+                s.ids.remove(&old);
+            }
+        }
+    }
+
+    /// The conversation stored under `id`, if this node keeps it.
+    pub fn stored(&self, id: &str) -> Option<Arc<Vec<u64>>> {
+        lock(&self.stored).ids.get(id).cloned()
     }
 
     /// Model time as the wall clock sees it.

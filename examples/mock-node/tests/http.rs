@@ -1034,6 +1034,47 @@ fn the_responses_api_is_served_as_engines_serve_it() {
     assert_eq!(r.status, 400);
 }
 
+/// Stored answers, as vLLM keeps them with `VLLM_ENABLE_RESPONSES_API_STORE`: each node keeps
+/// its own; a turn naming one (`previous_response_id`) is served with the stored conversation
+/// ahead of its input on that node and refused (404) on another, and so is its `GET`.
+#[test]
+fn stored_answers_are_kept_by_the_node_that_answered_them() {
+    let mock = start(&["name=one", "name=two"], &["--time-scale", "10"]);
+    let (mut one, mut two) = (Conn::open(mock.ports[0]), Conn::open(mock.ports[1]));
+    let first = r#"{"input":"Hello, how are you today?","max_output_tokens":8}"#;
+    let r = one.call(
+        "POST",
+        "/v1/responses",
+        &[("x-mock-output-tokens", "5")],
+        first,
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let id = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["usage"]["input_tokens"], 13);
+    let next = format!(r#"{{"input":"And then?","previous_response_id":"{id}","store":false}}"#);
+    let r = one.call(
+        "POST",
+        "/v1/responses",
+        &[("x-mock-output-tokens", "2")],
+        &next,
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    // The stored 13 + 5, then its own message (4 + 4).
+    assert_eq!(v["usage"]["input_tokens"], 26);
+    let not_kept = v["id"].as_str().unwrap().to_string();
+    let r = two.call("POST", "/v1/responses", &[], &next);
+    assert_eq!(r.status, 404);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains(&id));
+    let path = format!("/v1/responses/{id}");
+    assert_eq!(one.call("GET", &path, &[], "").json()["id"], id.as_str());
+    assert_eq!(two.call("GET", &path, &[], "").status, 404);
+    // `store: false` kept nothing.
+    let path = format!("/v1/responses/{not_kept}");
+    assert_eq!(one.call("GET", &path, &[], "").status, 404);
+}
+
 /// SGLang's native `/generate`: the prompt as `text` or `input_ids`, the cap from
 /// `sampling_params.max_new_tokens`; streamed as one event per token with `meta_info` counting
 /// the tokens so far (the last with its finish reason), then `[DONE]`; whole, one object.

@@ -1,0 +1,96 @@
+//! Requests pinned to one node through the whole balancer: a turn continuing a stored
+//! conversation goes to the node that stores it whatever the others offer, is priced with the
+//! stored turns (cached there), is never held for room elsewhere, and still goes there when
+//! that node's report is stale.
+
+use crate::ingest::request::Weight;
+use crate::rng::SplitMix64;
+use crate::route::balancer::{Balancer, Outcome, OwnBooks, Terms};
+use crate::route::testing::*;
+
+fn pinned(b: &mut Balancer, weight: Weight, address: &str, context: u64, now: u64) -> Outcome {
+    let pin = b.pin_at(address, context);
+    assert!(pin.is_some(), "{address} is in the fleet");
+    let terms = Terms {
+        may_hold: true,
+        pin,
+        ..Terms::default()
+    };
+    let mut rng = SplitMix64::new(7);
+    b.route_on(
+        weight,
+        None,
+        &Chain::NONE,
+        now,
+        &mut rng,
+        terms,
+        &mut OwnBooks,
+    )
+}
+
+#[test]
+fn a_pinned_request_goes_to_its_node_priced_with_the_stored_turns() {
+    // Node 1 is busy, the others idle: unpinned, nothing goes to node 1.
+    let mut b = sampled_fleet(4, r#","choices":0"#, |i| if i == 1 { 900 } else { 0 });
+    let mut rng = SplitMix64::new(1);
+    for _ in 0..8 {
+        let o = b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
+        assert_ne!(routed_to(&o), Some(1));
+    }
+    let o = pinned(&mut b, W, "127.0.0.1:8002", 3_000, 10);
+    let t = routed(&o).unwrap();
+    assert_eq!(t.node, 1);
+    // Its prompt is the stored conversation and its own input; only its own is prefilled.
+    assert_eq!(t.weight.prompt_tokens, 3_100);
+    if let Outcome::Routed {
+        header_value,
+        compared,
+        ..
+    } = &o
+    {
+        assert_eq!(&**header_value, "127.0.0.1:8002");
+        assert_eq!(compared.len(), 1);
+        assert_eq!(compared[0].cached, 3_000);
+    }
+    assert_eq!(b.pin_at("127.0.0.1:9999", 10), None);
+}
+
+#[test]
+fn a_pinned_request_is_not_held_for_room_its_node_does_not_have() {
+    let mut b = Balancer::new(&cfg(2, r#","choices":0,"kv_bytes_per_token":1"#));
+    b.on_health(0, Some(FULL), 0).unwrap();
+    b.on_health(1, Some(ROOM), 0).unwrap();
+    let mut rng = SplitMix64::new(2);
+    // Unpinned, it goes where there is room.
+    let o = b.route(W, None, &Chain::NONE, 10, &mut rng, true, &mut OwnBooks);
+    assert_eq!(routed_to(&o), Some(1));
+    // Pinned to the full node, it goes there at once: no other node could serve it.
+    match pinned(&mut b, W, "127.0.0.1:8001", 500, 10) {
+        Outcome::Routed {
+            ticket,
+            over_ceiling,
+            ..
+        } => {
+            assert_eq!(ticket.node, 0);
+            assert!(over_ceiling);
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn a_pinned_request_goes_to_its_node_without_a_fresh_report() {
+    let mut b = idle_fleet(3, r#","tick_ms":250,"stale_after_ms":1000"#);
+    // Only node 2 reports again; nodes 0 and 1 are stale by 5 s.
+    b.on_health(2, Some(IDLE), 4_500).unwrap();
+    let o = pinned(&mut b, W, "127.0.0.1:8001", 0, 5_000);
+    assert_eq!(routed_to(&o), Some(0));
+    // A request of no weight (a stored response's poll) goes there too, and books nothing.
+    let poll = pinned(&mut b, Weight::default(), "127.0.0.1:8002", 0, 5_000);
+    let t = routed(&poll).unwrap();
+    assert_eq!((t.node, t.weight.total()), (1, 0));
+    // Unpinned, only the fresh node is chosen.
+    let mut rng = SplitMix64::new(3);
+    let o = b.route(W, None, &Chain::NONE, 5_000, &mut rng, false, &mut OwnBooks);
+    assert_eq!(routed_to(&o), Some(2));
+}

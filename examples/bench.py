@@ -228,6 +228,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--tools", str(args.tools)]
         if getattr(args, "images", 0):
             cmd += ["--images", str(args.images)]
+        if getattr(args, "turns", 1) > 1:
+            cmd += ["--turns", str(args.turns)]
         cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -438,6 +440,11 @@ def main():
     ap.add_argument("--images", type=int, default=0,
                     help="every request's message opens with N images (PNGs of 640 x 480 to 1920 x 1080, "
                          "each its own), which the mock nodes count as a vision model does")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="with --api responses: conversations of N turns, each turn after the first "
+                         "continuing the answer the server stored (previous_response_id); the mock "
+                         "nodes keep stored answers per node and refuse another node's with 404, as "
+                         "vLLM does")
     ap.add_argument("--tools", type=int, default=0,
                     help="every request offers an agent's N tools (the same list each time, about 100 "
                          "tokens each, rendered into the prompt by the engine)")

@@ -310,6 +310,49 @@ def test_responses_api_requests_are_priced_and_their_output_learned(cluster):
         e.stop()
 
 
+def created_id(r) -> str:
+    """The id of a streamed Responses answer, from its `response.created` event."""
+    return next(json.loads(line[len("data: "):])["response"]["id"]
+                for line in r.body.decode().splitlines()
+                if line.startswith("data: ") and "response.created" in line)
+
+
+def test_a_stored_conversation_goes_back_to_the_node_that_stores_it(cluster, envoy):
+    """A Responses answer stored by its node (as vLLM keeps it, in each server's memory): the
+    turns that continue it (previous_response_id), streamed or whole, and its poll
+    (GET /v1/responses/{id}) go to that node even when the others are freer, and are priced
+    with the stored conversation. Another node would answer 404."""
+    names = {n.name: n for n in cluster.nodes}
+    first = {"model": "mock-model", "input": "Tell me about lighthouses. " * 40,
+             "max_output_tokens": 64, "stream": True}
+    r = envoy.post("/v1/responses", first, headers={"x-mock-output-tokens": "40"})
+    home = served_by(r)
+    rid = created_id(r)
+    # The home node is now the busiest: a new conversation goes elsewhere.
+    capacity = names[home].health()["tokens_per_sec_capacity"]
+    names[home].set_health(tokens_per_sec_load=capacity * 0.99)
+    polls_seen(cluster)
+    fresh = {**first, "input": "Another topic entirely: tides. " * 40, "stream": False}
+    assert served_by(envoy.post("/v1/responses", fresh)) != home
+    found = envoy.counter("token_balancer.stored.found")
+    for turn in range(4):
+        nxt = {"model": "mock-model", "input": f"And then, part {turn}?", "max_output_tokens": 64,
+               "previous_response_id": rid, "stream": turn % 2 == 0}
+        r = envoy.post("/v1/responses", nxt, headers={"x-mock-output-tokens": "20"})
+        assert served_by(r) == home, turn
+        # Priced with the stored turns: about 300 tokens of the first prompt and its answer.
+        assert int(debug_fields(r)["prompt_tokens"]) > 300, debug_fields(r)
+        rid = created_id(r) if turn % 2 == 0 else r.json()["id"]
+    poll = request(envoy.port, "GET", f"/v1/responses/{rid}")
+    assert served_by(poll) == home
+    assert poll.json()["id"] == rid
+    assert envoy.counter("token_balancer.stored.found") == found + 5
+    # Sent to another node, the same turn is refused: the pin is what makes it work.
+    other = next(n for name, n in names.items() if name != home)
+    refused = request(other.port, "POST", "/v1/responses", body={**nxt, "previous_response_id": rid})
+    assert refused.status == 404, refused
+
+
 def test_anthropic_messages_are_priced_and_their_output_learned(cluster):
     """Anthropic's Messages API (POST /v1/messages, as vLLM and llama.cpp's server serve it):
     priced from `system`, the content blocks and the tools at `max_tokens`, and its answers,

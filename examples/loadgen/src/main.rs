@@ -64,6 +64,12 @@ usage: loadgen --url http://HOST:PORT
   --tools N          every request offers an agent's N tools (the same list each time,
                      about 100 tokens each, which the engine renders into the prompt
                      ahead of the messages) (default 0)
+  --turns K          with --api responses: the requests are conversations of K turns
+                     (request i is turn i / C of conversation i % C, C the number of
+                     conversations); a turn after the first waits for the one before it
+                     and continues the answer it stored (previous_response_id), with
+                     only its own input, as agents and chat front ends using the
+                     server's store send it (default 1: no conversations)
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -134,6 +140,8 @@ struct Args {
     tools: usize,
     /// Images at the start of every request's message.
     images: usize,
+    /// Turns per conversation (`--turns`; 1: none).
+    turns: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -162,6 +170,7 @@ fn parse_args() -> Result<Args, String> {
         api: Api::Chat,
         tools: 0,
         images: 0,
+        turns: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -204,6 +213,7 @@ fn parse_args() -> Result<Args, String> {
             "--slo-tpot-ms" => a.slo_tpot_ms = Some(pos(v()?, "--slo-tpot-ms")?.max(1.0)),
             "--tools" => a.tools = pos(v()?, "--tools")? as usize,
             "--images" => a.images = pos(v()?, "--images")? as usize,
+            "--turns" => a.turns = (pos(v()?, "--turns")? as usize).max(1),
             "--api" => {
                 let name = v()?;
                 a.api = Api::ALL
@@ -271,8 +281,18 @@ fn parse_args() -> Result<Args, String> {
             a.api.name()
         ));
     }
+    if a.turns > 1 && a.api != Api::Responses {
+        return Err(format!(
+            "--turns: conversations continue stored answers, which only --api responses has, not {}",
+            a.api.name()
+        ));
+    }
     Ok(a)
 }
+
+/// One conversation of `--turns`: how many of its turns are done, and the id its last answer
+/// is stored under (none when that turn failed: the next one starts afresh).
+type Conversation = tokio::sync::watch::Sender<(usize, Option<String>)>;
 
 /// What happened to one request. Times are model-time milliseconds.
 #[derive(Debug, Clone, Default)]
@@ -298,6 +318,10 @@ struct Record {
     tenant: String,
     /// The `Retry-After` the answer carried (seconds), when it carried one.
     retry_after_s: Option<u64>,
+    /// It continued a stored answer (`previous_response_id`, see `--turns`).
+    continued: bool,
+    /// The id its answer is stored under (`response.created`), when it gave one.
+    response_id: Option<String>,
     error: Option<String>,
 }
 
@@ -319,7 +343,8 @@ impl Record {
                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms, "tpot_ms": self.tpot_ms(),
                "tokens_received": self.tokens_received, "seen_before": self.seen_before,
                "cached": self.cached, "prefix_key": self.prefix_key, "tenant": self.tenant,
-               "retry_after_s": self.retry_after_s, "error": self.error})
+               "retry_after_s": self.retry_after_s, "continued": self.continued,
+               "error": self.error})
     }
 }
 
@@ -413,6 +438,13 @@ async fn one(
             };
             if payload == "[DONE]" {
                 continue;
+            }
+            if rec.response_id.is_none() && payload.contains("\"response.created\"") {
+                rec.response_id = serde_json::from_str::<Value>(payload).ok().and_then(|v| {
+                    v.pointer("/response/id")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                });
             }
             let has_content = is_token_event(payload);
             if has_content {
@@ -517,6 +549,9 @@ fn summarize(records: &[Record], model_span_ms: f64) -> Value {
         "errors": records.len() - ok.len(),
         // Of the errors, the requests the gateway refused (429 or 503 with Retry-After).
         "refused": records.iter().filter(|r| matches!(r.status, 429 | 503)).count(),
+        // Turns that continued a stored answer (`--turns`), and those of them that failed.
+        "continued": records.iter().filter(|r| r.continued).count(),
+        "continued_errors": records.iter().filter(|r| r.continued && !r.ok()).count(),
         "ttft_ms": dist(ok.iter().filter_map(|r| r.ttft_ms).collect()),
         "e2e_ms": dist(ok.iter().filter_map(|r| r.e2e_ms).collect()),
         "tpot_ms": dist(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
@@ -642,14 +677,36 @@ async fn main() {
         n as f64 / (wall_span * args.time_scale).max(1e-9),
         args.time_scale
     );
+    // Conversations (`--turns`): each one's turns done so far and its last stored answer.
+    let talks = n.div_ceil(args.turns);
+    let conversations: Vec<Arc<Conversation>> = (0..if args.turns > 1 { talks } else { 0 })
+        .map(|_| Arc::new(tokio::sync::watch::channel((0, None)).0))
+        .collect();
     let t0 = Instant::now() + Duration::from_millis(50);
     let mut handles = Vec::with_capacity(n);
     for (i, (at, body, output, prompt_tokens, prefix_key, tenant)) in plan.into_iter().enumerate() {
         let args = args.clone();
         let seen_before = seen.get(i).copied().unwrap_or(0);
+        let talk = conversations.get(i % talks.max(1)).cloned();
+        let turn = i / talks.max(1);
         handles.push(tokio::spawn(async move {
             let when = t0 + Duration::from_secs_f64(at / 1000.0);
             tokio::time::sleep_until(when.into()).await;
+            // A later turn waits for the one before it, and continues its stored answer.
+            let mut body = body;
+            let mut continued = false;
+            if let Some(talk) = &talk {
+                let mut rx = talk.subscribe();
+                let previous = match rx.wait_for(|(done, _)| *done >= turn).await {
+                    Ok(state) => state.1.clone(),
+                    Err(_) => None,
+                };
+                if let (Some(id), Some(rest)) = (previous, body.strip_prefix(b"{")) {
+                    let field = format!("{{\"previous_response_id\":{},", json!(id));
+                    body = Bytes::from([field.as_bytes(), rest].concat());
+                    continued = true;
+                }
+            }
             let sent = Instant::now();
             let mut rec = Record {
                 index: i,
@@ -671,6 +728,12 @@ async fn main() {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => rec.error = Some(e),
                 Err(_) => rec.error = Some("timeout".into()),
+            }
+            rec.continued = continued;
+            if let Some(talk) = &talk {
+                // The next turn continues this answer, or starts afresh if it failed.
+                let id = rec.response_id.clone().filter(|_| rec.ok());
+                talk.send_replace((turn + 1, id));
             }
             rec
         }));

@@ -253,7 +253,8 @@ impl<H: Host> Request<H> {
                         now,
                         placement.clone(),
                     )
-                    .claiming(claim, bytes);
+                    .claiming(claim, bytes)
+                    .pinned(pin);
                     match s.held.push(held) {
                         Ok(shed) => {
                             s.metrics.bump(Stat::Held);

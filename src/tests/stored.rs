@@ -8,6 +8,7 @@ use token_balancer_core::share::stored::{self, Stored};
 
 /// Every health callout sent so far answered: node A with `a`, node B with `b`.
 fn report_each(host: &FakeHost, root: &mut Root<FakeHost>, a: &str, b: &str) {
+    host.advance(1000);
     tick(host, root);
     for call in host.take_calls() {
         let body = if call.authority == A { a } else { b };
@@ -98,6 +99,7 @@ fn a_conversation_goes_back_to_the_node_that_stores_it() {
         (IDLE, FULL)
     };
     report_each(&host, &mut root, a, b);
+    assert_eq!(host.metric("token_balancer.health.ok"), 4);
     let (_new, routed) = respond_to(&host, &root, 3, FIRST);
     assert!(routed.unwrap().starts_with(other));
     let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_7","store":false}"#;
@@ -170,4 +172,43 @@ fn with_stored_responses_off_nothing_is_noted_or_pinned() {
     for stat in ["recorded", "found", "unknown"] {
         assert_eq!(host.metric(&format!("token_balancer.stored.{stat}")), 0);
     }
+}
+
+#[test]
+fn a_turn_waits_for_room_on_the_node_that_stores_its_conversation() {
+    let (host, mut root) = reported(&config(r#","choices":0,"max_hold_ms":10000"#), IDLE);
+    let (mut req, routed) = respond_to(&host, &root, 2, FIRST);
+    let node = if routed.unwrap().starts_with(A) { A } else { B };
+    answered(
+        &host,
+        &mut req,
+        2,
+        node,
+        &[r#"{"id":"resp_1","usage":{"output_tokens":30}}"#],
+    );
+    // Its node is full, the other idle: the next turn waits, for its node.
+    let (a, b) = if node == A {
+        (FULL, IDLE)
+    } else {
+        (IDLE, FULL)
+    };
+    report_each(&host, &mut root, a, b);
+    let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_1"}"#;
+    let len = next.len().to_string();
+    let mut req = request(
+        &host,
+        &root,
+        3,
+        &[(":path", "/v1/responses"), ("content-length", &len)],
+    );
+    host.stream(3).body = next.as_bytes().to_vec();
+    host.enter(3);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+    assert_eq!(req.on_http_request_body(next.len(), true), Action::Pause);
+    assert_eq!(host.metric("token_balancer.held"), 1);
+    assert_eq!(host.request_header_of(3, ROUTING), None);
+    // Its node has room again: it goes there.
+    report_each(&host, &mut root, IDLE, IDLE);
+    assert_eq!(host.stream(3).resumed, 1);
+    assert_eq!(host.request_header_of(3, ROUTING).as_deref(), Some(node));
 }

@@ -54,6 +54,7 @@ use crate::ingest::prompt::Chain;
 use crate::ingest::request::Weight;
 use crate::rng::Rng;
 use crate::route::balancer::{Balancer, BookSource, Outcome, Terms};
+use crate::route::choice::Pin;
 use std::collections::HashMap;
 
 /// A tenant served within this many milliseconds is active: other tenants leave it a short
@@ -79,6 +80,9 @@ pub struct Held<T> {
     /// Body bytes Envoy buffers while it waits.
     pub bytes: u64,
     pub since_ms: u64,
+    /// The one node it may go to (a turn continuing a conversation stored there): it waits
+    /// for room there alone, beside the queue's order (see `admit`).
+    pub pin: Option<Pin>,
     pub payload: T,
 }
 
@@ -100,8 +104,14 @@ impl<T> Held<T> {
             claim: Claim::default(),
             bytes: 0,
             since_ms,
+            pin: None,
             payload,
         }
+    }
+
+    /// The same request, pinned to one node (`None`: not pinned).
+    pub fn pinned(self, pin: Option<Pin>) -> Held<T> {
+        Held { pin, ..self }
     }
 
     /// The same request with its claims and body size.
@@ -113,7 +123,7 @@ impl<T> Held<T> {
         }
     }
 
-    /// Where the balancer would send it now, on `terms`.
+    /// Where the balancer would send it now, on `terms` (and its pin).
     fn route(
         &self,
         terms: Terms,
@@ -122,6 +132,10 @@ impl<T> Held<T> {
         rng: &mut dyn Rng,
         books: &mut dyn BookSource,
     ) -> Outcome {
+        let terms = Terms {
+            pin: self.pin,
+            ..terms
+        };
         balancer.route_on(
             self.weight,
             self.model.as_deref(),
@@ -368,10 +382,11 @@ impl<T> HoldQueue<T> {
     /// The request that leaves next if it can: the highest priority, then the tenant served
     /// least, then the oldest.
     fn next(&self) -> Option<usize> {
-        let top = self.entries.iter().map(|h| h.claim.priority).max()?;
+        let queued = || self.entries.iter().filter(|h| h.pin.is_none());
+        let top = queued().map(|h| h.claim.priority).max()?;
         let mut best: Option<(usize, f64)> = None;
         for (i, h) in self.entries.iter().enumerate() {
-            if h.claim.priority != top {
+            if h.claim.priority != top || h.pin.is_some() {
                 continue;
             }
             let c = self.counter(h.claim.tenant);
@@ -458,6 +473,31 @@ impl<T> HoldQueue<T> {
         {
             let Some(h) = self.entries.get(at) else { break };
             let outcome = self.without_waiting(h, false, now_ms, balancer, rng, books);
+            self.leave(at, outcome, now_ms, &mut out);
+        }
+        // A pinned request waits for room on its node alone: it goes when that node has room,
+        // whatever waits before it for the others, and never keeps them waiting.
+        let mut at = 0;
+        while let Some(h) = self.entries.get(at) {
+            if h.pin.is_none() {
+                at += 1;
+                continue;
+            }
+            let terms = Terms {
+                may_hold: true,
+                ttft_left_ms: h.ttft_left_ms(now_ms),
+                tpot_ms: h.claim.tpot_ms,
+                lane: false,
+                pin: h.pin,
+            };
+            let outcome = match h.route(terms, now_ms, balancer, rng, books) {
+                Outcome::Saturated => {
+                    at += 1;
+                    continue;
+                }
+                Outcome::Oversized => self.without_waiting(h, false, now_ms, balancer, rng, books),
+                outcome => outcome,
+            };
             self.leave(at, outcome, now_ms, &mut out);
         }
         while let Some(at) = self.next() {
@@ -956,6 +996,66 @@ mod tests {
         b.on_models(0, br#"{"data":[{"id":"m2"}]}"#).unwrap();
         let out = q.admit(300, &mut b, &mut rng, &mut OwnBooks);
         assert!(matches!(&out[..], [(_, Outcome::UnknownModel)]), "{out:?}");
+    }
+
+    /// A pinned request (a turn of a conversation stored on one node) waits for room on its
+    /// node alone: requests held behind it leave for other nodes meanwhile, and it leaves
+    /// when its node has room, to that node.
+    #[test]
+    fn a_pinned_request_waits_for_its_node_without_blocking_the_queue() {
+        let cfg = Config::parse(
+            br#"{"health_cluster":"h","hold_kv_ceiling":0.9,"choices":0,"nodes":[
+                 {"address":"10.0.0.1:8000","kv_cache_tokens":1000},
+                 {"address":"10.0.0.2:8000","kv_cache_tokens":1000}]}"#,
+        )
+        .unwrap();
+        let mut b = Balancer::new(&cfg);
+        let mut rng = SplitMix64::new(8);
+        health(
+            &mut b,
+            0,
+            r#""tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":0.95"#,
+            0,
+        );
+        health(
+            &mut b,
+            1,
+            r#""tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":0.95"#,
+            0,
+        );
+        let pin = b.pin_at("10.0.0.1:8000", 50);
+        let mut q = HoldQueue::new(8, 60_000);
+        q.push(Held::new(1, w(10), None, Chain::NONE, 0, "pinned").pinned(pin))
+            .unwrap();
+        q.put(2, w(10), None, Chain::NONE, 5, "any").unwrap();
+        assert!(q.admit(100, &mut b, &mut rng, &mut OwnBooks).is_empty());
+        // Node 1 (not its node) has room: the request behind it leaves, it stays.
+        health(
+            &mut b,
+            1,
+            r#""tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":0.1"#,
+            200,
+        );
+        let out = q.admit(200, &mut b, &mut rng, &mut OwnBooks);
+        assert!(
+            matches!(&out[..], [(h, Outcome::Routed { ticket, .. })] if h.payload == "any" && ticket.node == 1),
+            "{out:?}"
+        );
+        assert_eq!(q.len(), 1);
+        // Its node has room: it leaves for it, priced with the stored turns.
+        health(
+            &mut b,
+            0,
+            r#""tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":0.1"#,
+            300,
+        );
+        let out = q.admit(300, &mut b, &mut rng, &mut OwnBooks);
+        assert!(
+            matches!(&out[..], [(h, Outcome::Routed { ticket, .. })]
+                if h.payload == "pinned" && ticket.node == 0 && ticket.weight.prompt_tokens == 60),
+            "{out:?}"
+        );
+        assert!(q.is_empty());
     }
 
     /// Requests held while a thousand nodes are over the ceiling: trying them again on an

@@ -638,8 +638,8 @@ impl Balancer {
     ) -> Outcome {
         // A request that costs the GPU nothing (a prompt only counted or tokenized) has no
         // room to wait for and no token a node could be late with: it goes now, wherever.
-        // A pinned one has nowhere else to wait for room: it goes now, to its node, whose own
-        // queue keeps it if that node is full, and it carries the stored turns in its prompt.
+        // A pinned one carries the stored turns in its prompt, and can only wait for room on
+        // its own node (a lane is the whole fleet's).
         let (weight, terms) = match terms.pin {
             _ if weight.total() == 0 => (
                 weight,
@@ -654,7 +654,6 @@ impl Balancer {
                     ..weight
                 },
                 Terms {
-                    may_hold: false,
                     lane: false,
                     ..terms
                 },

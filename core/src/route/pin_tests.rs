@@ -1,18 +1,25 @@
 //! Requests pinned to one node through the whole balancer: a turn continuing a stored
 //! conversation goes to the node that stores it whatever the others offer, is priced with the
-//! stored turns (cached there), is never held for room elsewhere, and still goes there when
-//! that node's report is stale.
+//! stored turns (cached there), waits for room there and nowhere else, and still goes there
+//! when that node's report is stale.
 
 use crate::ingest::request::Weight;
 use crate::rng::SplitMix64;
 use crate::route::balancer::{Balancer, Outcome, OwnBooks, Terms};
 use crate::route::testing::*;
 
-fn pinned(b: &mut Balancer, weight: Weight, address: &str, context: u64, now: u64) -> Outcome {
+fn pinned(
+    b: &mut Balancer,
+    weight: Weight,
+    address: &str,
+    context: u64,
+    now: u64,
+    may_hold: bool,
+) -> Outcome {
     let pin = b.pin_at(address, context);
     assert!(pin.is_some(), "{address} is in the fleet");
     let terms = Terms {
-        may_hold: true,
+        may_hold,
         pin,
         ..Terms::default()
     };
@@ -37,7 +44,7 @@ fn a_pinned_request_goes_to_its_node_priced_with_the_stored_turns() {
         let o = b.route(W, None, &Chain::NONE, 10, &mut rng, false, &mut OwnBooks);
         assert_ne!(routed_to(&o), Some(1));
     }
-    let o = pinned(&mut b, W, "127.0.0.1:8002", 3_000, 10);
+    let o = pinned(&mut b, W, "127.0.0.1:8002", 3_000, 10, true);
     let t = routed(&o).unwrap();
     assert_eq!(t.node, 1);
     // Its prompt is the stored conversation and its own input; only its own is prefilled.
@@ -56,7 +63,7 @@ fn a_pinned_request_goes_to_its_node_priced_with_the_stored_turns() {
 }
 
 #[test]
-fn a_pinned_request_is_not_held_for_room_its_node_does_not_have() {
+fn a_pinned_request_waits_for_room_on_its_node_not_elsewhere() {
     let mut b = Balancer::new(&cfg(2, r#","choices":0,"kv_bytes_per_token":1"#));
     b.on_health(0, Some(FULL), 0).unwrap();
     b.on_health(1, Some(ROOM), 0).unwrap();
@@ -64,8 +71,13 @@ fn a_pinned_request_is_not_held_for_room_its_node_does_not_have() {
     // Unpinned, it goes where there is room.
     let o = b.route(W, None, &Chain::NONE, 10, &mut rng, true, &mut OwnBooks);
     assert_eq!(routed_to(&o), Some(1));
-    // Pinned to the full node, it goes there at once: no other node could serve it.
-    match pinned(&mut b, W, "127.0.0.1:8001", 500, 10) {
+    // Pinned to the full node, it may wait there: no other node could serve it.
+    assert_eq!(
+        pinned(&mut b, W, "127.0.0.1:8001", 500, 10, true),
+        Outcome::Saturated
+    );
+    // Unable to wait, it goes there over the ceiling.
+    match pinned(&mut b, W, "127.0.0.1:8001", 500, 10, false) {
         Outcome::Routed {
             ticket,
             over_ceiling,
@@ -83,10 +95,10 @@ fn a_pinned_request_goes_to_its_node_without_a_fresh_report() {
     let mut b = idle_fleet(3, r#","tick_ms":250,"stale_after_ms":1000"#);
     // Only node 2 reports again; nodes 0 and 1 are stale by 5 s.
     b.on_health(2, Some(IDLE), 4_500).unwrap();
-    let o = pinned(&mut b, W, "127.0.0.1:8001", 0, 5_000);
+    let o = pinned(&mut b, W, "127.0.0.1:8001", 0, 5_000, true);
     assert_eq!(routed_to(&o), Some(0));
     // A request of no weight (a stored response's poll) goes there too, and books nothing.
-    let poll = pinned(&mut b, Weight::default(), "127.0.0.1:8002", 0, 5_000);
+    let poll = pinned(&mut b, Weight::default(), "127.0.0.1:8002", 0, 5_000, true);
     let t = routed(&poll).unwrap();
     assert_eq!((t.node, t.weight.total()), (1, 0));
     // Unpinned, only the fresh node is chosen.

@@ -39,6 +39,7 @@ use token_balancer_core::ingest::stored::{self, IdScan};
 use token_balancer_core::route::admission::Held;
 use token_balancer_core::route::balancer::{Outcome, Terms};
 use token_balancer_core::route::choice::Pin;
+use token_balancer_core::share::stored::Stored;
 use token_balancer_core::share::sync::Reads;
 use token_balancer_core::share::Change;
 
@@ -90,8 +91,8 @@ pub struct Request<H: Host> {
     /// The id the answer is stored under, while its first bytes may still tell it (a
     /// Responses request the engine is asked to store, see `ingest::stored`).
     id_scan: Option<IdScan>,
-    /// That id and the address of the node that stores it, once seen.
-    stored: Option<(String, String)>,
+    /// That id and what is noted under it, once seen.
+    stored: Option<(String, Stored)>,
 }
 
 impl<H: Host> Request<H> {
@@ -375,18 +376,29 @@ impl<H: Host> Request<H> {
             return;
         };
         let prompt = ticket.map_or(0, |t| t.weight.prompt_tokens);
-        self.with(|s| s.note_stored(&id, &address, prompt));
-        self.stored = Some((id, address));
+        let entry = Stored {
+            address,
+            context_tokens: prompt,
+            prompt_tokens: prompt,
+            seen_ms: self.host.now_ms(),
+            ended_ms: 0,
+        };
+        self.with(|s| s.note_stored(&id, &entry));
+        self.stored = Some((id, entry));
     }
 
     fn release(&mut self) {
         // A stored answer read whole: its conversation is now its prompt and its output.
-        if let (Some((id, address)), Some(ticket)) = (self.stored.take(), self.ticket) {
+        if let (Some((id, entry)), Some(ticket)) = (self.stored.take(), self.ticket) {
             if self.status_ok && self.completed {
                 // The server's count when it gave one, else the output events seen.
                 let output = self.meter.finish(true, true).unwrap_or(self.received);
-                let context = ticket.weight.prompt_tokens.saturating_add(output);
-                self.with(|s| s.note_stored(&id, &address, context));
+                let ended = Stored {
+                    context_tokens: ticket.weight.prompt_tokens.saturating_add(output),
+                    ended_ms: self.host.now_ms(),
+                    ..entry
+                };
+                self.with(|s| s.note_stored(&id, &ended));
             }
         }
         if let Some(ticket) = self.ticket.take() {

@@ -280,7 +280,7 @@ impl<H: Host> State<H> {
                 None
             }
         };
-        let pin = found.and_then(|s| self.balancer.pin_at(&s.address, s.context_tokens));
+        let pin = found.and_then(|s| self.balancer.pin_to(&s));
         self.metrics.bump(if pin.is_some() {
             Stat::StoredFound
         } else {
@@ -289,15 +289,10 @@ impl<H: Host> State<H> {
         pin
     }
 
-    /// Notes that the response `id` is stored at `address`, ending a conversation of
-    /// `context_tokens` so far.
-    pub fn note_stored(&mut self, id: &str, address: &str, context_tokens: u64) {
+    /// Notes that the response `id` is stored as `entry` says.
+    pub fn note_stored(&mut self, id: &str, entry: &Stored) {
         let slots = self.config.stored_responses.slots;
-        let entry = Stored {
-            address: address.to_string(),
-            context_tokens,
-        };
-        if stored::record(&mut self.host, slots, id, &entry) {
+        if stored::record(&mut self.host, slots, id, entry) {
             self.metrics.bump(Stat::StoredRecorded);
         } else {
             self.metrics.bump(Stat::SharedFailed);

@@ -531,6 +531,7 @@ mod tests {
     use crate::ingest::telemetry::Report;
     use crate::rng::SplitMix64;
     use crate::route::balancer::OwnBooks;
+    use crate::route::testing::stored;
 
     /// One node with a 1,000-token cache and a 0.9 ceiling.
     fn balancer() -> Balancer {
@@ -1023,7 +1024,7 @@ mod tests {
             r#""tokens_per_sec_load":10,"tokens_per_sec_capacity":1000,"kv_cache_usage":0.95"#,
             0,
         );
-        let pin = b.pin_at("10.0.0.1:8000", 50);
+        let pin = b.pin_to(&stored("10.0.0.1:8000", 50));
         let mut q = HoldQueue::new(8, 60_000);
         q.push(Held::new(1, w(10), None, Chain::NONE, 0, "pinned").pinned(pin))
             .unwrap();

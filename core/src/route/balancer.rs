@@ -37,6 +37,7 @@ use crate::route::outputs::OutputModel;
 use crate::route::ranking::{self, Decision};
 use crate::route::routers::{self, Routers};
 pub use crate::share::fleet::Imported;
+use crate::share::stored::Stored;
 use crate::share::{self, Books, Change, NodeView, Snapshot};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -933,10 +934,10 @@ impl Balancer {
         if self.routers.share().is_none() {
             return false;
         }
-        node.and_then(|i| self.fleet.nodes().get(i))
-            .is_some_and(|n| {
+        node.and_then(|i| Some((i, self.fleet.nodes().get(i)?)))
+            .is_some_and(|(i, n)| {
                 n.fresh_report(now_ms, self.params.stale_after_ms)
-                    .is_some_and(|r| choice::room_now(n, r, ask, &self.params, &self.outputs))
+                    .is_some_and(|r| choice::room_now(i, n, r, ask, &self.params, &self.outputs))
             })
     }
 
@@ -1025,16 +1026,18 @@ impl Balancer {
         self.book(to, booking, chain)
     }
 
-    /// The pin of a request continuing a conversation stored at `address` that is
-    /// `context_tokens` long (see `Pin`); `None` for an address this balancer does not know.
-    pub fn pin_at(&self, address: &str, context_tokens: u64) -> Option<Pin> {
-        let node = self
+    /// The pin of a request continuing the conversation `stored` (see `Pin`); `None` for an
+    /// address this balancer does not know.
+    pub fn pin_to(&self, stored: &Stored) -> Option<Pin> {
+        let (node, n) = self
             .nodes()
             .iter()
-            .position(|n| same_address(n.address(), address))?;
+            .enumerate()
+            .find(|(_, n)| same_address(n.address(), &stored.address))?;
         Some(Pin {
             node,
-            cached: context_tokens,
+            cached: stored.context_tokens,
+            shown: n.reported_at().map_or(0, |at| stored.shown_at(at)),
         })
     }
 

@@ -275,10 +275,17 @@ pub fn fits_empty(n: &NodeState, r: &Report, ask: &Ask, p: &Params, ceiling: f64
 /// caches stayed half empty). An engine with a queue is the sign of a full cache. Holding asks
 /// this before holding a request that the VRAM check passes nowhere; with room, the request
 /// goes at once, over the ceiling, and is counted so (see `balancer`).
-pub fn room_now(n: &NodeState, r: &Report, ask: &Ask, p: &Params, outputs: &OutputModel) -> bool {
+pub fn room_now(
+    node: usize,
+    n: &NodeState,
+    r: &Report,
+    ask: &Ask,
+    p: &Params,
+    outputs: &OutputModel,
+) -> bool {
+    let to_come = to_come_now(n, r, ask, outputs).saturating_sub(ask.shown(node));
     r.queue_depth.unwrap_or(0.0) < 1.0
-        && kv_fraction(n, r, to_come_now(n, r, ask, outputs), p)
-            .is_some_and(|f| f <= p.vram_ceiling)
+        && kv_fraction(n, r, to_come, p).is_some_and(|f| f <= p.vram_ceiling)
 }
 
 /// The KV still to come on node `n` (report `r`) with the request, as the room-now check
@@ -443,6 +450,19 @@ pub struct Pin {
     pub node: usize,
     /// Prompt tokens believed cached there: the stored conversation's.
     pub cached: u64,
+    /// Prompt tokens the node's latest report still counts as KV in use: the turn before it
+    /// was running when the report was taken (see `share::stored::Stored::shown_at`). Its
+    /// blocks are this request's too, so they are not counted twice.
+    pub shown: u64,
+}
+
+impl Ask<'_> {
+    /// KV of the request's prompt that node `node`'s report already counts (see `Pin`).
+    fn shown(&self, node: usize) -> u64 {
+        self.pin
+            .filter(|p| p.node == node)
+            .map_or(0, |p| p.shown.min(self.weight.prompt_tokens))
+    }
 }
 
 /// Share of its predicted time a node preferred for the request's prefix key is let off: the
@@ -628,7 +648,8 @@ pub fn evaluate(
     let kv_extra = ((prompts_to_come(n, r) + still_to_come) as u64)
         .saturating_add(weight.prompt_tokens)
         .saturating_add(growth.own)
-        .saturating_add(margin.ceil() as u64);
+        .saturating_add(margin.ceil() as u64)
+        .saturating_sub(ask.shown(node));
     let kv = kv_fraction(n, r, kv_extra, p);
     let ranked = Ranked {
         node,
@@ -993,12 +1014,21 @@ mod tests {
         let staged: Vec<u64> = (0..10).map(|i| 40 * i + 1).collect();
         let (n, r) = streams(&staged);
         assert_eq!(n.streams().map(|s| s.len()), Some(10));
-        assert!(!room_now(&n, &r, &asked, &P, &unlearned), "half the output");
-        assert!(room_now(&n, &r, &asked, &P, &learned), "the ends free it");
-        let (n, r) = streams(&[1; 10]);
-        assert!(room_now(&n, &r, &asked, &P, &unlearned), "half the output");
         assert!(
-            !room_now(&n, &r, &asked, &P, &learned),
+            !room_now(0, &n, &r, &asked, &P, &unlearned),
+            "half the output"
+        );
+        assert!(
+            room_now(0, &n, &r, &asked, &P, &learned),
+            "the ends free it"
+        );
+        let (n, r) = streams(&[1; 10]);
+        assert!(
+            room_now(0, &n, &r, &asked, &P, &unlearned),
+            "half the output"
+        );
+        assert!(
+            !room_now(0, &n, &r, &asked, &P, &learned),
             "they grow together"
         );
         // A queue at the engine: no room whatever the path.
@@ -1007,7 +1037,7 @@ mod tests {
             queue_depth: Some(1.0),
             ..r
         };
-        assert!(!room_now(&n, &queued, &asked, &P, &learned));
+        assert!(!room_now(0, &n, &queued, &asked, &P, &learned));
     }
 
     /// Where this router has enough streams on a node, the others' streams there (another

@@ -16,7 +16,7 @@ fn pinned(
     now: u64,
     may_hold: bool,
 ) -> Outcome {
-    let pin = b.pin_at(address, context);
+    let pin = b.pin_to(&stored(address, context));
     assert!(pin.is_some(), "{address} is in the fleet");
     let terms = Terms {
         may_hold,
@@ -59,7 +59,7 @@ fn a_pinned_request_goes_to_its_node_priced_with_the_stored_turns() {
         assert_eq!(compared.len(), 1);
         assert_eq!(compared[0].cached, 3_000);
     }
-    assert_eq!(b.pin_at("127.0.0.1:9999", 10), None);
+    assert_eq!(b.pin_to(&stored("127.0.0.1:9999", 10)), None);
 }
 
 #[test]
@@ -105,4 +105,65 @@ fn a_pinned_request_goes_to_its_node_without_a_fresh_report() {
     let mut rng = SplitMix64::new(3);
     let o = b.route(W, None, &Chain::NONE, 5_000, &mut rng, false, &mut OwnBooks);
     assert_eq!(routed_to(&o), Some(2));
+}
+
+#[test]
+fn the_stored_turns_a_report_still_shows_in_use_are_not_counted_twice() {
+    // A node with 1,000 tokens of cache, its report taken at 100 while the turn before ran:
+    // 700 tokens in use, that turn's 600-token prompt among them.
+    let mut b = Balancer::new(&cfg(1, r#","choices":0,"kv_bytes_per_token":1"#));
+    let report = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000,"vram_used_bytes":700,"vram_total_bytes":1000}"#;
+    b.on_health(0, Some(report), 100).unwrap();
+    let turn = crate::share::stored::Stored {
+        address: "127.0.0.1:8001".into(),
+        context_tokens: 650,
+        prompt_tokens: 600,
+        seen_ms: 50,
+        ended_ms: 150,
+    };
+    let pin = b.pin_to(&turn);
+    assert_eq!(pin.map(|p| p.shown), Some(600));
+    let next = Weight {
+        prompt_tokens: 20,
+        output_tokens: 20,
+    };
+    let terms = Terms {
+        may_hold: true,
+        pin,
+        ..Terms::default()
+    };
+    let mut rng = SplitMix64::new(9);
+    // 700 in use + 670 of prompt + 20 out, less the 600 the report shows: 790, under 0.9.
+    match b.route_on(
+        next,
+        None,
+        &Chain::NONE,
+        160,
+        &mut rng,
+        terms,
+        &mut OwnBooks,
+    ) {
+        Outcome::Routed { over_ceiling, .. } => assert!(!over_ceiling),
+        o => panic!("{o:?}"),
+    }
+    // The same turn with a report taken before the one before it started: it may wait.
+    let earlier = crate::share::stored::Stored {
+        seen_ms: 120,
+        ..turn
+    };
+    let pin = b.pin_to(&earlier);
+    assert_eq!(pin.map(|p| p.shown), Some(0));
+    let terms = Terms { pin, ..terms };
+    assert_eq!(
+        b.route_on(
+            next,
+            None,
+            &Chain::NONE,
+            160,
+            &mut rng,
+            terms,
+            &mut OwnBooks
+        ),
+        Outcome::Saturated
+    );
 }

@@ -102,6 +102,16 @@ impl BookSource for Counting {
     }
 }
 
+/// A conversation of `context_tokens` stored at `address` (see `Balancer::pin_to`), whose
+/// answer ended before any report.
+pub(crate) fn stored(address: &str, context_tokens: u64) -> crate::share::stored::Stored {
+    crate::share::stored::Stored {
+        address: address.to_string(),
+        context_tokens,
+        ..Default::default()
+    }
+}
+
 /// A member list.
 pub(crate) fn members(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()

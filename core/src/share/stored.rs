@@ -31,13 +31,36 @@ pub const MAX_SLOTS: u32 = 1 << 20;
 pub const WAYS: usize = 4;
 
 /// What is known of one stored response.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Stored {
     /// The node that answered it, as `ip:port`.
     pub address: String,
     /// The conversation's tokens up to and with this answer: what a turn continuing it adds
     /// to its own prompt.
     pub context_tokens: u64,
+    /// Its prompt's tokens (the stored turns before it included): KV its node held from its
+    /// first token to its end.
+    pub prompt_tokens: u64,
+    /// When its first bytes came back (ms), and when it ended (0: not yet): a report of its
+    /// node taken between the two counts its prompt as KV in use.
+    pub seen_ms: u64,
+    pub ended_ms: u64,
+}
+
+impl Stored {
+    /// Of a turn continuing this answer, the prompt tokens a report of its node taken at
+    /// `reported_at_ms` still counts as KV in use: this answer's prompt when the report was
+    /// taken while it ran (a turn comes right after the one before it, sooner than the next
+    /// report), none otherwise (the engine then counts them as cached, free until the turn
+    /// takes them back).
+    pub fn shown_at(&self, reported_at_ms: u64) -> u64 {
+        let ran = self.seen_ms <= reported_at_ms && reported_at_ms < self.ended_ms;
+        if ran {
+            self.prompt_tokens
+        } else {
+            0
+        }
+    }
 }
 
 /// The key of the bucket `id` goes in, of a table of `slots` ids.
@@ -61,7 +84,9 @@ fn encode(entries: &[Entry]) -> Vec<u8> {
             out.extend_from_slice(&len.to_le_bytes());
             out.extend_from_slice(part.as_bytes().get(..usize::from(len)).unwrap_or_default());
         }
-        out.extend_from_slice(&s.context_tokens.to_le_bytes());
+        for n in [s.context_tokens, s.prompt_tokens, s.seen_ms, s.ended_ms] {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
     }
     out
 }
@@ -74,12 +99,14 @@ fn decode(bytes: &[u8]) -> Vec<Entry> {
         let entry = (|| {
             let id = r.str()?;
             let address = r.str()?;
-            let context_tokens = r.u64()?;
             Some((
                 id,
                 Stored {
                     address,
-                    context_tokens,
+                    context_tokens: r.u64()?,
+                    prompt_tokens: r.u64()?,
+                    seen_ms: r.u64()?,
+                    ended_ms: r.u64()?,
                 },
             ))
         })();
@@ -135,7 +162,25 @@ mod tests {
         Stored {
             address: address.to_string(),
             context_tokens,
+            prompt_tokens: context_tokens / 2,
+            seen_ms: 10,
+            ended_ms: 20,
         }
+    }
+
+    #[test]
+    fn a_report_taken_while_the_answer_ran_still_counts_its_prompt() {
+        let s = at("10.0.0.1:8000", 300);
+        assert_eq!(s.shown_at(5), 0, "before it started");
+        assert_eq!(s.shown_at(10), 150);
+        assert_eq!(s.shown_at(19), 150);
+        assert_eq!(s.shown_at(20), 0, "after it ended");
+        let running = Stored { ended_ms: 0, ..s };
+        assert_eq!(
+            running.shown_at(15),
+            0,
+            "not ended: no turn continues it yet"
+        );
     }
 
     #[test]

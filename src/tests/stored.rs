@@ -16,26 +16,34 @@ fn report_each(host: &FakeHost, root: &mut Root<FakeHost>, a: &str, b: &str) {
     }
 }
 
-/// A Responses request `id` with `body`: the request and where it was routed.
+/// A Responses request `id` with `body`, up to its body callback: the request and what that
+/// callback said.
+fn send(
+    host: &FakeHost,
+    root: &Root<FakeHost>,
+    id: u32,
+    body: &str,
+) -> (Request<FakeHost>, Action) {
+    let len = body.len().to_string();
+    let headers = [(":path", "/v1/responses"), ("content-length", len.as_str())];
+    let mut req = request(host, root, id, &headers);
+    host.stream(id).body = body.as_bytes().to_vec();
+    host.enter(id);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+    let action = req.on_http_request_body(body.len(), true);
+    (req, action)
+}
+
+/// A Responses request `id` with `body`, routed: the request and where it was routed.
 fn respond_to(
     host: &FakeHost,
     root: &Root<FakeHost>,
     id: u32,
     body: &str,
 ) -> (Request<FakeHost>, Option<String>) {
-    let len = body.len().to_string();
-    let mut req = request(
-        host,
-        root,
-        id,
-        &[(":path", "/v1/responses"), ("content-length", &len)],
-    );
-    host.stream(id).body = body.as_bytes().to_vec();
-    host.enter(id);
-    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
-    assert_eq!(req.on_http_request_body(body.len(), true), Action::Continue);
-    let routed = host.request_header_of(id, ROUTING);
-    (req, routed)
+    let (req, action) = send(host, root, id, body);
+    assert_eq!(action, Action::Continue);
+    (req, host.request_header_of(id, ROUTING))
 }
 
 /// The answer of stream `id`, served by `upstream`, in `chunks`, then its end.
@@ -52,6 +60,19 @@ fn answered(
         response_chunk(host, req, id, c.as_bytes(), i + 1 == chunks.len());
     }
     end(host, req, id);
+}
+
+/// A whole answer stored under `rid` with `output` tokens, served by `upstream`, then its end.
+fn answered_whole(
+    host: &FakeHost,
+    req: &mut Request<FakeHost>,
+    id: u32,
+    upstream: &str,
+    rid: &str,
+    output: u64,
+) {
+    let body = format!(r#"{{"id":"{rid}","usage":{{"output_tokens":{output}}}}}"#);
+    answered(host, req, id, upstream, &[&body]);
 }
 
 fn stored_at(host: &FakeHost, id: &str) -> Option<Stored> {
@@ -107,13 +128,7 @@ fn a_conversation_goes_back_to_the_node_that_stores_it() {
     assert_eq!(routed.as_deref(), Some(node));
     assert_eq!(host.metric("token_balancer.stored.found"), 1);
     // Not to be stored: its answer is not read for an id.
-    answered(
-        &host,
-        &mut req,
-        4,
-        node,
-        &[r#"{"id":"resp_8","usage":{"output_tokens":3}}"#],
-    );
+    answered_whole(&host, &mut req, 4, node, "resp_8", 3);
     assert_eq!(stored_at(&host, "resp_8"), None);
 
     // Its poll and its cancellation, with no body, go there too.
@@ -157,13 +172,7 @@ fn with_stored_responses_off_nothing_is_noted_or_pinned() {
     let (host, root) = reported(&json, IDLE);
     let (mut req, routed) = respond_to(&host, &root, 2, FIRST);
     let node = if routed.unwrap().starts_with(A) { A } else { B };
-    answered(
-        &host,
-        &mut req,
-        2,
-        node,
-        &[r#"{"id":"resp_1","usage":{"output_tokens":3}}"#],
-    );
+    answered_whole(&host, &mut req, 2, node, "resp_1", 3);
     assert_eq!(stored_at(&host, "resp_1"), None);
     let mut poll = request(&host, &root, 3, &[(":path", "/v1/responses/resp_1")]);
     host.enter(3);
@@ -179,13 +188,7 @@ fn a_turn_waits_for_room_on_the_node_that_stores_its_conversation() {
     let (host, mut root) = reported(&config(r#","choices":0,"max_hold_ms":10000"#), IDLE);
     let (mut req, routed) = respond_to(&host, &root, 2, FIRST);
     let node = if routed.unwrap().starts_with(A) { A } else { B };
-    answered(
-        &host,
-        &mut req,
-        2,
-        node,
-        &[r#"{"id":"resp_1","usage":{"output_tokens":30}}"#],
-    );
+    answered_whole(&host, &mut req, 2, node, "resp_1", 30);
     // Its node is full, the other idle: the next turn waits, for its node.
     let (a, b) = if node == A {
         (FULL, IDLE)
@@ -194,17 +197,8 @@ fn a_turn_waits_for_room_on_the_node_that_stores_its_conversation() {
     };
     report_each(&host, &mut root, a, b);
     let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_1"}"#;
-    let len = next.len().to_string();
-    let mut req = request(
-        &host,
-        &root,
-        3,
-        &[(":path", "/v1/responses"), ("content-length", &len)],
-    );
-    host.stream(3).body = next.as_bytes().to_vec();
-    host.enter(3);
-    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
-    assert_eq!(req.on_http_request_body(next.len(), true), Action::Pause);
+    let (_req, action) = send(&host, &root, 3, next);
+    assert_eq!(action, Action::Pause);
     assert_eq!(host.metric("token_balancer.held"), 1);
     assert_eq!(host.request_header_of(3, ROUTING), None);
     // Its node has room again: it goes there.

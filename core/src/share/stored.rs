@@ -13,7 +13,8 @@
 //!   for another id.
 //! - **Writes** read the bucket and write it back with compare-and-swap, retried up to
 //!   `MAX_CAS_RETRIES` times (two workers writing one bucket at once must not drop each
-//!   other's id). One id is written by the one VM that followed its answer, once when the id
+//!   other's id). A key's first write cannot be conditional (Envoy's shared data has no
+//!   create-if-absent), so two first writes to one key at once keep only one id. One id is written by the one VM that followed its answer, once when the id
 //!   comes (so a background response's poll finds it at once) and again when the answer
 //!   ends, with its output counted.
 //! - **An entry**: the id, the node's address (an address, not a slot: it means the same in

@@ -13,18 +13,7 @@ fn post_with(
     body: &str,
     headers: &[(&str, &str)],
 ) -> (Request<FakeHost>, Action) {
-    let len = body.len().to_string();
-    let mut all = vec![
-        (":path", "/v1/completions"),
-        ("content-length", len.as_str()),
-    ];
-    all.extend_from_slice(headers);
-    let mut req = request(host, root, id, &all);
-    host.stream(id).body = body.as_bytes().to_vec();
-    host.enter(id);
-    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
-    let action = req.on_http_request_body(body.len(), true);
-    (req, action)
+    post_to(host, root, id, "/v1/completions", body, headers)
 }
 
 /// Stream `id` was answered with a 429's OpenAI-shaped error body whose message says `why`.

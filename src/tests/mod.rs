@@ -120,6 +120,27 @@ pub fn post(
     (req, headers, body_action)
 }
 
+/// A request `id` to `path` with `body` and the extra request `headers`, its headers paused
+/// for the body: the request and what its body callback said.
+pub fn post_to(
+    host: &FakeHost,
+    root: &Root<FakeHost>,
+    id: u32,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (Request<FakeHost>, Action) {
+    let len = body.len().to_string();
+    let mut all = vec![(":path", path), ("content-length", len.as_str())];
+    all.extend_from_slice(headers);
+    let mut req = request(host, root, id, &all);
+    host.stream(id).body = body.as_bytes().to_vec();
+    host.enter(id);
+    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
+    let action = req.on_http_request_body(body.len(), true);
+    (req, action)
+}
+
 /// A small completions body.
 pub const BODY: &str = r#"{"model":"m","prompt":"hello there","max_tokens":20}"#;
 

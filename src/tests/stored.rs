@@ -24,14 +24,7 @@ fn send(
     id: u32,
     body: &str,
 ) -> (Request<FakeHost>, Action) {
-    let len = body.len().to_string();
-    let headers = [(":path", "/v1/responses"), ("content-length", len.as_str())];
-    let mut req = request(host, root, id, &headers);
-    host.stream(id).body = body.as_bytes().to_vec();
-    host.enter(id);
-    assert_eq!(req.on_http_request_headers(0, false), Action::Pause);
-    let action = req.on_http_request_body(body.len(), true);
-    (req, action)
+    post_to(host, root, id, "/v1/responses", body, &[])
 }
 
 /// A Responses request `id` with `body`, routed: the request and where it was routed.

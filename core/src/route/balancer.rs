@@ -1006,10 +1006,7 @@ impl Balancer {
         {
             return None;
         }
-        let to = self
-            .nodes()
-            .iter()
-            .position(|n| same_address(n.address(), address))?;
+        let to = self.index_of(address)?;
         let cached = self.prefixes.as_ref().map_or(0, |ix| {
             chain.cached(ix.matched(to, &chain.blocks), ticket.weight.prompt_tokens)
         });
@@ -1026,14 +1023,18 @@ impl Balancer {
         self.book(to, booking, chain)
     }
 
+    /// The node at `address`, as this balancer numbers them.
+    fn index_of(&self, address: &str) -> Option<usize> {
+        self.nodes()
+            .iter()
+            .position(|n| same_address(n.address(), address))
+    }
+
     /// The pin of a request continuing the conversation `stored` (see `Pin`); `None` for an
     /// address this balancer does not know.
     pub fn pin_to(&self, stored: &Stored) -> Option<Pin> {
-        let (node, n) = self
-            .nodes()
-            .iter()
-            .enumerate()
-            .find(|(_, n)| same_address(n.address(), &stored.address))?;
+        let node = self.index_of(&stored.address)?;
+        let n = self.nodes().get(node)?;
         Some(Pin {
             node,
             cached: stored.context_tokens,

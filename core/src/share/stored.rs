@@ -3,7 +3,7 @@
 //! ends (see `ingest::stored` for why).
 //!
 //! - **Buckets**: `slots / WAYS` keys (`key`), each holding up to `WAYS` ids, the most recently
-//!   written first; an id goes in the bucket its hash (FNV-1a) names. A new id pushes out the
+//!   written first; an id goes in the bucket its hash (`prompt::hash_str`) names. A new id pushes out the
 //!   bucket's oldest, so the table never grows past its slots (Envoy's shared data cannot
 //!   delete a key) and keeps the most recent ids. One id a key would lose an id whenever two
 //!   live conversations' ids met in one key: with a thousand conversations alive in 16,384
@@ -23,6 +23,7 @@
 
 use super::codec::Reader;
 use super::{SetError, Store, StoreFailed, MAX_CAS_RETRIES};
+use crate::ingest::prompt::hash_str;
 
 /// Ids by default: 16,384 conversations at about 100 bytes each, under 2 MB.
 pub const DEFAULT_SLOTS: u32 = 16_384;
@@ -66,11 +67,7 @@ impl Stored {
 
 /// The key of the bucket `id` goes in, of a table of `slots` ids.
 pub fn key(id: &str, slots: u32) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in id.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let h = hash_str(0, id);
     let buckets = (u64::from(slots) / WAYS as u64).max(1);
     format!("token_balancer.stored.{}", h % buckets)
 }

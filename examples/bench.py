@@ -23,6 +23,7 @@ where a run's requests went and why.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -199,19 +200,25 @@ class Sampler(threading.Thread):
 
 def run_policy(policy: str, args, out_dir: Path) -> dict:
     cluster = MockCluster(CLUSTER, time_scale=args.time_scale)
-    envoy = None
+    envoys = []
     try:
-        envoy = Envoy(envoy_for(policy, [n.address for n in cluster.nodes], args.poller, args.time_scale),
-                      concurrency=args.concurrency)
+        # Several replicas (`--replicas`) behind a load balancer without affinity: each its own
+        # Envoy with the same configuration, the load generator spreading requests over them.
+        for _ in range(getattr(args, "replicas", 1)):
+            envoys.append(Envoy(envoy_for(policy, [n.address for n in cluster.nodes], args.poller, args.time_scale),
+                                concurrency=args.concurrency))
+        envoy = envoys[0]
         if policy in ("naive_seed", "token_balancer", *VARIANTS):
-            wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 2 * len(CLUSTER), 10,
-                       "first health reports")
+            for e in envoys:
+                wait_until(lambda: e.counter("token_balancer.health.ok") >= 2 * len(CLUSTER), 10,
+                           "first health reports")
         sampler = Sampler(cluster, 0.25)
         sampler.start()
         kind, path = TRACES[args.trace]
         raw = out_dir / f"{policy}.json"
         path = args.tenants if kind == "tenants" else path
-        cmd = [str(LOADGEN), "--url", f"http://127.0.0.1:{envoy.port}", "--trace", f"{kind}:{path}",
+        urls = [a for e in envoys for a in ("--url", f"http://127.0.0.1:{e.port}")]
+        cmd = [str(LOADGEN), *urls, "--trace", f"{kind}:{path}",
                "--start-s", str(args.start_s), "--duration-s", str(args.duration_s), "--rate", str(args.rate),
                "--time-scale", str(args.time_scale), "--max-tokens", str(args.max_tokens), "--label", policy,
                "--out", str(raw)]
@@ -241,8 +248,14 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         (out_dir / f"nodes_{policy}.json").write_text(json.dumps(sampler.samples))
         # The filter's own counters and gauges at the end (held, refused, routed over the
         # ceiling...), for looking into a run.
+        def counters() -> dict:
+            total = collections.Counter()
+            for e in envoys:
+                total.update(e.counters())
+            return dict(total)
+
         if policy in ("naive_seed", "token_balancer", *VARIANTS):
-            (out_dir / f"filter_{policy}.json").write_text(json.dumps(envoy.counters(), sort_keys=True))
+            (out_dir / f"filter_{policy}.json").write_text(json.dumps(counters(), sort_keys=True))
         doc = json.loads(raw.read_text())
         doc["summary"]["vram_overflow_events"] = sum(h["vram_overflow_events"] for h in final.values())
         doc["summary"]["vram_overflow_events_per_node"] = {k: h["vram_overflow_events"] for k, h in final.items()}
@@ -254,7 +267,7 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         # between vram_ceiling and hold_kv_ceiling for it), or after being held (the same, or
         # its hold ran out).
         if policy in ("naive_seed", "token_balancer", *VARIANTS):
-            c = envoy.counters()
+            c = counters()
             doc["summary"]["filter"] = {k: c.get(f"token_balancer.{k}", 0) for k in (
                 "routed", "held", "held_routed_over_ceiling", "routed_over_vram_ceiling", "held_queue_full")}
         # Model time each mock lost because this host could not keep the time scale: that
@@ -263,8 +276,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             k: e.get("lost_model_ms", 0.0) / model_ms for k, e in engines.items()} if model_ms > 0 else {}
         return doc
     finally:
-        if envoy:
-            envoy.stop()
+        for e in envoys:
+            e.stop()
         cluster.stop()
 
 
@@ -452,6 +465,10 @@ def main():
     ap.add_argument("--tenants", default="40", help="tenants of the generated tenants workload")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="Envoy worker threads")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="Envoy replicas, each its own process with the same configuration, behind a load "
+                         "balancer without affinity: request i goes to replica i mod N, and with --turns each "
+                         "turn of a conversation to another replica than the one before it")
     ap.add_argument("--poller", choices=["vm", "singleton"], default="vm",
                     help="the filter's poller: each VM polls and keeps its own books and prefix index "
                          "(vm), or one poller service shares them with every worker (singleton)")

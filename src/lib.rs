@@ -12,12 +12,14 @@
 //! - `roles`: what a VM is (`Vm`, the poller `Service`, a `Reader` of the service's fleet),
 //!   with each role's own state and its part in a decision.
 //! - `state`: what the root and its requests share, and how a decision reaches a request.
-//! - `request`: one request's way through the filter (the HTTP context).
+//! - `request`: one request's way through the filter (the HTTP context), with `asking` (the
+//!   nodes asked where a stored response this Envoy has not seen is).
 //!
 //! Every path that cannot decide continues the request untouched, so Envoy's own fallback
 //! balancer routes it (fail-open).
 
 mod answers;
+mod asking;
 mod host;
 mod metrics;
 mod polls;

@@ -51,6 +51,8 @@ stats! {
     StoredRecorded Counter "token_balancer.stored.recorded",
     StoredFound Counter "token_balancer.stored.found",
     StoredUnknown Counter "token_balancer.stored.unknown",
+    StoredAsked Counter "token_balancer.stored.asked",
+    StoredAskedFound Counter "token_balancer.stored.asked_found",
     FallbackNoFreshNodes Counter "token_balancer.fallback.no_fresh_nodes",
     FallbackNoBody Counter "token_balancer.fallback.no_body",
     FallbackBodyUnusable Counter "token_balancer.fallback.body_unusable",

@@ -85,7 +85,7 @@ impl Polls {
 
 /// A GET to `target` (`ip:port`) through the health cluster, which sends it to the address
 /// the target header names.
-fn callout<H: Host>(
+pub fn callout<H: Host>(
     host: &H,
     config: &Config,
     target: &str,

@@ -21,6 +21,7 @@
 //!
 //! Every step that cannot decide continues the request untouched (fail-open).
 
+use crate::asking::{Asking, Heard};
 use crate::host::Host;
 use crate::metrics::Stat;
 use crate::state::{admit_held, Placement, Replies, Shared, State, Waiting};
@@ -93,6 +94,25 @@ pub struct Request<H: Host> {
     id_scan: Option<IdScan>,
     /// That id and what is noted under it, once seen.
     stored: Option<(String, Stored)>,
+    /// The nodes asked where the stored response the request names is, and what it is routed
+    /// with once they answer (see `asking`).
+    asking: Option<(Asking, Deferred)>,
+}
+
+/// A request naming a stored response this Envoy has not seen, as it is routed once the nodes
+/// asked have answered.
+#[derive(Debug)]
+struct Deferred {
+    /// The response's id.
+    id: String,
+    weight: Weight,
+    model: Option<String>,
+    chain: Chain,
+    claim: Claim,
+    bytes: u64,
+    /// It has a body (a turn continuing the response); without, it is the response's poll or
+    /// cancellation, routed at its headers.
+    body: bool,
 }
 
 impl<H: Host> Request<H> {
@@ -120,6 +140,7 @@ impl<H: Host> Request<H> {
             completed: false,
             id_scan: None,
             stored: None,
+            asking: None,
         }
     }
 
@@ -155,6 +176,44 @@ impl<H: Host> Request<H> {
         ];
         self.decided = self.host.send_response(200, headers, &body).is_ok();
         self.decided
+    }
+
+    /// Asks the nodes where the stored response `d.id` is (see `asking`): `None` while they
+    /// are asked, the request given back when none could be (`stored_responses.ask_nodes` is
+    /// 0, no node has a fresh report, or no ask could be sent), to go on as it would have.
+    fn ask(&mut self, d: Deferred) -> Option<Deferred> {
+        let now = self.host.now_ms();
+        let Some((config, (nodes, new_reports))) =
+            self.with(|s| (s.config.clone(), s.nodes_to_ask(now)))
+        else {
+            return Some(d);
+        };
+        if new_reports {
+            admit_held(&self.state, self.context_id, Replies::Later);
+        }
+        let Some(asking) = Asking::start(&self.host, &config, &d.id, nodes) else {
+            return Some(d);
+        };
+        self.with(|s| s.metrics.bump(Stat::StoredAsked));
+        self.asking = Some((asking, d));
+        None
+    }
+
+    /// Routes a request the nodes were asked for (`d`), pinned to the node that stores its
+    /// response (`pin`) or, found nowhere, as it would have gone, and lets it go on unless it
+    /// is held.
+    fn after_asking(&mut self, d: Deferred, pin: Option<Pin>) {
+        let action = match (d.body, pin) {
+            (true, pin) => self.route(d.weight, d.model, d.chain, d.claim, d.bytes, pin),
+            (false, Some(pin)) => {
+                let none = Weight::default();
+                self.route(none, None, Chain::NONE, Claim::default(), 0, Some(pin))
+            }
+            (false, None) => self.fallback("no_body", Stat::FallbackNoBody),
+        };
+        if action == Action::Continue {
+            self.host.resume_request();
+        }
     }
 
     fn fallback(&mut self, why: &'static str, stat: Stat) -> Action {
@@ -431,7 +490,32 @@ impl<H: Host> Request<H> {
     }
 }
 
-impl<H: Host> Context for Request<H> {}
+impl<H: Host> Context for Request<H> {
+    /// The answer of a node asked where a stored response is (see `asking`).
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _: usize) {
+        let Some((asking, _)) = self.asking.as_mut() else {
+            return;
+        };
+        let pin = match asking.answer(&self.host, token, body_size) {
+            Heard::Waiting => return,
+            Heard::Nowhere => None,
+            Heard::Found {
+                address,
+                context_tokens,
+            } => {
+                let now = self.host.now_ms();
+                let id = self.asking.as_ref().map(|(_, d)| d.id.clone());
+                id.and_then(|id| {
+                    self.with(|s| s.found_stored(&id, &address, context_tokens, now))
+                        .flatten()
+                })
+            }
+        };
+        if let Some((_, d)) = self.asking.take() {
+            self.after_asking(d, pin);
+        }
+    }
+}
 
 impl<H: Host> HttpContext for Request<H> {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
@@ -493,6 +577,19 @@ impl<H: Host> HttpContext for Request<H> {
                 if let Some(pin) = self.with(|s| s.pin_for(id)).flatten() {
                     let none = Weight::default();
                     return self.route(none, None, Chain::NONE, Claim::default(), 0, Some(pin));
+                }
+                // Not seen stored here: the nodes are asked, if it has no body to read.
+                let d = Deferred {
+                    id: id.to_string(),
+                    weight: Weight::default(),
+                    model: None,
+                    chain: Chain::NONE,
+                    claim: Claim::default(),
+                    bytes: 0,
+                    body: false,
+                };
+                if end_of_stream && self.ask(d).is_none() {
+                    return Action::Pause;
                 }
             }
         }
@@ -557,6 +654,22 @@ impl<H: Host> HttpContext for Request<H> {
                 };
                 if follow_stored && e.stores {
                     self.id_scan = Some(IdScan::new());
+                }
+                // A turn continuing a response not seen stored here: the nodes are asked.
+                if let (None, Some(id), true) = (pin, &e.continues, follow_stored) {
+                    let d = Deferred {
+                        id: id.clone(),
+                        weight: e.weight,
+                        model: e.model,
+                        chain,
+                        claim,
+                        bytes: body_size as u64,
+                        body: true,
+                    };
+                    let Some(d) = self.ask(d) else {
+                        return Action::Pause;
+                    };
+                    return self.route(d.weight, d.model, d.chain, d.claim, d.bytes, None);
                 }
                 self.route(e.weight, e.model, chain, claim, body_size as u64, pin)
             }

@@ -289,6 +289,37 @@ impl<H: Host> State<H> {
         pin
     }
 
+    /// The nodes to ask where a stored response this Envoy has not seen is (see `asking`), on
+    /// the fleet the poller last shared; and whether that brought new reports.
+    pub fn nodes_to_ask(&mut self, now_ms: u64) -> (Vec<(usize, String)>, bool) {
+        let (_, new_reports) = self.sync_fleet(now_ms);
+        let most = self.config.stored_responses.ask_nodes as usize;
+        let nodes = self.balancer.nodes_to_ask(now_ms, most, &mut self.rng);
+        (nodes, new_reports)
+    }
+
+    /// Node `address` answered that it stores the response `id`, whose conversation has
+    /// `context_tokens` so far: it is noted as if this Envoy had seen it stored, and the pin of
+    /// a request continuing it is given (`None` for a node no longer in the fleet).
+    pub fn found_stored(
+        &mut self,
+        id: &str,
+        address: &str,
+        context_tokens: u64,
+        now_ms: u64,
+    ) -> Option<Pin> {
+        let entry = Stored {
+            address: address.to_string(),
+            context_tokens,
+            prompt_tokens: 0,
+            seen_ms: now_ms,
+            ended_ms: now_ms,
+        };
+        self.note_stored(id, &entry);
+        self.metrics.bump(Stat::StoredAskedFound);
+        self.balancer.pin_to(&entry)
+    }
+
     /// Notes that the response `id` is stored as `entry` says.
     pub fn note_stored(&mut self, id: &str, entry: &Stored) {
         let slots = self.config.stored_responses.slots;

@@ -317,21 +317,26 @@ def created_id(r) -> str:
                 if line.startswith("data: ") and "response.created" in line)
 
 
+def stored_conversation(cluster, envoy, topic: str) -> tuple[dict, str, str]:
+    """A conversation's first turn, streamed through `envoy` and stored by the node that
+    answered it, which is then made the busiest: its body, that node and the answer's id."""
+    first = {"model": "mock-model", "input": topic * 40, "max_output_tokens": 64, "stream": True}
+    r = envoy.post("/v1/responses", first, headers={"x-mock-output-tokens": "40"})
+    home = served_by(r)
+    node = next(n for n in cluster.nodes if n.name == home)
+    node.set_health(tokens_per_sec_load=node.health()["tokens_per_sec_capacity"] * 0.99)
+    polls_seen(cluster)
+    return first, home, created_id(r)
+
+
 def test_a_stored_conversation_goes_back_to_the_node_that_stores_it(cluster, envoy):
     """A Responses answer stored by its node (as vLLM keeps it, in each server's memory): the
     turns that continue it (previous_response_id), streamed or whole, and its poll
     (GET /v1/responses/{id}) go to that node even when the others are freer, and are priced
     with the stored conversation. Another node would answer 404."""
     names = {n.name: n for n in cluster.nodes}
-    first = {"model": "mock-model", "input": "Tell me about lighthouses. " * 40,
-             "max_output_tokens": 64, "stream": True}
-    r = envoy.post("/v1/responses", first, headers={"x-mock-output-tokens": "40"})
-    home = served_by(r)
-    rid = created_id(r)
+    first, home, rid = stored_conversation(cluster, envoy, "Tell me about lighthouses. ")
     # The home node is now the busiest: a new conversation goes elsewhere.
-    capacity = names[home].health()["tokens_per_sec_capacity"]
-    names[home].set_health(tokens_per_sec_load=capacity * 0.99)
-    polls_seen(cluster)
     fresh = {**first, "input": "Another topic entirely: tides. " * 40, "stream": False}
     assert served_by(envoy.post("/v1/responses", fresh)) != home
     found = envoy.counter("token_balancer.stored.found")
@@ -351,6 +356,50 @@ def test_a_stored_conversation_goes_back_to_the_node_that_stores_it(cluster, env
     other = next(n for name, n in names.items() if name != home)
     refused = request(other.port, "POST", "/v1/responses", body={**nxt, "previous_response_id": rid})
     assert refused.status == 404, refused
+
+
+def test_a_conversation_continued_through_another_replica_goes_to_the_node_that_stores_it(cluster, envoy):
+    """Two Envoy replicas behind one load balancer: a conversation's first answer passes one,
+    its next turn the other, which never saw it stored. That replica asks the nodes where the
+    response is (GET /v1/responses/{id}), sends the turn to the one that has it, and notes it:
+    its next turn and poll go there without asking. A replica that does not ask sends the turn
+    where the ranking says, and the node there answers 404."""
+    plugin = {"tick_ms": TICK_MS, "stale_after_ms": STALE_MS, "choices": 0}
+    other = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(), plugin=plugin))
+    blind = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                               plugin={**plugin, "stored_responses": {"ask_nodes": 0}}))
+    try:
+        # The home node is now the busiest: the ranking alone would send a turn elsewhere.
+        _, home, rid = stored_conversation(cluster, envoy, "Tell me about harbours. ")
+        nxt = {"model": "mock-model", "input": "And then?", "max_output_tokens": 64,
+               "previous_response_id": rid, "stream": False}
+        wait_until(lambda: other.counter("token_balancer.health.ok") >= 3, 10, "the other replica's reports")
+        r = other.post("/v1/responses", nxt, headers={"x-mock-output-tokens": "20"})
+        assert served_by(r) == home
+        assert (other.counter("token_balancer.stored.asked"),
+                other.counter("token_balancer.stored.asked_found")) == (1, 1)
+        # Priced with the stored conversation the node's answer counted (its first prompt
+        # and answer, about 290 of the engine's tokens), believed cached there.
+        assert int(debug_fields(r)["cached_tokens"]) > 250, debug_fields(r)
+        rid2 = r.json()["id"]
+        r = other.post("/v1/responses", {**nxt, "previous_response_id": rid2},
+                       headers={"x-mock-output-tokens": "20"})
+        assert served_by(r) == home
+        poll = request(other.port, "GET", f"/v1/responses/{rid}")
+        assert served_by(poll) == home
+        assert other.counter("token_balancer.stored.asked") == 1, "found here since"
+        # A response no node has: asked, found nowhere, sent on (the node answers 404).
+        gone = other.post("/v1/responses", {**nxt, "previous_response_id": "resp_nowhere"})
+        assert gone.status == 404, gone
+        assert other.counter("token_balancer.stored.asked") == 2
+        # Without asking, the turn goes where the ranking says, and fails there.
+        wait_until(lambda: blind.counter("token_balancer.health.ok") >= 3, 10, "the blind replica's reports")
+        refused = blind.post("/v1/responses", {**nxt, "previous_response_id": rid2})
+        assert refused.status == 404, refused
+        assert blind.counter("token_balancer.stored.asked") == 0
+    finally:
+        other.stop()
+        blind.stop()
 
 
 def test_anthropic_messages_are_priced_and_their_output_learned(cluster):

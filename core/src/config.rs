@@ -169,6 +169,9 @@ pub struct Config {
 pub struct StoredResponses {
     pub enabled: bool,
     pub slots: u32,
+    /// How many nodes are asked where a response this Envoy has not seen is stored, when a
+    /// request names one (0: none; see `ingest::stored`).
+    pub ask_nodes: u32,
 }
 
 impl Default for StoredResponses {
@@ -176,6 +179,7 @@ impl Default for StoredResponses {
         StoredResponses {
             enabled: true,
             slots: crate::share::stored::DEFAULT_SLOTS,
+            ask_nodes: crate::share::stored::DEFAULT_ASK_NODES,
         }
     }
 }
@@ -419,7 +423,7 @@ fn parse_images(value: &Value) -> Result<ImagePricing, ConfigError> {
     })
 }
 
-const STORED_FIELDS: &[&str] = &["enabled", "slots"];
+const STORED_FIELDS: &[&str] = &["enabled", "slots", "ask_nodes"];
 
 fn parse_stored(value: &Value) -> Result<StoredResponses, ConfigError> {
     let f = Fields::new(value, "stored_responses.", STORED_FIELDS)?;
@@ -430,9 +434,16 @@ fn parse_stored(value: &Value) -> Result<StoredResponses, ConfigError> {
         .ok()
         .filter(|s| (1..=max).contains(s))
         .ok_or_else(|| err(f.name("slots"), format!("must be 1 to {max}")))?;
+    let most = crate::share::stored::MAX_ASK_NODES;
+    let ask_nodes = f.uint("ask_nodes")?.unwrap_or(u64::from(d.ask_nodes));
+    let ask_nodes = u32::try_from(ask_nodes)
+        .ok()
+        .filter(|n| *n <= most)
+        .ok_or_else(|| err(f.name("ask_nodes"), format!("must be 0 to {most}")))?;
     Ok(StoredResponses {
         enabled: f.boolean("enabled")?.unwrap_or(d.enabled),
         slots,
+        ask_nodes,
     })
 }
 
@@ -1403,15 +1414,18 @@ mod tests {
         assert_eq!(c.stored_responses, StoredResponses::default());
         assert!(c.stored_responses.enabled);
         assert_eq!(c.stored_responses.slots, 16_384);
+        assert_eq!(c.stored_responses.ask_nodes, 32);
         let with = |p: &str| {
             format!(r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h",{p}}}"#)
         };
-        let c =
-            Config::parse(with(r#""stored_responses":{"enabled":false,"slots":64}"#).as_bytes())
-                .unwrap();
+        let c = Config::parse(
+            with(r#""stored_responses":{"enabled":false,"slots":64,"ask_nodes":0}"#).as_bytes(),
+        )
+        .unwrap();
         let want = StoredResponses {
             enabled: false,
             slots: 64,
+            ask_nodes: 0,
         };
         assert_eq!(c.stored_responses, want);
         for (json, field, why) in [
@@ -1434,6 +1448,11 @@ mod tests {
                 r#""stored_responses":{"enabled":"yes"}"#,
                 "stored_responses.enabled",
                 "",
+            ),
+            (
+                r#""stored_responses":{"ask_nodes":257}"#,
+                "stored_responses.ask_nodes",
+                "0 to 256",
             ),
             (
                 r#""stored_responses":{"pin":true}"#,

@@ -14,6 +14,8 @@ const NAMES: &[&str] = &[
     "stored.recorded",
     "stored.found",
     "stored.unknown",
+    "stored.asked",
+    "stored.asked_found",
     "fallback.no_fresh_nodes",
     "fallback.no_body",
     "fallback.body_unusable",

@@ -144,8 +144,8 @@ fn a_conversation_goes_back_to_the_node_that_stores_it() {
 }
 
 #[test]
-fn an_unknown_response_goes_on_as_any_request() {
-    let (host, root) = reported(&config(""), IDLE);
+fn with_asking_off_an_unknown_response_goes_on_as_any_request() {
+    let (host, root) = reported(&config(r#","stored_responses":{"ask_nodes":0}"#), IDLE);
     let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_404"}"#;
     let (_req, routed) = respond_to(&host, &root, 2, next);
     assert!(routed.is_some(), "routed by the balancer");
@@ -157,6 +157,141 @@ fn an_unknown_response_goes_on_as_any_request() {
     assert_eq!(host.request_header_of(3, ROUTING), None);
     assert_eq!(host.metric("token_balancer.stored.unknown"), 2);
     assert_eq!(host.metric("token_balancer.fallback.no_body"), 1);
+    assert!(host.take_calls().is_empty(), "no node asked");
+    assert_eq!(host.metric("token_balancer.stored.asked"), 0);
+}
+
+/// Delivers the answer `(status, body)` to the callout `token` request `id` sent.
+fn answer_ask(
+    host: &FakeHost,
+    req: &mut Request<FakeHost>,
+    id: u32,
+    token: u32,
+    status: Option<&str>,
+    body: &str,
+) {
+    host.world().answer = (status.map(str::to_string), body.as_bytes().to_vec());
+    host.enter(id);
+    req.on_http_call_response(token, 0, body.len(), 0);
+}
+
+/// The asks sent so far for `rid`, by the address asked: every node, each once.
+fn asks(host: &FakeHost, rid: &str) -> Vec<(String, u32)> {
+    let mut calls: Vec<(String, u32)> = host
+        .take_calls()
+        .into_iter()
+        .map(|c| {
+            assert_eq!(c.path, format!("/v1/responses/{rid}"), "{c:?}");
+            (c.authority, c.token)
+        })
+        .collect();
+    calls.sort();
+    let asked: Vec<&str> = calls.iter().map(|(a, _)| a.as_str()).collect();
+    assert_eq!(asked, [A, B]);
+    calls
+}
+
+/// A turn continuing a response this Envoy never saw stored (another replica did, or it was
+/// stored before this Envoy started): the nodes are asked, and it goes to the one that has it,
+/// priced with the conversation its answer counts; the response is noted, so the next turn
+/// goes there at once.
+#[test]
+fn a_turn_this_envoy_has_not_seen_stored_goes_where_a_node_has_it() {
+    let (host, root) = reported(&config(r#","choices":0"#), IDLE);
+    let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_elsewhere"}"#;
+    let (mut req, action) = send(&host, &root, 2, next);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    let calls = asks(&host, "resp_elsewhere");
+    assert_eq!(host.metric("token_balancer.stored.asked"), 1);
+    let (a, b) = (calls[0].1, calls[1].1);
+    answer_ask(
+        &host,
+        &mut req,
+        2,
+        a,
+        Some("404"),
+        r#"{"detail":"not found"}"#,
+    );
+    assert_eq!(host.stream(2).resumed, 0, "B has yet to answer");
+    let stored_answer = r#"{"id":"resp_elsewhere","object":"response","usage":{"input_tokens":300,"output_tokens":40}}"#;
+    answer_ask(&host, &mut req, 2, b, Some("200"), stored_answer);
+    assert_eq!(host.stream(2).resumed, 1);
+    assert_eq!(host.request_header_of(2, ROUTING).as_deref(), Some(B));
+    assert_eq!(host.metric("token_balancer.stored.asked_found"), 1);
+    let kept = stored_at(&host, "resp_elsewhere").unwrap();
+    assert_eq!((kept.address.as_str(), kept.context_tokens), (B, 340));
+    // Priced with the stored conversation: its 340 tokens ahead of its own few.
+    let prompt = books(&root, 1).unreflected_prompt_tokens;
+    assert!(prompt > 340 && prompt < 360, "{prompt}");
+    // The next turn goes there at once; a late answer to the first ask changes nothing.
+    let (_req, routed) = respond_to(&host, &root, 3, next);
+    assert_eq!(routed.as_deref(), Some(B));
+    assert!(host.take_calls().is_empty());
+    answer_ask(&host, &mut req, 2, a, Some("200"), stored_answer);
+    assert_eq!(host.stream(2).resumed, 1);
+    assert_eq!(host.metric("token_balancer.stored.asked"), 1);
+}
+
+/// A response no node has (every ask answered 404 or not at all): a turn naming it goes on as
+/// any request, and its poll to Envoy's balancer.
+#[test]
+fn a_response_no_node_has_leaves_its_request_as_any_other() {
+    let (host, root) = reported(&config(""), IDLE);
+    let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_gone"}"#;
+    let (mut req, action) = send(&host, &root, 2, next);
+    assert_eq!(action, Action::Pause);
+    for (at, (_, token)) in asks(&host, "resp_gone").into_iter().enumerate() {
+        let status = if at == 0 { Some("404") } else { None };
+        answer_ask(&host, &mut req, 2, token, status, "");
+    }
+    assert_eq!(host.stream(2).resumed, 1);
+    assert!(
+        host.request_header_of(2, ROUTING).is_some(),
+        "routed by the balancer"
+    );
+    let mut poll = request(&host, &root, 3, &[(":path", "/v1/responses/resp_gone")]);
+    host.enter(3);
+    assert_eq!(poll.on_http_request_headers(0, true), Action::Pause);
+    for (_, token) in asks(&host, "resp_gone") {
+        answer_ask(&host, &mut poll, 3, token, Some("404"), "");
+    }
+    assert_eq!(host.stream(3).resumed, 1);
+    assert_eq!(host.request_header_of(3, ROUTING), None);
+    assert_eq!(host.metric("token_balancer.fallback.no_body"), 1);
+    assert_eq!(host.metric("token_balancer.stored.asked"), 2);
+    assert_eq!(host.metric("token_balancer.stored.asked_found"), 0);
+    assert_eq!(stored_at(&host, "resp_gone"), None);
+}
+
+/// A background response's poll, at another replica than the one that saw it stored: the
+/// nodes are asked, and the poll goes to the one that has it.
+#[test]
+fn a_poll_of_a_response_not_seen_here_goes_where_a_node_has_it() {
+    let (host, root) = reported(&config(""), IDLE);
+    let mut poll = request(
+        &host,
+        &root,
+        2,
+        &[(":path", "/v1/responses/resp_bg/cancel")],
+    );
+    host.enter(2);
+    assert_eq!(poll.on_http_request_headers(0, true), Action::Pause);
+    let calls = asks(&host, "resp_bg");
+    answer_ask(
+        &host,
+        &mut poll,
+        2,
+        calls[0].1,
+        Some("200"),
+        r#"{"id":"resp_bg"}"#,
+    );
+    assert_eq!(host.stream(2).resumed, 1);
+    assert_eq!(host.request_header_of(2, ROUTING).as_deref(), Some(A));
+    assert_eq!(
+        stored_at(&host, "resp_bg").map(|s| s.address),
+        Some(A.to_string())
+    );
 }
 
 #[test]

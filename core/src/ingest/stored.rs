@@ -12,6 +12,14 @@
 //! conversation's length under it (`share::stored`), and sends what comes back to it there,
 //! priced with the stored turns (`Balancer::route_on`, `Pin`).
 //!
+//! A response another Envoy replica saw stored, or one stored before this Envoy started, is in
+//! no table here. A request naming such an id has the nodes asked where it is
+//! (`GET /v1/responses/{id}`, which an engine answers with the stored response or 404,
+//! `Balancer::nodes_to_ask`); the node that answers with it is noted as if this Envoy had seen
+//! it stored, with the conversation's length from the answer's usage ([`context_of`]), and
+//! the request goes there. Behind a load balancer that spreads a client's requests over
+//! several Envoy replicas, each conversation is looked for once per replica.
+//!
 //! Every reader here is total: any bytes give a value or nothing.
 
 /// Longest id taken (OpenAI's and vLLM's are about 40 bytes); a longer one is not kept.
@@ -34,6 +42,28 @@ pub fn path_id(path: &str) -> Option<&str> {
         None => rest,
     };
     valid_id(id.as_bytes()).then_some(id)
+}
+
+/// The path that asks a node for the stored response `id` (see the module).
+pub fn ask_path(id: &str) -> String {
+    format!("/v1/responses/{id}")
+}
+
+/// The conversation's tokens up to and with a stored response, from the response object a
+/// node answers `GET /v1/responses/{id}` with: its `usage`'s total tokens, else its input and
+/// output tokens (the input counts the stored turns before it); 0 when it gives none.
+pub fn context_of(answer: &[u8]) -> u64 {
+    let Ok(serde_json::Value::Object(o)) = serde_json::from_slice(answer) else {
+        return 0;
+    };
+    let Some(serde_json::Value::Object(usage)) = o.get("usage") else {
+        return 0;
+    };
+    let count = |k: &str| usage.get(k).and_then(serde_json::Value::as_u64);
+    count("total_tokens").unwrap_or_else(|| {
+        let part = |k: &str| count(k).unwrap_or(0);
+        part("input_tokens").saturating_add(part("output_tokens"))
+    })
 }
 
 /// An id as ids are: 1 to `MAX_ID_BYTES` bytes of letters, digits, `_`, `-`, `.` or `:`.
@@ -173,6 +203,29 @@ fn find_id(bytes: &[u8]) -> Found {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_conversations_length_is_read_from_a_stored_responses_usage() {
+        let cases: &[(&str, u64)] = &[
+            (
+                r#"{"id":"resp_1","object":"response","usage":{"input_tokens":300,"output_tokens":40,"total_tokens":340}}"#,
+                340,
+            ),
+            (r#"{"id":"resp_1","usage":{"output_tokens":40}}"#, 40),
+            (r#"{"id":"resp_1","usage":{"total_tokens":77}}"#, 77),
+            (r#"{"id":"resp_1","usage":null}"#, 0),
+            (r#"{"id":"resp_1"}"#, 0),
+            (r#"{"usage":{"input_tokens":-3,"output_tokens":"x"}}"#, 0),
+            (r#"{"detail":"Not Found"}"#, 0),
+            ("not json", 0),
+            ("", 0),
+        ];
+        for (answer, want) in cases {
+            assert_eq!(context_of(answer.as_bytes()), *want, "{answer}");
+        }
+        assert_eq!(ask_path("resp_9"), "/v1/responses/resp_9");
+        assert_eq!(path_id(&ask_path("resp_9")), Some("resp_9"));
+    }
 
     #[test]
     fn paths_that_name_a_stored_response() {

@@ -1042,6 +1042,35 @@ impl Balancer {
         })
     }
 
+    /// The nodes to ask where a stored response this balancer has not seen is kept
+    /// (`ingest::stored`): those with a fresh report, by number and address, at most `most`,
+    /// from one drawn at random on, so that a fleet larger than `most` is asked a different
+    /// part each time. A node without a fresh report may be down, and its answer would come
+    /// late or never.
+    pub fn nodes_to_ask(
+        &self,
+        now_ms: u64,
+        most: usize,
+        rng: &mut dyn Rng,
+    ) -> Vec<(usize, String)> {
+        let stale = self.params.stale_after_ms;
+        let nodes = self.nodes();
+        let count = nodes.len();
+        if count == 0 || most == 0 {
+            return Vec::new();
+        }
+        let start = usize::try_from(rng.next_u64() % count as u64).unwrap_or(0);
+        (0..count)
+            .map(|k| (start + k) % count)
+            .filter_map(|i| {
+                let n = nodes.get(i)?;
+                n.fresh_report(now_ms, stale)
+                    .map(|_| (i, n.address().to_string()))
+            })
+            .take(most)
+            .collect()
+    }
+
     /// A request sent to node `node` failed there and was served elsewhere (see `moved`): the
     /// node is out of the choice until its next report (`NodeState::note_failed_request`).
     pub fn note_failed_request(&mut self, node: usize, now_ms: u64) {

@@ -167,3 +167,36 @@ fn the_stored_turns_a_report_still_shows_in_use_are_not_counted_twice() {
         Outcome::Saturated
     );
 }
+
+/// Where a stored response this balancer has not seen is: the nodes with a fresh report are
+/// asked, at most as many as configured, from a different one each time.
+#[test]
+fn the_nodes_asked_for_an_unseen_response_are_the_fresh_ones() {
+    let mut b = Balancer::new(&cfg(4, ""));
+    for i in [0, 1, 3] {
+        let body = br#"{"tokens_per_sec_load":0,"tokens_per_sec_capacity":1000}"#;
+        b.on_health(i, Some(body), 0).unwrap();
+    }
+    let mut rng = SplitMix64::new(5);
+    let mut asked: Vec<usize> = b
+        .nodes_to_ask(10, 32, &mut rng)
+        .into_iter()
+        .map(|(i, address)| {
+            assert_eq!(address, format!("127.0.0.1:{}", 8001 + i));
+            i
+        })
+        .collect();
+    asked.sort_unstable();
+    assert_eq!(asked, [0, 1, 3], "node 2 never reported");
+    // At most two, and not always the same two.
+    let mut firsts = std::collections::BTreeSet::new();
+    for _ in 0..32 {
+        let two = b.nodes_to_ask(10, 2, &mut rng);
+        assert_eq!(two.len(), 2);
+        firsts.insert(two[0].0);
+    }
+    assert!(firsts.len() > 1, "{firsts:?}");
+    assert!(b.nodes_to_ask(10, 0, &mut rng).is_empty());
+    // Stale reports: nobody to ask.
+    assert!(b.nodes_to_ask(1_000_000, 32, &mut rng).is_empty());
+}

@@ -31,6 +31,11 @@ pub const DEFAULT_SLOTS: u32 = 16_384;
 pub const MAX_SLOTS: u32 = 1 << 20;
 /// Ids one key holds.
 pub const WAYS: usize = 4;
+/// Nodes asked by default where a response this Envoy has not seen is stored (see
+/// `ingest::stored`): every node of a fleet of up to 32.
+pub const DEFAULT_ASK_NODES: u32 = 32;
+/// Most nodes a configuration may have asked for one request.
+pub const MAX_ASK_NODES: u32 = 256;
 
 /// What is known of one stored response.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 
 const USAGE: &str = "\
-usage: loadgen --url http://HOST:PORT
+usage: loadgen --url http://HOST:PORT [--url http://HOST:PORT ...]
                --trace azure:PATH|mooncake:PATH|sharegpt:PATH|tenants:N|hot|prefill|decode|mixed|long|two-tenants
                [options]
 
@@ -70,6 +70,10 @@ usage: loadgen --url http://HOST:PORT
                      and continues the answer it stored (previous_response_id), with
                      only its own input, as agents and chat front ends using the
                      server's store send it (default 1: no conversations)
+  --url URL          where requests go; repeated, several Envoy replicas behind a load
+                     balancer that keeps no affinity: request i goes to the (i mod n)-th,
+                     and turn k of conversation c (--turns) to the ((c + k) mod n)-th, so
+                     that each turn reaches another replica than the one before it
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -116,6 +120,8 @@ impl Api {
 struct Args {
     host: String,
     port: u16,
+    /// Every `--url`'s host and port (the first is `host`, `port`).
+    targets: Vec<(String, u16)>,
     trace: Vec<trace::TraceRequest>,
     start_s: f64,
     duration_s: f64,
@@ -145,11 +151,12 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut url = None;
+    let mut urls: Vec<String> = Vec::new();
     let mut trace_arg = None;
     let mut a = Args {
         host: String::new(),
         port: 0,
+        targets: Vec::new(),
         trace: vec![],
         start_s: 0.0,
         duration_s: 60.0,
@@ -182,7 +189,7 @@ fn parse_args() -> Result<Args, String> {
                 .ok_or_else(|| format!("{f} {s:?} is not a non-negative number"))
         };
         match flag.as_str() {
-            "--url" => url = Some(v()?),
+            "--url" => urls.push(v()?),
             "--trace" => trace_arg = Some(v()?),
             "--start-s" => a.start_s = pos(v()?, "--start-s")?,
             "--duration-s" => a.duration_s = pos(v()?, "--duration-s")?,
@@ -233,16 +240,24 @@ fn parse_args() -> Result<Args, String> {
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
-    let url = url.ok_or("--url is required")?;
-    let hostport = url
-        .strip_prefix("http://")
-        .ok_or("--url must start with http://")?
-        .trim_end_matches('/');
-    let (h, p) = hostport.rsplit_once(':').ok_or("--url needs a port")?;
-    a.host = h.to_string();
-    a.port = p
-        .parse()
-        .map_err(|_| format!("bad port in --url {url:?}"))?;
+    if urls.is_empty() {
+        return Err("--url is required".into());
+    }
+    for url in &urls {
+        let hostport = url
+            .strip_prefix("http://")
+            .ok_or("--url must start with http://")?
+            .trim_end_matches('/');
+        let (h, p) = hostport.rsplit_once(':').ok_or("--url needs a port")?;
+        let port = p
+            .parse()
+            .map_err(|_| format!("bad port in --url {url:?}"))?;
+        a.targets.push((h.to_string(), port));
+    }
+    if let Some((h, p)) = a.targets.first() {
+        a.host = h.clone();
+        a.port = *p;
+    }
     let spec = trace_arg.ok_or("--trace is required")?;
     let (kind, path) = spec.split_once(':').unwrap_or((spec.as_str(), ""));
     let read =
@@ -322,6 +337,8 @@ struct Record {
     continued: bool,
     /// The id its answer is stored under (`response.created`), when it gave one.
     response_id: Option<String>,
+    /// The `--url` it was sent to, by its place among them.
+    replica: usize,
     error: Option<String>,
 }
 
@@ -343,7 +360,7 @@ impl Record {
                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms, "tpot_ms": self.tpot_ms(),
                "tokens_received": self.tokens_received, "seen_before": self.seen_before,
                "cached": self.cached, "prefix_key": self.prefix_key, "tenant": self.tenant,
-               "retry_after_s": self.retry_after_s, "continued": self.continued,
+               "retry_after_s": self.retry_after_s, "continued": self.continued, "replica": self.replica,
                "error": self.error})
     }
 }
@@ -362,7 +379,11 @@ async fn one(
         .iter()
         .find(|(t, _)| *t == rec.tenant)
         .map(|(_, name)| name.clone());
-    let stream = TcpStream::connect((args.host.as_str(), args.port))
+    let (host, port) = args
+        .targets
+        .get(rec.replica)
+        .map_or((args.host.as_str(), args.port), |(h, p)| (h.as_str(), *p));
+    let stream = TcpStream::connect((host, port))
         .await
         .map_err(|e| format!("connect: {e}"))?;
     let _ = stream.set_nodelay(true);
@@ -371,7 +392,7 @@ async fn one(
         .map_err(|e| format!("handshake: {e}"))?;
     tokio::spawn(conn);
     let req = Request::post(args.api.path())
-        .header("host", format!("{}:{}", args.host, args.port))
+        .header("host", format!("{host}:{port}"))
         .header("content-type", "application/json")
         .header("x-mock-output-tokens", output.to_string())
         .header("x-request-index", index.to_string())
@@ -689,6 +710,12 @@ async fn main() {
         let seen_before = seen.get(i).copied().unwrap_or(0);
         let talk = conversations.get(i % talks.max(1)).cloned();
         let turn = i / talks.max(1);
+        // Which replica (`--url`) it reaches: each turn another than the one before it.
+        let replica = if talk.is_some() {
+            (i % talks.max(1)) + turn
+        } else {
+            i
+        } % args.targets.len().max(1);
         handles.push(tokio::spawn(async move {
             let when = t0 + Duration::from_secs_f64(at / 1000.0);
             tokio::time::sleep_until(when.into()).await;
@@ -716,6 +743,7 @@ async fn main() {
                 seen_before,
                 prefix_key: prefix_key.clone(),
                 tenant: tenant.to_string(),
+                replica,
                 ..Record::default()
             };
             let timeout = Duration::from_secs_f64(args.timeout_s);

@@ -113,6 +113,8 @@ struct Deferred {
     /// It has a body (a turn continuing the response); without, it is the response's poll or
     /// cancellation, routed at its headers.
     body: bool,
+    /// When the nodes were asked: the wait counts against its first-token budget.
+    asked_ms: u64,
 }
 
 impl<H: Host> Request<H> {
@@ -183,6 +185,7 @@ impl<H: Host> Request<H> {
     /// 0, no node has a fresh report, or no ask could be sent), to go on as it would have.
     fn ask(&mut self, d: Deferred) -> Option<Deferred> {
         let now = self.host.now_ms();
+        let d = Deferred { asked_ms: now, ..d };
         let Some((config, (nodes, new_reports))) =
             self.with(|s| (s.config.clone(), s.nodes_to_ask(now)))
         else {
@@ -203,6 +206,12 @@ impl<H: Host> Request<H> {
     /// response (`pin`) or, found nowhere, as it would have gone, and lets it go on unless it
     /// is held.
     fn after_asking(&mut self, d: Deferred, pin: Option<Pin>) {
+        let waited = self.host.now_ms().saturating_sub(d.asked_ms);
+        let claim = Claim {
+            ttft_ms: d.claim.ttft_ms.map(|ms| ms.saturating_sub(waited)),
+            ..d.claim
+        };
+        let d = Deferred { claim, ..d };
         let action = match (d.body, pin) {
             (true, pin) => self.route(d.weight, d.model, d.chain, d.claim, d.bytes, pin),
             (false, Some(pin)) => {
@@ -587,6 +596,7 @@ impl<H: Host> HttpContext for Request<H> {
                     claim: Claim::default(),
                     bytes: 0,
                     body: false,
+                    asked_ms: 0,
                 };
                 if end_of_stream && self.ask(d).is_none() {
                     return Action::Pause;
@@ -665,6 +675,7 @@ impl<H: Host> HttpContext for Request<H> {
                         claim,
                         bytes: body_size as u64,
                         body: true,
+                        asked_ms: 0,
                     };
                     let Some(d) = self.ask(d) else {
                         return Action::Pause;

@@ -334,3 +334,34 @@ fn a_turn_waits_for_room_on_the_node_that_stores_its_conversation() {
     assert_eq!(host.stream(3).resumed, 1);
     assert_eq!(host.request_header_of(3, ROUTING).as_deref(), Some(node));
 }
+
+/// The wait for the nodes' answers counts against a turn's first-token budget: one that
+/// spent it asking is told to come back rather than sent.
+#[test]
+fn asking_counts_against_a_turns_first_token_budget() {
+    let (host, root) = reported(&config(""), IDLE);
+    let next = r#"{"model":"m","input":"And then?","previous_response_id":"resp_slow"}"#;
+    let budget = [("x-slo-ttft-ms", "300")];
+    let (mut req, action) = post_to(&host, &root, 2, "/v1/responses", next, &budget);
+    assert_eq!(action, Action::Pause);
+    let calls = asks(&host, "resp_slow");
+    host.advance(400);
+    answer_ask(
+        &host,
+        &mut req,
+        2,
+        calls[0].1,
+        Some("200"),
+        r#"{"id":"resp_slow"}"#,
+    );
+    assert_eq!(host.stream(2).reply, Some(429));
+    assert_eq!(host.request_header_of(2, ROUTING), None);
+    // The answer was noted all the same: the turn sent again goes to its node at once.
+    let (_req, action) = post_to(&host, &root, 3, "/v1/responses", next, &budget);
+    assert_eq!(action, Action::Continue);
+    assert!(host.take_calls().is_empty());
+    assert_eq!(
+        host.request_header_of(3, ROUTING).as_deref(),
+        Some(calls[0].0.as_str())
+    );
+}

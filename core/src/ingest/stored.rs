@@ -18,7 +18,7 @@
 //! `Balancer::nodes_to_ask`); the node that answers with it is noted as if this Envoy had seen
 //! it stored, with the conversation's length from the answer's usage ([`context_of`]), and
 //! the request goes there. Behind a load balancer that spreads a client's requests over
-//! several Envoy replicas, each conversation is looked for once per replica.
+//! several Envoy replicas, a replica looks for each answer it has not seen once.
 //!
 //! Every reader here is total: any bytes give a value or nothing.
 

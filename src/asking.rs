@@ -39,19 +39,19 @@ pub struct Asking {
 }
 
 impl Asking {
-    /// Asks each of `nodes` (number, address) for the stored response `id`; `None` when no
-    /// ask could be sent.
+    /// Asks each of `nodes` (addresses) for the stored response `id`; `None` when no ask
+    /// could be sent.
     pub fn start<H: Host>(
         host: &H,
         config: &Config,
         id: &str,
-        nodes: Vec<(usize, String)>,
+        nodes: Vec<String>,
     ) -> Option<Asking> {
         let path = stored::ask_path(id);
         let timeout = Duration::from_millis(config.health_timeout_ms);
         let out: Vec<(u32, String)> = nodes
             .into_iter()
-            .filter_map(|(_, address)| {
+            .filter_map(|address| {
                 let token = polls::callout(host, config, &address, &path, timeout).ok()?;
                 Some((token, address))
             })

@@ -291,7 +291,7 @@ impl<H: Host> State<H> {
 
     /// The nodes to ask where a stored response this Envoy has not seen is (see `asking`), on
     /// the fleet the poller last shared; and whether that brought new reports.
-    pub fn nodes_to_ask(&mut self, now_ms: u64) -> (Vec<(usize, String)>, bool) {
+    pub fn nodes_to_ask(&mut self, now_ms: u64) -> (Vec<String>, bool) {
         let (_, new_reports) = self.sync_fleet(now_ms);
         let most = self.config.stored_responses.ask_nodes as usize;
         let nodes = self.balancer.nodes_to_ask(now_ms, most, &mut self.rng);

@@ -1043,16 +1043,11 @@ impl Balancer {
     }
 
     /// The nodes to ask where a stored response this balancer has not seen is kept
-    /// (`ingest::stored`): those with a fresh report, by number and address, at most `most`,
+    /// (`ingest::stored`): the addresses of those with a fresh report, at most `most`,
     /// from one drawn at random on, so that a fleet larger than `most` is asked a different
     /// part each time. A node without a fresh report may be down, and its answer would come
     /// late or never.
-    pub fn nodes_to_ask(
-        &self,
-        now_ms: u64,
-        most: usize,
-        rng: &mut dyn Rng,
-    ) -> Vec<(usize, String)> {
+    pub fn nodes_to_ask(&self, now_ms: u64, most: usize, rng: &mut dyn Rng) -> Vec<String> {
         let stale = self.params.stale_after_ms;
         let nodes = self.nodes();
         let count = nodes.len();
@@ -1065,7 +1060,7 @@ impl Balancer {
             .filter_map(|i| {
                 let n = nodes.get(i)?;
                 n.fresh_report(now_ms, stale)
-                    .map(|_| (i, n.address().to_string()))
+                    .map(|_| n.address().to_string())
             })
             .take(most)
             .collect()

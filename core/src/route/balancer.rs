@@ -937,8 +937,33 @@ impl Balancer {
         node.and_then(|i| Some((i, self.fleet.nodes().get(i)?)))
             .is_some_and(|(i, n)| {
                 n.fresh_report(now_ms, self.params.stale_after_ms)
-                    .is_some_and(|r| choice::room_now(i, n, r, ask, &self.params, &self.outputs))
+                    .is_some_and(|r| {
+                        let ceiling = self.room_ceiling();
+                        choice::room_now(i, n, r, ask, &self.params, &self.outputs, ceiling)
+                    })
             })
+    }
+
+    /// The KV use up to which a node shows room now (`room_now`): from `vram_ceiling` to
+    /// `hold_kv_ceiling` (the whole cache by default) in proportion to this router's share of
+    /// the requests the engines report (`routers`). The room-now check follows this router's
+    /// own streams by their ages, with a reserve for their lengths, and can let them fill the
+    /// cache; what the margin under the whole cache is for is what it cannot see: the other
+    /// routers' prompts sent since the last report and the ages of their streams. Alone
+    /// before a fleet (one Envoy with the poller service), it sees everything; behind four
+    /// replicas, about a quarter.
+    ///
+    /// In the simulator, against `vram_ceiling` alone: one router before four A100-like nodes
+    /// on the Azure trace at load 0.93, p99 TTFT 0.57x to 0.73x over five seeds with no VRAM
+    /// overflow either way; the whole cache behind four routers added overflows (121 to 190
+    /// on Azure, 317 to 356 on ShareGPT over five seeds), which following the share avoids
+    /// (docs/BENCHMARKS.md, "Room in a cache this router sees whole").
+    fn room_ceiling(&self) -> f64 {
+        choice::room_ceiling(
+            self.params.vram_ceiling,
+            self.hold_kv_ceiling,
+            self.routers.share(),
+        )
     }
 
     /// Whether some fresh node that may serve the request would hold it under the holding
@@ -1697,11 +1722,14 @@ mod tests {
         assert!(matches!(ask(&mut b, &mut rng, t + 5), Outcome::Saturated));
         // Room for the request beside what is in use, but not beside half the output still to
         // come of the nine streams and the last one's prompt, not prefilled yet
-        // (4,000 + 4,496 + 100 + 1,100 of 10,000).
-        b.on_health(0, Some(report(4000, 0, 8).as_bytes()), t + 6)
+        // (4,500 + 4,496 + 100 + 1,100 of 10,000).
+        b.on_health(0, Some(report(4500, 0, 8).as_bytes()), t + 6)
             .unwrap();
         assert!(matches!(ask(&mut b, &mut rng, t + 7), Outcome::Saturated));
-        b.on_health(0, Some(report(3000, 0, 8).as_bytes()), t + 8)
+        // This router sends everything the node runs, so the room-now check may fill the
+        // whole cache (`room_ceiling`): 4,000 + 4,496 + 100 + 1,100 is over the 0.9 ceiling
+        // and under 10,000.
+        b.on_health(0, Some(report(4000, 0, 8).as_bytes()), t + 8)
             .unwrap();
         assert!(matches!(
             ask(&mut b, &mut rng, t + 9),

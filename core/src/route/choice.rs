@@ -54,7 +54,8 @@
 //! ended: safe, and tight for a cohort that started together, but a node decoding many streams
 //! at every stage never holds it, so holding first asks whether the least-full node shows room
 //! now (`room_now`: nothing queued at its engine, and this router's streams there followed by
-//! their ages, `survival`) and sends it there if so.
+//! their ages, `survival`, under a ceiling between `vram_ceiling` and the whole cache set by
+//! how much of the node's work this router sees, `room_ceiling`) and sends it there if so.
 //!
 //! Which nodes are compared: by default two, drawn in proportion to their capacity
 //! (`candidates::sample`, power-of-two choices; `candidates` says why). Every Envoy worker and every Envoy replica ranks
@@ -264,8 +265,9 @@ pub fn fits_empty(n: &NodeState, r: &Report, ask: &Ask, p: &Params, ceiling: f64
 }
 
 /// Whether node `n` (report `r`) shows room for the request as it stands: nothing waiting at
-/// its engine, and under the ceiling its KV in use and what is still to come on it with the
-/// request (`to_come_now`).
+/// its engine, and under `ceiling` its KV in use and what is still to come on it with the
+/// request (`to_come_now`). The caller sets the ceiling by what this router can see of the
+/// node (`Balancer::room_ceiling`).
 ///
 /// The VRAM check reserves every stream's whole remaining output, as if every sequence reached
 /// its end before any other ended and freed its context: right for a cohort that started
@@ -282,10 +284,22 @@ pub fn room_now(
     ask: &Ask,
     p: &Params,
     outputs: &OutputModel,
+    ceiling: f64,
 ) -> bool {
     let to_come = to_come_now(n, r, ask, outputs).saturating_sub(ask.shown(node));
     r.queue_depth.unwrap_or(0.0) < 1.0
-        && kv_fraction(n, r, to_come, p).is_some_and(|f| f <= p.vram_ceiling)
+        && kv_fraction(n, r, to_come, p).is_some_and(|f| f <= ceiling)
+}
+
+/// The KV use up to which `room_now` finds room: from `vram_ceiling` to `hold_kv_ceiling` in
+/// proportion to this router's share of the requests the engines report (`routers`), the
+/// lower ceiling when the share is not known yet (see `Balancer::room_ceiling`).
+pub fn room_ceiling(vram_ceiling: f64, hold_kv_ceiling: f64, share: Option<f64>) -> f64 {
+    let share = share
+        .filter(|s| s.is_finite())
+        .unwrap_or(0.0)
+        .clamp(0.0, 1.0);
+    vram_ceiling + (hold_kv_ceiling - vram_ceiling).max(0.0) * share
 }
 
 /// The KV still to come on node `n` (report `r`) with the request, as the room-now check
@@ -1015,20 +1029,20 @@ mod tests {
         let (n, r) = streams(&staged);
         assert_eq!(n.streams().map(|s| s.len()), Some(10));
         assert!(
-            !room_now(0, &n, &r, &asked, &P, &unlearned),
+            !room_now(0, &n, &r, &asked, &P, &unlearned, P.vram_ceiling),
             "half the output"
         );
         assert!(
-            room_now(0, &n, &r, &asked, &P, &learned),
+            room_now(0, &n, &r, &asked, &P, &learned, P.vram_ceiling),
             "the ends free it"
         );
         let (n, r) = streams(&[1; 10]);
         assert!(
-            room_now(0, &n, &r, &asked, &P, &unlearned),
+            room_now(0, &n, &r, &asked, &P, &unlearned, P.vram_ceiling),
             "half the output"
         );
         assert!(
-            !room_now(0, &n, &r, &asked, &P, &learned),
+            !room_now(0, &n, &r, &asked, &P, &learned, P.vram_ceiling),
             "they grow together"
         );
         // A queue at the engine: no room whatever the path.
@@ -1037,7 +1051,36 @@ mod tests {
             queue_depth: Some(1.0),
             ..r
         };
-        assert!(!room_now(0, &n, &queued, &asked, &P, &learned));
+        assert!(!room_now(
+            0,
+            &n,
+            &queued,
+            &asked,
+            &P,
+            &learned,
+            P.vram_ceiling
+        ));
+    }
+
+    /// The room-now ceiling: the whole of `hold_kv_ceiling` alone before the fleet,
+    /// `vram_ceiling` when the share is unknown or nothing, in proportion between.
+    #[test]
+    fn room_ceiling_follows_the_share_this_router_sees() {
+        let cases = [
+            (0.9, 1.0, Some(1.0), 1.0),
+            (0.9, 1.0, Some(0.25), 0.925),
+            (0.9, 1.0, Some(0.0), 0.9),
+            (0.9, 1.0, None, 0.9),
+            (0.9, 1.0, Some(f64::NAN), 0.9),
+            (0.9, 1.0, Some(3.0), 1.0),
+            (0.8, 1.2, Some(0.5), 1.0),
+            // A holding ceiling under the VRAM ceiling is not taken below it.
+            (0.95, 0.9, Some(1.0), 0.95),
+        ];
+        for (vram, hold, share, want) in cases {
+            let got = room_ceiling(vram, hold, share);
+            assert!((got - want).abs() < 1e-9, "{vram} {hold} {share:?}: {got}");
+        }
     }
 
     /// Where this router has enough streams on a node, the others' streams there (another

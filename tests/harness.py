@@ -155,18 +155,19 @@ class MockCluster:
 
 def polls_seen(cluster: "MockCluster", tick_ms: int, rounds: int = 3):
     """Waits until every VM of the filter has polled every node since the caller's change:
-    every node has answered `rounds` more health polls, and five ticks have passed, since a
-    quiet node is polled once per `quiet_poll_ms`, by default at most four ticks, by each VM
-    that polls (with `poller: vm`, every one of them). A poll is of `/health` or of an engine's
-    metrics."""
+    every node has answered `rounds` more health polls, and a quiet period and a tick have
+    passed, since a quiet node is polled once per `quiet_poll_ms`, by default eight ticks (at
+    most 2 s), by each VM that polls (with `poller: vm`, every one of them). A poll is of
+    `/health` or of an engine's metrics."""
     def polled(n: MockNode) -> int:
         s = n.stats()
         return s["health_requests_total"] + s["metrics_requests_total"]
 
     start = {n.name: polled(n) for n in cluster.nodes}
     t0 = time.monotonic()
+    wait_s = (min(8 * tick_ms, 2000) + tick_ms) / 1000
     wait_until(lambda: all(polled(n) >= start[n.name] + rounds for n in cluster.nodes)
-               and time.monotonic() - t0 >= 5 * tick_ms / 1000, 10 + 5 * tick_ms / 1000,
+               and time.monotonic() - t0 >= wait_s, 10 + wait_s,
                f"{rounds} health polls per node and five ticks")
 
 

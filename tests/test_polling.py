@@ -1,9 +1,10 @@
 """Integration test: how often the real Envoy polls nodes whose reports do not move, or show
 room to spare.
 
-With `tick_ms` 100 and `stale_after_ms` 1000 (one poller per Envoy), an idle node's reports move
-nothing, so it is polled once per `quiet_poll_ms` (500 ms by default here) instead of ten times a
-second; its report never goes stale, so requests are still routed by the filter. A node decoding
+With `tick_ms` 100 (one poller per Envoy), an idle node's reports move nothing, so it is polled
+once per `quiet_poll_ms` (800 ms, eight ticks, by default here) instead of ten times a second.
+Its report stays fresh until its next poll is late, even with a `stale_after_ms` (400) shorter
+than the quiet period, so requests are still routed by the filter. A node decoding
 a stream of this Envoy's, with room to spare (nothing waiting, little of its cache in use), is
 polled at the quiet period too, though its reports move; once its reports show requests
 waiting, every tick again (the cadence itself is unit-tested in the glue's tests)."""
@@ -20,7 +21,7 @@ def test_idle_nodes_are_polled_at_the_quiet_period_and_stay_fresh():
     c = MockCluster([("node-a", ""), ("node-b", ""), ("node-c", "")])
     try:
         cfg = envoy_config([n.address for n in c.nodes], free_port(), free_port(),
-                           plugin={"tick_ms": 100, "stale_after_ms": 1000}, poller="singleton")
+                           plugin={"tick_ms": 100, "stale_after_ms": 400}, poller="singleton")
         envoy = Envoy(cfg)
         try:
             gauge = "token_balancer.health.quiet_nodes"
@@ -41,10 +42,10 @@ def test_idle_nodes_are_polled_at_the_quiet_period_and_stay_fresh():
             rates = [(n.stats()["health_requests_total"] - b) / elapsed for n, b in zip(c.nodes, before)]
             assert envoy.counter("token_balancer.routed") == routed + sent
             assert envoy.counter("token_balancer.fallback.no_fresh_nodes") == 0
-            # Ten a second at the tick; about two at the quiet period (a request can move a
+            # Ten a second at the tick; about 1.25 at the quiet period (a request can move a
             # node's report and bring it back to the tick for a while).
             assert all(r <= 5.0 for r in rates), rates
-            assert sum(rates) / len(rates) <= 4.0, rates
+            assert sum(rates) / len(rates) <= 3.0, rates
         finally:
             envoy.stop()
     finally:

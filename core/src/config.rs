@@ -78,6 +78,14 @@ impl NodeConfig {
     }
 }
 
+/// Ticks a quiet node's poll period reaches by default (`quiet_poll_ms`).
+pub const QUIET_TICKS: u64 = 8;
+/// Longest default `quiet_poll_ms`, whatever the tick: news of other routers' work on a quiet
+/// node comes at most this late.
+pub const QUIET_POLL_DEFAULT_MS: u64 = 2000;
+/// Longest `quiet_poll_ms` accepted.
+pub const MAX_QUIET_POLL_MS: u64 = 60_000;
+
 /// The whole plugin configuration. Durations are integer milliseconds (`*_ms`). The defaults
 /// are documented in docs/CONFIGURATION.md and asserted by the tests below.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,8 +108,8 @@ pub struct Config {
     /// candidate). Must be longer than the tick.
     pub stale_after_ms: u64,
     /// Longest period between polls of a node whose reports move nothing (see
-    /// `fleet::polling`); `tick_ms` polls every node every tick. Default: half of
-    /// `stale_after_ms`, at most four ticks.
+    /// `fleet::polling`); `tick_ms` polls every node every tick. Default: `QUIET_TICKS` ticks,
+    /// at most `QUIET_POLL_DEFAULT_MS` (and at least a tick).
     pub quiet_poll_ms: u64,
     /// Request header that carries the chosen `ip:port` list to Envoy's override_host policy.
     pub routing_header: String,
@@ -971,20 +979,19 @@ impl Config {
                 format!("must be longer than tick_ms ({tick_ms}), or every report goes stale before the next"),
             ));
         }
-        // Half the staleness limit, so a quiet node's report never goes stale, and at most
-        // four ticks, so a long staleness limit does not make a quiet node a stranger.
+        // A quiet node's report stays fresh until its next poll is late (`fleet::polling`),
+        // so the period is not bound by the staleness limit.
         let quiet_poll_ms = f.uint("quiet_poll_ms")?.unwrap_or(
-            (stale_after_ms / 2)
-                .min(tick_ms.saturating_mul(4))
+            tick_ms
+                .saturating_mul(QUIET_TICKS)
+                .min(QUIET_POLL_DEFAULT_MS)
                 .max(tick_ms),
         );
-        if quiet_poll_ms != tick_ms
-            && !(quiet_poll_ms > tick_ms && quiet_poll_ms.saturating_add(tick_ms) <= stale_after_ms)
-        {
+        if quiet_poll_ms < tick_ms || quiet_poll_ms > MAX_QUIET_POLL_MS {
             return Err(err(
                 "quiet_poll_ms",
                 format!(
-                    "must be tick_ms ({tick_ms}: every node every tick), or longer than it with quiet_poll_ms + tick_ms at most stale_after_ms ({stale_after_ms}), or a quiet node's report goes stale"
+                    "must be from tick_ms ({tick_ms}: every node every tick) to {MAX_QUIET_POLL_MS}"
                 ),
             ));
         }
@@ -1234,13 +1241,27 @@ mod tests {
         assert_eq!(c.tick_ms, 1000);
         assert_eq!(c.health_timeout_ms, 500);
         assert_eq!(c.stale_after_ms, 3000);
-        assert_eq!(c.quiet_poll_ms, 1500);
-        // At most four ticks: a long staleness limit does not stretch it.
-        let long = Config::parse(
-            br#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":"h","tick_ms":100,"stale_after_ms":60000}"#,
+        assert_eq!(c.quiet_poll_ms, 2000);
+        // Eight ticks, at most 2 s, whatever the staleness limit.
+        let quiet = |tick: u64, stale: u64| {
+            Config::parse(
+                format!(r#"{{"nodes":[{{"address":"127.0.0.1:1"}}],"health_cluster":"h","tick_ms":{tick},"stale_after_ms":{stale}}}"#)
+                    .as_bytes(),
+            )
+            .unwrap()
+            .quiet_poll_ms
+        };
+        assert_eq!(quiet(100, 60000), 800);
+        assert_eq!(quiet(250, 2000), 2000);
+        assert_eq!(quiet(250, 300), 2000);
+        assert_eq!(quiet(5000, 6000), 5000);
+        // Longer than the staleness limit is accepted: a quiet node's report stays fresh
+        // until its next poll is late.
+        let longer = Config::parse(
+            br#"{"nodes":[{"address":"127.0.0.1:1"}],"health_cluster":"h","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":5000}"#,
         )
         .unwrap();
-        assert_eq!(long.quiet_poll_ms, 400);
+        assert_eq!(longer.quiet_poll_ms, 5000);
         assert_eq!(c.routing_header, "x-gateway-destination-endpoint");
         assert_eq!(c.max_body_bytes, 1 << 20);
         assert_eq!(c.vram_ceiling, 0.9);
@@ -1358,7 +1379,7 @@ mod tests {
             (with(r#""health_timeout_ms":0"#), "health_timeout_ms"),
             (with(r#""stale_after_ms":1000"#), "stale_after_ms"),
             (with(r#""quiet_poll_ms":500"#), "quiet_poll_ms"),
-            (with(r#""quiet_poll_ms":2500"#), "quiet_poll_ms"),
+            (with(r#""quiet_poll_ms":60001"#), "quiet_poll_ms"),
             (with(r#""quiet_poll_ms":-1"#), "quiet_poll_ms"),
             (with(r#""max_body_bytes":0"#), "max_body_bytes"),
             (with(r#""vram_ceiling":0"#), "vram_ceiling"),

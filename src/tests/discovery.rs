@@ -26,7 +26,8 @@ fn call_to(host: &FakeHost, address: &str) -> Call {
 
 #[test]
 fn an_empty_health_answer_sends_the_next_poll_to_the_metrics_at_once() {
-    let (host, mut root) = configured(&config(""));
+    // Every node every tick (their answers do not move): the test is where the polls go.
+    let (host, mut root) = configured(&config(r#","quiet_poll_ms":1000"#));
     tick(&host, &mut root);
     let calls = host.take_calls();
     assert!(calls.iter().all(|c| c.path == "/health"), "{calls:?}");
@@ -73,7 +74,7 @@ fn an_empty_health_answer_sends_the_next_poll_to_the_metrics_at_once() {
 #[test]
 fn a_node_that_ignores_the_filter_is_polled_whole_at_once_and_from_then_on() {
     let (host, mut root) = configured(&format!(
-        r#"{{"nodes":[{{"address":"{A}","health_path":"/metrics"}}],"health_cluster":"gpu_health","models_poll_ms":0}}"#
+        r#"{{"nodes":[{{"address":"{A}","health_path":"/metrics"}}],"health_cluster":"gpu_health","models_poll_ms":0,"quiet_poll_ms":1000}}"#
     ));
     tick(&host, &mut root);
     let c = call_to(&host, A);
@@ -105,7 +106,7 @@ fn a_node_that_ignores_the_filter_is_polled_whole_at_once_and_from_then_on() {
 #[test]
 fn filter_metrics_false_polls_the_whole_page() {
     let (host, mut root) = configured(&format!(
-        r#"{{"nodes":[{{"address":"{A}","filter_metrics":false}}],"health_cluster":"gpu_health","models_poll_ms":0}}"#
+        r#"{{"nodes":[{{"address":"{A}","filter_metrics":false}}],"health_cluster":"gpu_health","models_poll_ms":0,"quiet_poll_ms":1000}}"#
     ));
     tick(&host, &mut root);
     let h = call_to(&host, A);

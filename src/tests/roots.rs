@@ -314,6 +314,38 @@ fn the_service_polls_a_quiet_node_every_tick_while_a_workers_request_runs_there(
     assert!(times(there) <= 3, "{polled:?}");
 }
 
+/// A quiet node polled less often than the staleness limit stays in a worker's choice: the
+/// poller publishes each node's poll grace with its report, and the report stays fresh until
+/// the next poll is late (`NodeState::fresh_until`).
+#[test]
+fn a_worker_keeps_a_quiet_node_polled_less_often_than_the_staleness_limit() {
+    let (host, mut service, worker) =
+        singleton_with(r#","tick_ms":100,"stale_after_ms":300,"quiet_poll_ms":800"#);
+    for _ in 0..20 {
+        round(&host, &mut service);
+    }
+    assert_eq!(host.metric("token_balancer.health.quiet_nodes"), 2);
+    // Two seconds more, a request each round, each answered and ended at once.
+    let mut polls = 0;
+    for id in 0..20u32 {
+        polls += round(&host, &mut service).len();
+        host.advance(1);
+        let (mut req, _, body) = post(&host, &worker, 100 + id, BODY);
+        assert_eq!(body, Action::Continue);
+        assert!(
+            host.request_header_of(100 + id, ROUTING).is_some(),
+            "request {id}"
+        );
+        respond(&host, &mut req, 100 + id, "200");
+        end(&host, &mut req, 100 + id);
+    }
+    assert_eq!(host.metric("token_balancer.fallback.no_fresh_nodes"), 0);
+    assert_eq!(host.metric("token_balancer.routed"), 20);
+    // Each node about once every 800 ms, not every 100 (a node whose request has just
+    // ended may be polled at the next tick).
+    assert!(polls <= 2 * 20 / 2, "{polls} polls");
+}
+
 fn shared_books(host: &FakeHost, slot: usize) -> Books {
     let data = host.world().shared[&books_key(slot)].0.clone();
     Books::decode(&data).unwrap()

@@ -68,6 +68,9 @@ struct Start {
     healthy: u32,
     /// KV-cache use at or below which a report shows room to spare: half the VRAM ceiling.
     slack_kv: f64,
+    /// The polling periods, from which a quiet node's report stays fresh longer.
+    tick_ms: u64,
+    quiet_poll_ms: u64,
 }
 
 impl Fleet {
@@ -77,6 +80,8 @@ impl Fleet {
             unhealthy: cfg.unhealthy_after_failures,
             healthy: cfg.healthy_after_successes,
             slack_kv: cfg.vram_ceiling / 2.0,
+            tick_ms: cfg.tick_ms,
+            quiet_poll_ms: cfg.quiet_poll_ms,
         };
         Fleet {
             nodes: cfg.nodes.iter().map(|n| node_state(n, start)).collect(),
@@ -241,6 +246,7 @@ fn node_state(n: &NodeConfig, start: Start) -> NodeState {
     let state = NodeState::new(&n.address, n.capacity_tokens_per_sec, n.kv_cache_tokens)
         .with_hysteresis(start.unhealthy, start.healthy)
         .with_slack_kv(start.slack_kv)
+        .with_polling(start.tick_ms, start.quiet_poll_ms)
         .with_format(n.format)
         .with_probe(Probe::new(n.health_path.as_deref(), n.filter_metrics));
     match &n.models {

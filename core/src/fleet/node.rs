@@ -121,6 +121,13 @@ pub struct NodeState {
     quiet_reports: u32,
     /// KV-cache use at or below which a report shows room to spare (`Report::slack`).
     slack_kv: f64,
+    /// The polling periods: the tick and the longest period of a quiet node (`polling`).
+    tick_ms: u64,
+    quiet_poll_ms: u64,
+    /// How much longer than a tick the node waits for its next poll, for its quiet reports
+    /// (`polling::grace_ms`): its report stays fresh that much longer (`fresh_report`). Taken
+    /// from the poller with its report where another VM polls (`adopt_report`).
+    grace_ms: u64,
     /// When a request sent here last failed there (Envoy served it on another node of the
     /// routing header: a refused or reset connection), ms: the node is out of the choice
     /// until a report taken after it (`fresh_report`).
@@ -286,6 +293,9 @@ impl NodeState {
             failures_in_row: 0,
             quiet_reports: 0,
             slack_kv: DEFAULT_SLACK_KV,
+            tick_ms: 0,
+            quiet_poll_ms: 0,
+            grace_ms: 0,
             failed_at: None,
             successes_in_row: 0,
             ejected: false,
@@ -399,6 +409,14 @@ impl NodeState {
     /// ceiling, `Fleet`): such a node is polled as a quiet one is.
     pub fn with_slack_kv(mut self, slack_kv: f64) -> Self {
         self.slack_kv = slack_kv;
+        self
+    }
+
+    /// Sets the polling periods (`tick_ms`, `quiet_poll_ms`) from which a quiet node's report
+    /// stays fresh longer (see `fresh_report`); without them it goes stale as any other.
+    pub fn with_polling(mut self, tick_ms: u64, quiet_poll_ms: u64) -> Self {
+        self.tick_ms = tick_ms;
+        self.quiet_poll_ms = quiet_poll_ms;
         self
     }
 
@@ -670,6 +688,7 @@ impl NodeState {
         } else {
             0
         };
+        self.grace_ms = polling::grace_ms(self.quiet_reports, self.tick_ms, self.quiet_poll_ms);
         self.report = Some((report, now_ms));
         self.next_epoch();
         self.failures_in_row = 0;
@@ -686,6 +705,7 @@ impl NodeState {
     /// take the node out of the choice before that report goes stale.
     pub fn note_failure(&mut self) -> Option<Transition> {
         self.quiet_reports = 0;
+        self.grace_ms = 0;
         self.failures_in_row = self.failures_in_row.saturating_add(1);
         self.successes_in_row = 0;
         if !self.ejected && self.failures_in_row >= self.unhealthy_after {
@@ -704,6 +724,7 @@ impl NodeState {
     pub fn note_failed_request(&mut self, now_ms: u64) {
         self.failed_at = Some(self.failed_at.map_or(now_ms, |t| t.max(now_ms)));
         self.quiet_reports = 0;
+        self.grace_ms = 0;
     }
 
     /// Whether a request failed here after the last report (`note_failed_request`): the node
@@ -721,16 +742,20 @@ impl NodeState {
         self.transition.take()
     }
 
-    /// The last report, if it is younger than `stale_after_ms`, was taken after any request
-    /// failed there (`note_failed_request`), and the node is neither ejected nor out of the
-    /// cluster.
+    /// The last report, if it is younger than `stale_after_ms` past when it was due (a quiet
+    /// node's report stays fresh for its longer poll period too: `fresh_until`), was taken
+    /// after any request failed there (`note_failed_request`), and the node is neither
+    /// ejected nor out of the cluster.
     pub fn fresh_report(&self, now_ms: u64, stale_after_ms: u64) -> Option<&Report> {
         if self.ejected || !self.member {
             return None;
         }
         match &self.report {
-            Some((r, at))
-                if now_ms.saturating_sub(*at) <= stale_after_ms && !self.failed_since_report() =>
+            Some((r, _))
+                if self
+                    .fresh_until(stale_after_ms)
+                    .is_some_and(|until| now_ms <= until)
+                    && !self.failed_since_report() =>
             {
                 Some(r)
             }
@@ -772,11 +797,27 @@ impl NodeState {
         self.report
     }
 
-    /// Takes a report and its epoch from elsewhere (the fleet snapshot another VM publishes,
-    /// see `share`): the node's state as the poller has it, without the polling. The epoch
+    /// The last moment the last report is fresh, in ms (see `fresh_report`): `stale_after_ms`
+    /// after it was taken, and the node's poll grace (`polling::grace_ms`) on top.
+    pub fn fresh_until(&self, stale_after_ms: u64) -> Option<u64> {
+        self.reported_at().map(|at| {
+            at.saturating_add(stale_after_ms)
+                .saturating_add(self.grace_ms)
+        })
+    }
+
+    /// How much longer than a tick the node waits for its next poll (see `fresh_until`).
+    pub fn grace_ms(&self) -> u64 {
+        self.grace_ms
+    }
+
+    /// Takes a report, its epoch and the node's poll grace from elsewhere (the fleet snapshot
+    /// another VM publishes, see `share`): the node's state as the poller has it, without the
+    /// polling. The epoch
     /// never goes back, and a newer one reflects the unreflected part (the epoch rule).
-    pub fn adopt_report(&mut self, report: Option<(Report, u64)>, epoch: u64) {
+    pub fn adopt_report(&mut self, report: Option<(Report, u64)>, epoch: u64, grace_ms: u64) {
         self.report = report;
+        self.grace_ms = grace_ms;
         let before = self.books.epoch;
         self.books = self.books.at_epoch(epoch);
         if self.books.epoch > before {
@@ -949,10 +990,10 @@ mod tests {
         // The first report after its first token counts nothing of it yet, the next the
         // context it had at the first.
         assert_eq!(view(&n), vec![(100, 20, 0), (300, 0, 0)]);
-        n.adopt_report(Some((rep(0.0, None), 1250)), n.epoch() + 1);
+        n.adopt_report(Some((rep(0.0, None), 1250)), n.epoch() + 1, 0);
         assert_eq!(view(&n), vec![(100, 20, 110), (300, 0, 0)]);
         // A report of an epoch already taken changes nothing.
-        n.adopt_report(Some((rep(0.0, None), 1250)), n.epoch());
+        n.adopt_report(Some((rep(0.0, None), 1250)), n.epoch(), 0);
         assert_eq!(view(&n), vec![(100, 20, 110), (300, 0, 0)]);
         n.release(&a, 20);
         assert_eq!(view(&n), vec![(300, 0, 0)]);
@@ -1058,6 +1099,58 @@ mod tests {
         assert!(n.poll_due(t + 1, tick, quiet, || false));
     }
 
+    /// A quiet node's report stays fresh for `stale_after_ms` past when its next one is due,
+    /// however long its poll period (`polling::grace_ms`), so that polling it less often does
+    /// not take it out of the choice; a report that moves, a failed poll or a failed request
+    /// take the grace back.
+    #[test]
+    fn a_quiet_nodes_report_stays_fresh_until_its_next_poll_is_late() {
+        let (tick, quiet, stale) = (100, 1600, 300);
+        let mut n = NodeState::new("10.0.0.1:8000", None, None).with_polling(tick, quiet);
+        // (load of the report taken at `at`, its grace, fresh until)
+        let table = [
+            (0.0, 0, 400),     // the first report moves from nothing
+            (0.0, 100, 600),   // quiet once: polled two ticks on
+            (0.0, 300, 900),   // four ticks
+            (0.0, 700, 1400),  // eight ticks
+            (0.0, 1500, 2300), // sixteen ticks: quiet_poll_ms
+            (0.0, 1500, 2400), // no longer than quiet_poll_ms
+            (500.0, 0, 1000),  // the load moved: every tick, fresh for stale_after_ms
+        ];
+        for (i, (load, grace, until)) in table.into_iter().enumerate() {
+            let at = 100 * (i as u64 + 1);
+            n.accept_report(report(load), at);
+            assert_eq!(n.grace_ms(), grace, "report {i}");
+            assert_eq!(n.fresh_until(stale), Some(until), "report {i}");
+            assert!(n.fresh_report(until, stale).is_some(), "report {i}");
+            assert!(n.fresh_report(until + 1, stale).is_none(), "report {i}");
+        }
+        // Without the polling periods (a node built without them), no grace.
+        let mut bare = NodeState::new("10.0.0.1:8000", None, None);
+        bare.accept_report(report(0.0), 100);
+        bare.accept_report(report(0.0), 200);
+        assert_eq!((bare.quiet_reports(), bare.grace_ms()), (1, 0));
+        // A failed poll, or a failed request, takes the grace back.
+        for fail in [
+            (|n: &mut NodeState| {
+                let _ = n.note_failure();
+            }) as fn(&mut NodeState),
+            |n: &mut NodeState| n.note_failed_request(250),
+        ] {
+            let mut n = NodeState::new("10.0.0.1:8000", None, None).with_polling(tick, quiet);
+            n.accept_report(report(0.0), 100);
+            n.accept_report(report(0.0), 200);
+            assert_eq!(n.grace_ms(), 100);
+            fail(&mut n);
+            assert_eq!((n.grace_ms(), n.fresh_until(stale)), (0, Some(500)));
+        }
+        // Taken with a report from the poller.
+        let mut worker = NodeState::new("10.0.0.1:8000", None, None);
+        worker.adopt_report(Some((report(0.0), 1000)), 5, 700);
+        assert_eq!(worker.fresh_until(stale), Some(2000));
+        assert!(worker.fresh_report(2000, stale).is_some());
+    }
+
     /// A request that failed at the node takes it out of the choice until a report taken
     /// after the failure, and brings its polls back to every tick.
     #[test]
@@ -1074,7 +1167,7 @@ mod tests {
         assert!(n.poll_due(1250, 100, 400, || false));
         assert!(n.fresh_report(1250, 3000).is_none());
         // A report from before the failure (a snapshot taken earlier) does not bring it back.
-        n.adopt_report(Some((report(0.0), 1150)), 7);
+        n.adopt_report(Some((report(0.0), 1150)), 7, 0);
         assert!(n.fresh_report(1250, 3000).is_none());
         // One taken after it does.
         n.accept_report(report(0.0), 1300);

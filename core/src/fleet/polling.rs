@@ -22,8 +22,11 @@
 //!   it reports next, a request sent there starts at once and fits: no decision is close there.
 //!
 //! Each such report in a row doubles the node's poll period, from `tick_ms` up to
-//! `quiet_poll_ms` (by default half of `stale_after_ms`, so its report never goes stale, and at
-//! most four ticks). Any other report, any failed poll, or any prompt of this Envoy's there whose
+//! `quiet_poll_ms` (by default eight ticks, at most 2 s). Its report stays fresh as long as its
+//! next poll is not late: the staleness limit counts from when the next report is due, not from
+//! the last one (`grace_ms`, `NodeState::fresh_until`), so the quiet period is not bound by
+//! `stale_after_ms` (a failed poll still takes the node out at once, as for any node). Any
+//! other report, any failed poll, or any prompt of this Envoy's there whose
 //! first token has not come back (the caller says, `NodeState::poll_due`) brings it back to
 //! every tick: a burst sent to an idle node is followed as closely as before, since what an
 //! engine does with prompts it has not started (queues them, admits them, how fast) is what the
@@ -31,7 +34,7 @@
 //! token that comes back), so they alone keep a node at every tick no longer. What a longer
 //! period delays is news of work that others sent (another Envoy replica) to a node that had
 //! room, by at most `quiet_poll_ms`, and the KV its decoding streams wrote since the report,
-//! which a node with half its ceiling free has room for. An idle fleet costs a quarter of the
+//! which a node with half its ceiling free has room for. An idle fleet costs an eighth of the
 //! polls with the shipped settings, and so does the share of a busy fleet with room to spare; a
 //! node near a decision is polled every tick as before. The idea is the adaptive scrape interval
 //! of monitoring systems, keyed here to what the balancer reads and sends.
@@ -51,6 +54,15 @@ pub fn period_ms(quiet_reports: u32, tick_ms: u64, quiet_poll_ms: u64) -> u64 {
     tick_ms
         .saturating_mul(1u64 << quiet_reports.min(20))
         .min(quiet_poll_ms.max(tick_ms))
+}
+
+/// How much later than one tick after its last good report a node with `quiet_reports` quiet
+/// reports in a row is next polled: its period less a tick. Its report stays fresh that much
+/// longer (`NodeState::fresh_report`): the staleness limit counts from when a report was due,
+/// so that a node polled less often because it is quiet does not fall out of the choice
+/// between two polls.
+pub fn grace_ms(quiet_reports: u32, tick_ms: u64, quiet_poll_ms: u64) -> u64 {
+    period_ms(quiet_reports, tick_ms, quiet_poll_ms).saturating_sub(tick_ms)
 }
 
 /// Whether a node whose last good report came at `report_ms` (none: never) is polled when its
@@ -269,6 +281,12 @@ mod tests {
         ];
         for &(quiet, tick, max, want) in cases {
             assert_eq!(period_ms(quiet, tick, max), want, "{quiet} {tick} {max}");
+            // The grace is what the period adds to the tick.
+            assert_eq!(
+                grace_ms(quiet, tick, max),
+                want - tick,
+                "{quiet} {tick} {max}"
+            );
         }
         // Polled in the slice due a period after the report, with half a tick of slack; a
         // node never heard from, or whose last report moved, every tick.

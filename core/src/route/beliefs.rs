@@ -127,7 +127,7 @@ fn node(
     let report = n.report_taken().map(|(r, at)| {
         json!({
             "age_ms": now_ms.saturating_sub(at),
-            "fresh": now_ms.saturating_sub(at) <= p.stale_after_ms,
+            "fresh": n.fresh_until(p.stale_after_ms).is_some_and(|until| now_ms <= until),
             "load_tokens_per_sec": num(r.load_tokens_per_sec),
             "capacity_tokens_per_sec": opt(r.capacity_tokens_per_sec),
             "capacity_used_tokens_per_sec": num(n.capacity(&r, fleet.assumed_capacity)),

@@ -87,8 +87,8 @@ impl Pool {
                 continue;
             };
             assumed.add(n, r);
-            if let Some(at) = n.reported_at() {
-                valid_until = valid_until.min(at.saturating_add(stale_after_ms).saturating_add(1));
+            if let Some(until) = n.fresh_until(stale_after_ms) {
+                valid_until = valid_until.min(until.saturating_add(1));
             }
         }
         self.assumed_capacity = assumed.value();

@@ -52,6 +52,9 @@ pub struct NodeView {
     pub any_name: bool,
     /// The per-slot context its list gives, tokens.
     pub context_tokens: Option<u64>,
+    /// How much longer than a tick the poller waits to poll the node again, for its quiet
+    /// reports: its report stays fresh that much longer (`NodeState::fresh_until`).
+    pub grace_ms: u64,
 }
 
 /// What the poller publishes: every node it follows.
@@ -71,6 +74,8 @@ const LISTED: u8 = 8;
 const ANY_NAME: u8 = 16;
 /// A context follows the node's model names (a bit an older reader does not set).
 const CONTEXT: u8 = 32;
+/// A poll grace follows (a bit an older writer does not set: read as none).
+const GRACE: u8 = 64;
 
 /// Little-endian cursor over a byte slice; every read is checked.
 pub(crate) struct Reader<'a> {
@@ -180,6 +185,7 @@ impl Snapshot {
                 (n.listed_models.is_some(), LISTED),
                 (n.any_name, ANY_NAME),
                 (n.context_tokens.is_some(), CONTEXT),
+                (n.grace_ms > 0, GRACE),
             ] {
                 if on {
                     flags |= bit;
@@ -208,6 +214,10 @@ impl Snapshot {
             put_strs(&mut out, &n.seen_models);
             if let Some(c) = n.context_tokens {
                 out.extend_from_slice(&c.to_le_bytes());
+            }
+            if n.grace_ms > 0 {
+                let grace = u32::try_from(n.grace_ms).unwrap_or(u32::MAX);
+                out.extend_from_slice(&grace.to_le_bytes());
             }
         }
         out
@@ -272,6 +282,11 @@ impl Snapshot {
             } else {
                 None
             };
+            let grace_ms = if flags & GRACE != 0 {
+                u64::from(r.u32()?)
+            } else {
+                0
+            };
             nodes.push(NodeView {
                 address,
                 report,
@@ -282,6 +297,7 @@ impl Snapshot {
                 seen_models,
                 any_name: flags & ANY_NAME != 0,
                 context_tokens,
+                grace_ms,
             });
         }
         r.done().then_some(Snapshot { nodes })
@@ -416,6 +432,7 @@ mod tests {
                     seen_models: vec!["hot".into()],
                     any_name: true,
                     context_tokens: Some(512),
+                    grace_ms: 750,
                 },
                 NodeView {
                     address: "[::1]:8000".into(),
@@ -443,6 +460,19 @@ mod tests {
         let mut old_bytes = older.encode();
         old_bytes[..4].copy_from_slice(b"TBF1");
         assert_eq!(Snapshot::decode(&old_bytes), Ok(older));
+        // A grace past what four bytes hold is written as the most they hold.
+        let mut far = Snapshot {
+            nodes: vec![NodeView {
+                address: "n".into(),
+                grace_ms: u64::MAX,
+                ..NodeView::default()
+            }],
+        };
+        let read = Snapshot::decode(&far.encode());
+        if let Some(n) = far.nodes.first_mut() {
+            n.grace_ms = u64::from(u32::MAX);
+        }
+        assert_eq!(read, Ok(far));
     }
 
     fn fleet(n: usize) -> Snapshot {
@@ -469,6 +499,7 @@ mod tests {
                     seen_models: vec![],
                     any_name: false,
                     context_tokens: None,
+                    grace_ms: 0,
                 })
                 .collect(),
         }

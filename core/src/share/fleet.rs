@@ -36,6 +36,7 @@ pub fn view(fleet: &Fleet, epoch_base: u64) -> Vec<NodeView> {
             seen_models: n.models().seen().to_vec(),
             any_name: n.models().any_name(),
             context_tokens: n.models().context_tokens(),
+            grace_ms: n.grace_ms(),
         })
         .collect()
 }
@@ -54,13 +55,13 @@ pub fn import(fleet: &mut Fleet, snapshot: &Snapshot) -> Imported {
         let Some(v) = by_address.get(n.address()) else {
             imported.missing += 1;
             let epoch = n.epoch();
-            n.adopt_report(None, epoch);
+            n.adopt_report(None, epoch, 0);
             continue;
         };
         if v.report.is_some() && (v.epoch != n.epoch() || n.report_taken() != v.report) {
             imported.new_reports += 1;
         }
-        n.adopt_report(v.report, v.epoch);
+        n.adopt_report(v.report, v.epoch, v.grace_ms);
         n.adopt_status(v.ejected, v.member);
         if !n.models().is_configured() {
             let mut models = ServedModels::default();

@@ -192,7 +192,7 @@ impl<H: Host> State<H> {
                 Some(service) => service.prefilling(&mut *host, i),
                 None => balancer.books(i).is_some_and(|b| b.prefilling()),
             };
-            if !state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, prefilling) {
+            if !state.poll_due(now_ms, prefilling) {
                 continue;
             }
             send_health(host, config, balancer, polls, metrics, i);

@@ -412,8 +412,9 @@ impl NodeState {
         self
     }
 
-    /// Sets the polling periods (`tick_ms`, `quiet_poll_ms`) from which a quiet node's report
-    /// stays fresh longer (see `fresh_report`); without them it goes stale as any other.
+    /// Sets the polling periods (`tick_ms`, `quiet_poll_ms`): when the node is polled
+    /// (`poll_due`) and how much longer a quiet node's report stays fresh (`fresh_report`).
+    /// Without them it is polled every time it is asked and goes stale as any other.
     pub fn with_polling(mut self, tick_ms: u64, quiet_poll_ms: u64) -> Self {
         self.tick_ms = tick_ms;
         self.quiet_poll_ms = quiet_poll_ms;
@@ -440,20 +441,15 @@ impl NodeState {
     /// Whether the node is polled in a slice of its due at `now_ms` (see `polling::due`):
     /// every tick while its reports move with no room to spare or prompts sent there have not
     /// started (`prefilling`, asked only of a quiet node), less often while it is quiet or
-    /// slack and runs nothing of this router's but streams already decoding.
-    pub fn poll_due(
-        &self,
-        now_ms: u64,
-        tick_ms: u64,
-        quiet_poll_ms: u64,
-        prefilling: impl FnOnce() -> bool,
-    ) -> bool {
+    /// slack and runs nothing of this router's but streams already decoding. The periods are
+    /// the node's own (`with_polling`), the ones its report's freshness is judged by.
+    pub fn poll_due(&self, now_ms: u64, prefilling: impl FnOnce() -> bool) -> bool {
         polling::due(
             self.report.as_ref().map(|(_, at)| *at),
             self.quiet_reports,
             now_ms,
-            tick_ms,
-            quiet_poll_ms,
+            self.tick_ms,
+            self.quiet_poll_ms,
         ) || prefilling()
     }
 
@@ -1061,9 +1057,9 @@ mod tests {
     /// failed poll, brings it back to every tick.
     #[test]
     fn quiet_reports_lengthen_the_poll_period_until_something_moves() {
-        let mut n = NodeState::new("10.0.0.1:8000", None, None);
         let (tick, quiet) = (100, 400);
-        assert!(n.poll_due(0, tick, quiet, || false), "never heard from");
+        let mut n = NodeState::new("10.0.0.1:8000", None, None).with_polling(tick, quiet);
+        assert!(n.poll_due(0, || false), "never heard from");
         // Reports 100 ms apart; the time of the last one.
         let mut at = 0;
         let mut step = |n: &mut NodeState, load: f64| -> u64 {
@@ -1073,30 +1069,27 @@ mod tests {
         };
         let t = step(&mut n, 0.0);
         assert_eq!(n.quiet_reports(), 0, "the first report moves from nothing");
-        assert!(n.poll_due(t + 100, tick, quiet, || false));
+        assert!(n.poll_due(t + 100, || false));
         let t = step(&mut n, 0.0);
         assert_eq!(n.quiet_reports(), 1);
-        assert!(!n.poll_due(t + 100, tick, quiet, || false));
-        assert!(n.poll_due(t + 200, tick, quiet, || false));
+        assert!(!n.poll_due(t + 100, || false));
+        assert!(n.poll_due(t + 200, || false));
         step(&mut n, 0.0);
         let t = step(&mut n, 0.0);
         assert_eq!(n.quiet_reports(), 3);
-        assert!(
-            !n.poll_due(t + 300, tick, quiet, || false)
-                && n.poll_due(t + 400, tick, quiet, || false)
-        );
+        assert!(!n.poll_due(t + 300, || false) && n.poll_due(t + 400, || false));
         // Load moved: every tick again.
         let t = step(&mut n, 500.0);
         assert_eq!(n.quiet_reports(), 0);
-        assert!(n.poll_due(t + 100, tick, quiet, || false));
+        assert!(n.poll_due(t + 100, || false));
         let t = step(&mut n, 500.0);
         assert_eq!(n.quiet_reports(), 1);
         // Prompts not started there: every tick, however quiet its reports.
-        assert!(!n.poll_due(t + 100, tick, quiet, || false));
-        assert!(n.poll_due(t + 100, tick, quiet, || true));
+        assert!(!n.poll_due(t + 100, || false));
+        assert!(n.poll_due(t + 100, || true));
         let _ = n.note_failure();
         assert_eq!(n.quiet_reports(), 0);
-        assert!(n.poll_due(t + 1, tick, quiet, || false));
+        assert!(n.poll_due(t + 1, || false));
     }
 
     /// A quiet node's report stays fresh for `stale_after_ms` past when its next one is due,
@@ -1155,7 +1148,7 @@ mod tests {
     /// after the failure, and brings its polls back to every tick.
     #[test]
     fn a_failed_request_takes_the_node_out_until_a_later_report() {
-        let mut n = NodeState::new("10.0.0.1:8000", None, None);
+        let mut n = NodeState::new("10.0.0.1:8000", None, None).with_polling(100, 400);
         n.accept_report(report(0.0), 1000);
         n.accept_report(report(0.0), 1100);
         assert_eq!(n.quiet_reports(), 1);
@@ -1164,7 +1157,7 @@ mod tests {
         n.note_failed_request(1200);
         assert!(n.failed_since_report());
         assert_eq!(n.quiet_reports(), 0);
-        assert!(n.poll_due(1250, 100, 400, || false));
+        assert!(n.poll_due(1250, || false));
         assert!(n.fresh_report(1250, 3000).is_none());
         // A report from before the failure (a snapshot taken earlier) does not bring it back.
         n.adopt_report(Some((report(0.0), 1150)), 7, 0);
@@ -1179,8 +1172,10 @@ mod tests {
     /// ones do, under the fleet's limit; one past it brings the node back to every tick.
     #[test]
     fn reports_with_room_to_spare_lengthen_the_poll_period_though_they_move() {
-        let mut n = NodeState::new("10.0.0.1:8000", None, None).with_slack_kv(0.3);
         let (tick, quiet) = (100, 400);
+        let mut n = NodeState::new("10.0.0.1:8000", None, None)
+            .with_slack_kv(0.3)
+            .with_polling(tick, quiet);
         let busy = |running: f64, kv: f64| Report {
             load_tokens_per_sec: 1000.0 * running,
             capacity_tokens_per_sec: Some(20_000.0),
@@ -1193,12 +1188,12 @@ mod tests {
         n.accept_report(busy(3.0, 0.2), 200);
         n.accept_report(busy(2.0, 0.15), 300);
         assert_eq!(n.quiet_reports(), 2);
-        assert!(!n.poll_due(400, tick, quiet, || false));
-        assert!(n.poll_due(700, tick, quiet, || false));
+        assert!(!n.poll_due(400, || false));
+        assert!(n.poll_due(700, || false));
         // KV use past the limit: every tick.
         n.accept_report(busy(4.0, 0.35), 700);
         assert_eq!(n.quiet_reports(), 0);
-        assert!(n.poll_due(800, tick, quiet, || false));
+        assert!(n.poll_due(800, || false));
         // The same report under the default limit (half the default ceiling) has room.
         let mut d = NodeState::new("10.0.0.1:8000", None, None);
         d.accept_report(busy(1.0, 0.1), 100);

@@ -132,9 +132,7 @@ impl Picker {
             // to spare) only once its longer period is up, as the filter's poller
             // (`NodeState::poll_due`).
             if !polls.health.is_asked(i, state.tenant())
-                && state.poll_due(now_ms, config.tick_ms, config.quiet_poll_ms, || {
-                    balancer.books(i).is_some_and(|b| b.prefilling())
-                })
+                && state.poll_due(now_ms, || balancer.books(i).is_some_and(|b| b.prefilling()))
             {
                 let token = polls.token();
                 polls.health.sent(token, i, state.tenant());

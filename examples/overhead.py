@@ -408,9 +408,15 @@ def measured(kind: str, e: Envoy, wrk: Wrk, args) -> dict:
     streams = kind in FILTERS and args.stream_tokens
     unread0 = e.counter("token_balancer.output.chunks_unread") if streams else 0
     routed1 = routed_count(kind, e) if streams else 0
+    polls0 = e.counter("token_balancer.health.ok") if kind in FILTERS else 0
+    t0 = time.monotonic()
     thr = wrk.run(e.port, args.connections, args.seconds)
     cpu_us = (cpu_of(e) - cpu0) / thr["requests"] * 1e6
     m = {"latency": lat, "throughput": thr, "cpu_us_per_request": cpu_us}
+    if kind in FILTERS:
+        # The health polls answered while the load ran: the poller's work on Envoy's main
+        # thread, which shares the worker's core here.
+        m["polls_per_s"] = (e.counter("token_balancer.health.ok") - polls0) / (time.monotonic() - t0)
     if streams:
         # Chunks of the streamed answers the filter counted without reading them, a stream:
         # counted when each ends, over the streams routed in the same stretch (wrk's count
@@ -525,6 +531,8 @@ def fleet(n: int, args, wrk: Wrk, body: bytes, envoy_cpus, other_cpus) -> dict:
             "cpu_us_per_request": median(runs[kind], "cpu_us_per_request"),
             "rss_bytes": median(runs[kind], "rss_bytes"),
         }
+        if kind in FILTERS:
+            out[kind]["polls_per_s"] = median(runs[kind], "polls_per_s")
         if kind in FILTERS and args.stream_tokens:
             out[kind]["chunks_unread_per_request"] = median(runs[kind], "chunks_unread_per_request")
     tb = runs["token_balancer"]
@@ -592,6 +600,11 @@ def table(results: list[dict], args, pinned: str) -> str:
                      f"| {k['cpu_added_us']:.0f} us")
             lines.append(f"| {r['nodes']} | {LABELS[kind]} | {k['p50_us']:.0f} | {k['p99_us']:.0f} "
                          f"| {k['rps']:.0f} | {k['cpu_us_per_request']:.0f} {added} |")
+    lines += ["", "Health polls answered per second while the throughput load ran (the poller, on "
+              "Envoy's main thread): " + "; ".join(
+                  f"{r['nodes']} nodes: " + ", ".join(
+                      f"{LABELS[kind]} {r[kind]['polls_per_s']:.0f}" for kind in FILTERS if kind in KINDS)
+                  for r in results)]
     if args.stream_tokens:
         lines += ["", f"CPU added per token event (CPU added per request / {args.stream_tokens}):"]
         for r in results:

@@ -76,6 +76,10 @@ pub struct Request<H: Host> {
     /// the response has shown of its output.
     received: u64,
     meter: OutputMeter,
+    /// The prompt's tokens as estimated from its text, before the engines' ratio scaled them
+    /// (`Balancer::prompt_tokens`); `None` for a prompt of token ids. With the server's count
+    /// of it, a sample of that ratio.
+    prompt_estimate: Option<u64>,
     /// Output count last written to the shared books (reader role).
     shared_received: u64,
     /// Response chunks counted as one token event without being read (`OutputMeter::skim`),
@@ -134,6 +138,7 @@ impl<H: Host> Request<H> {
             decided: false,
             received: 0,
             meter: OutputMeter::new(),
+            prompt_estimate: None,
             shared_received: 0,
             unread_chunks: 0,
             first_token_ms: None,
@@ -482,10 +487,16 @@ impl<H: Host> Request<H> {
                 .first_token_ms
                 .filter(|_| self.status_ok && self.completed && progressed > 1)
                 .map(|first| now.saturating_sub(first) as f64 / 1000.0 / (progressed - 1) as f64);
+            let prompt = self
+                .prompt_estimate
+                .zip(self.meter.prompt_reported(self.status_ok, self.completed));
             self.with(|s| {
                 if let Some(output) = sample {
                     s.balancer
                         .observe_output(ticket.weight.prompt_tokens, output);
+                }
+                if let Some((estimated, reported)) = prompt {
+                    s.balancer.observe_prompt(estimated, reported);
                 }
                 if let Some(seconds) = tpot {
                     s.balancer.observe_tpot(&ticket, seconds, now);
@@ -647,7 +658,15 @@ impl<H: Host> HttpContext for Request<H> {
         }
         let body = self.host.request_body(body_size).unwrap_or_default();
         match request::read_with_chain(self.api, &body, &pricing, block_chars) {
-            Some(e) => {
+            Some(mut e) => {
+                // A prompt estimated from its text is counted in the engines' tokens.
+                if !e.ids {
+                    let estimated = e.weight.prompt_tokens;
+                    self.prompt_estimate = Some(estimated);
+                    if let Some(tokens) = self.with(|s| s.balancer.prompt_tokens(estimated)) {
+                        e.weight.prompt_tokens = tokens;
+                    }
+                }
                 // A session header is an affinity hint when the body gives none.
                 let chain = match (&session_header, block_chars) {
                     (Some(h), Some(_)) => e

@@ -469,3 +469,68 @@ fn a_responses_api_request_is_priced_and_its_stream_followed() {
     assert_eq!(figures(), (0, growth - 3));
     end(&host, &mut req, 2);
 }
+
+/// A prompt estimated from its text is booked in the engines' tokens once their answers have
+/// counted enough prompts (`route::prompt_scale`): here the server counts half the estimate,
+/// and after `MIN_SAMPLES` answers the next prompt is booked at half. A prompt of token ids is
+/// counted exactly and never scaled; a failed answer's count is no sample.
+#[test]
+fn prompts_are_booked_in_the_engines_tokens_once_answers_count_them() {
+    use token_balancer_core::ingest::request::{self as ingest, Api};
+    use token_balancer_core::route::prompt_scale::MIN_SAMPLES;
+    let (host, root) = reported(&config(""), IDLE);
+    let text = format!(
+        r#"{{"model":"m","prompt":"{}","max_tokens":4}}"#,
+        "hello there ".repeat(100)
+    );
+    let estimated = ingest::read(Api::Completions, text.as_bytes(), 256)
+        .unwrap()
+        .weight
+        .prompt_tokens;
+    assert!(estimated > 200, "{estimated}");
+    // The prompt tokens the next request books, over both nodes.
+    let booked = |id: u32, body: &str| {
+        let before: u64 = (0..2)
+            .map(|n| books(&root, n).unreflected_prompt_tokens)
+            .sum();
+        let (req, _, _) = post(&host, &root, id, body);
+        let after: u64 = (0..2)
+            .map(|n| books(&root, n).unreflected_prompt_tokens)
+            .sum();
+        (req, after - before)
+    };
+    let answered = |id: u32, mut req: Request<FakeHost>, status: &str| {
+        respond(&host, &mut req, id, status);
+        let usage = format!(
+            r#"{{"choices":[{{"text":"a b c"}}],"usage":{{"prompt_tokens":{},"completion_tokens":3}}}}"#,
+            estimated / 2
+        );
+        host.stream(id).response_body = usage.as_bytes().to_vec();
+        host.enter(id);
+        req.on_http_response_body(usage.len(), true);
+        end(&host, &mut req, id);
+    };
+    let mut id = 2;
+    // Failed answers count nothing.
+    for _ in 0..MIN_SAMPLES {
+        let (req, tokens) = booked(id, &text);
+        assert_eq!(tokens, estimated, "as estimated until answers count it");
+        answered(id, req, "500");
+        id += 1;
+    }
+    let (req, tokens) = booked(id, &text);
+    assert_eq!(tokens, estimated, "failed answers are no samples");
+    answered(id, req, "200");
+    id += 1;
+    for _ in 1..MIN_SAMPLES {
+        let (req, _) = booked(id, &text);
+        answered(id, req, "200");
+        id += 1;
+    }
+    let (_req, tokens) = booked(id, &text);
+    assert_eq!(tokens, estimated / 2, "in the engines' tokens");
+    // Token ids: one token an id, whatever the ratio.
+    let ids = r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10],"max_tokens":4}"#;
+    let (_req, tokens) = booked(id + 1, ids);
+    assert_eq!(tokens, 10);
+}

@@ -336,6 +336,9 @@ pub struct Estimate {
     /// A Responses request whose answer the engine is asked to keep (`store`, true unless the
     /// body says false).
     pub stores: bool,
+    /// The prompt is (or has) token ids, counted exactly: not an estimate to calibrate (see
+    /// `route::prompt_scale`).
+    pub ids: bool,
 }
 
 /// Estimates a request's weight from its JSON body, or `None` when the body gives no basis
@@ -367,6 +370,7 @@ pub fn read_with_chain(
         _ => None,
     };
     let mut responses = false;
+    let mut ids = false;
     let (weight, chain) = if api == Api::Count {
         // Costs the GPU nothing, whatever it carries; its model still says where it may go.
         (Weight::default(), Chain::NONE)
@@ -374,6 +378,7 @@ pub fn read_with_chain(
         // Where the prompt is, read once for both the weight and the chain.
         let found = Prompt::of(api, &obj)?;
         responses = matches!(found, Prompt::Responses { .. });
+        ids = matches!(found, Prompt::Text(v) | Prompt::Embed(v) if has_ids(v));
         let weight = weight_of(api, found, &obj, pricing);
         let chain = match block_chars {
             Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
@@ -397,6 +402,7 @@ pub fn read_with_chain(
         user,
         continues,
         stores,
+        ids,
     })
 }
 
@@ -438,6 +444,16 @@ pub fn text_tokens(v: &Value) -> u64 {
             .iter()
             .fold(0u64, |sum, item| sum.saturating_add(text_tokens(item))),
         Value::Null | Value::Bool(_) | Value::Object(_) => 0,
+    }
+}
+
+/// Whether a completion's prompt or an embedding's input holds token ids (numbers), which
+/// `text_tokens` counts exactly rather than estimates.
+fn has_ids(v: &Value) -> bool {
+    match v {
+        Value::Number(_) => true,
+        Value::Array(items) => items.iter().any(has_ids),
+        Value::String(_) | Value::Null | Value::Bool(_) | Value::Object(_) => false,
     }
 }
 
@@ -1186,6 +1202,30 @@ mod tests {
             let e = read(*api, body.as_bytes(), 256).unwrap();
             assert_eq!(e.continues.as_deref(), *continues, "{body}");
             assert_eq!(e.stores, *stores, "{body}");
+        }
+    }
+
+    /// A prompt of token ids (alone, in a batch, beside text) is counted exactly, so it is
+    /// marked as such; text and chat are estimates (see `route::prompt_scale`).
+    #[test]
+    fn prompts_of_token_ids_are_marked_exact() {
+        let cases: &[(Api, &str, bool)] = &[
+            (Api::Completions, r#"{"prompt":"hello there"}"#, false),
+            (Api::Completions, r#"{"prompt":["a","b"]}"#, false),
+            (Api::Completions, r#"{"prompt":[1,2,3]}"#, true),
+            (Api::Completions, r#"{"prompt":[[1,2],[3]]}"#, true),
+            (Api::Completions, r#"{"prompt":["a",[1,2]]}"#, true),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+                false,
+            ),
+            (Api::Embeddings, r#"{"input":[5,6]}"#, true),
+            (Api::Embeddings, r#"{"input":"five six"}"#, false),
+        ];
+        for (api, body, ids) in cases {
+            let e = read(*api, body.as_bytes(), 256).unwrap();
+            assert_eq!(e.ids, *ids, "{body}");
         }
     }
 

@@ -66,13 +66,15 @@
 //! no content (a finish event alone in its chunk, counted as a token when not checked). The
 //! server's count, when it sends one, still wins for the sample.
 //!
-//! The filter takes two numbers from the meter: [`OutputMeter::progress`], the running count
-//! the books of requests in flight advance by, which never goes back; and
-//! [`OutputMeter::finish`], the output length a response that ended is a sample of — only a
-//! 200 read to its end, with a positive count, is one.
+//! The filter takes three numbers from the meter: [`OutputMeter::progress`], the running count
+//! the books of requests in flight advance by, which never goes back; [`OutputMeter::finish`],
+//! the output length a response that ended is a sample of — only a 200 read to its end, with a
+//! positive count, is one; and [`OutputMeter::prompt_reported`], the prompt's length as the
+//! server counted it (`"prompt_tokens":N` in OpenAI's usage and SGLang's `meta_info`), which
+//! the filter's estimate of prompts is calibrated by (`route::prompt_scale`).
 
 /// The keys the scan reads: the name between the quotes, and what its value is.
-const KEYS: [(&[u8], Kind); 12] = [
+const KEYS: [(&[u8], Kind); 13] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
     (b"delta", Kind::Text),
@@ -85,6 +87,7 @@ const KEYS: [(&[u8], Kind); 12] = [
     (b"output_tokens", Kind::Count),
     (b"tokens_predicted", Kind::Count),
     (b"generated_tokens", Kind::Count),
+    (b"prompt_tokens", Kind::Prompt),
 ];
 
 /// Chunks of one content event each a stream must show, read, before one is counted unread.
@@ -106,6 +109,9 @@ enum Kind {
     Thought,
     /// A number: the server's output count.
     Count,
+    /// A number: the server's count of the prompt (OpenAI's `usage.prompt_tokens`, SGLang's
+    /// `meta_info`), what the filter's estimate of it is calibrated by (see `PromptScale`).
+    Prompt,
 }
 
 /// What kind of body the response is, from its first byte.
@@ -134,8 +140,13 @@ enum Scan {
     Value(Kind),
     /// After a text value's opening quote (of thinking, or not).
     Text { thought: bool },
-    /// In a count's digits (`overflow` when they are past `u64`: no count).
-    Count { value: u64, overflow: bool },
+    /// In a count's digits (`overflow` when they are past `u64`: no count), of the prompt's
+    /// count when `prompt`.
+    Count {
+        value: u64,
+        overflow: bool,
+        prompt: bool,
+    },
 }
 
 /// Reads on in a quoted name, `len` bytes in, that may still be any key of the set `keys`:
@@ -183,6 +194,10 @@ pub struct OutputMeter {
     reported: Option<u64>,
     /// The highest such count.
     highest: u64,
+    /// The last prompt count the server reported whose digits have ended (0: none; a prompt
+    /// of no tokens is no sample either), at most `u32::MAX` (kept small: the meter is carried
+    /// by every response in flight).
+    prompt: u32,
     /// Sizes of the chunks read that were each exactly one content event (smallest, largest),
     /// how many such were read, and chunks of such a size counted unread since the last read.
     single: Option<(u16, u16)>,
@@ -229,7 +244,8 @@ impl OutputMeter {
     /// Reads the next chunk of the response body.
     pub fn feed(&mut self, chunk: &[u8]) {
         let at_boundary = self.body != Body::Reply && self.scan == Scan::Idle;
-        let (events, highest, reported) = (self.events, self.highest, self.reported);
+        let (events, highest, reported, prompt) =
+            (self.events, self.highest, self.reported, self.prompt);
         self.scan_chunk(chunk);
         // One content event from one boundary to the next, and no count: the size of a chunk
         // that may later be counted unread.
@@ -239,7 +255,7 @@ impl OutputMeter {
             && self.body == Body::Stream
             && self.scan == Scan::Idle
             && self.events == events.saturating_add(1)
-            && (self.highest, self.reported) == (highest, reported);
+            && (self.highest, self.reported, self.prompt) == (highest, reported, prompt);
         let size = size.unwrap_or(u16::MAX);
         let within = self
             .single
@@ -316,9 +332,10 @@ impl OutputMeter {
             Scan::Value(kind @ (Kind::Text | Kind::Thought)) if b == b'"' => Scan::Text {
                 thought: kind == Kind::Thought,
             },
-            Scan::Value(Kind::Count) if b.is_ascii_digit() => Scan::Count {
+            Scan::Value(kind @ (Kind::Count | Kind::Prompt)) if b.is_ascii_digit() => Scan::Count {
                 value: u64::from(b - b'0'),
                 overflow: false,
+                prompt: kind == Kind::Prompt,
             },
             Scan::Text { thought } if b != b'"' => {
                 if !(thought && self.thought_in_line) {
@@ -327,19 +344,32 @@ impl OutputMeter {
                 self.thought_in_line |= thought;
                 Scan::Idle
             }
-            Scan::Count { value, overflow } if b.is_ascii_digit() => {
+            Scan::Count {
+                value,
+                overflow,
+                prompt,
+            } if b.is_ascii_digit() => {
                 let next = value
                     .checked_mul(10)
                     .and_then(|v| v.checked_add(u64::from(b - b'0')));
                 Scan::Count {
                     value: next.unwrap_or(value),
                     overflow: overflow || next.is_none(),
+                    prompt,
                 }
             }
-            Scan::Count { value, overflow } => {
-                if !overflow {
-                    self.reported = Some(value);
-                    self.highest = self.highest.max(value);
+            Scan::Count {
+                value,
+                overflow,
+                prompt,
+            } => {
+                match (overflow, prompt) {
+                    (true, _) => {}
+                    (false, true) => self.prompt = u32::try_from(value).unwrap_or(u32::MAX),
+                    (false, false) => {
+                        self.reported = Some(value);
+                        self.highest = self.highest.max(value);
+                    }
                 }
                 return false;
             }
@@ -358,9 +388,26 @@ impl OutputMeter {
             Scan::Count {
                 value,
                 overflow: false,
+                prompt: false,
             } => Some(value),
             _ => self.reported,
         }
+    }
+
+    /// The prompt's length as the server counted it, once the response has ended as `finish`
+    /// takes a sample (a 200 read to its end); `None` when it sent no count.
+    pub fn prompt_reported(&self, status_ok: bool, completed: bool) -> Option<u64> {
+        let pending = match self.scan {
+            Scan::Count {
+                value,
+                overflow: false,
+                prompt: true,
+            } => Some(value),
+            _ => None,
+        };
+        (status_ok && completed)
+            .then(|| pending.unwrap_or(u64::from(self.prompt)))
+            .filter(|&n| n > 0)
     }
 
     /// Output tokens delivered so far, for the books of requests in flight: the content events
@@ -1006,6 +1053,97 @@ mod tests {
         for (body, ok, completed, want) in cases {
             let m = read(&[body.as_bytes()]);
             assert_eq!(m.finish(*ok, *completed), *want, "{body} {ok} {completed}");
+        }
+    }
+
+    /// The server's count of the prompt, which the estimate is calibrated by: OpenAI's usage
+    /// (streamed or not, written with or without spaces) and SGLang's `meta_info`; other
+    /// formats' counts are not read, and a prompt count never moves the output count.
+    #[test]
+    fn the_servers_prompt_count_is_read() {
+        let chat = chat_stream(true);
+        let plain = chat_stream(false);
+        let sglang = sglang_stream();
+        // (name, body, status_ok, completed, prompt count, output sample)
+        type PromptCase<'a> = (&'a str, &'a str, bool, bool, Option<u64>, Option<u64>);
+        let cases: &[PromptCase] = &[
+            ("chat reply", CHAT_REPLY, true, true, Some(9), Some(11)),
+            ("spaced reply", SPACED_REPLY, true, true, Some(9), Some(3)),
+            (
+                "chat stream with usage",
+                &chat,
+                true,
+                true,
+                Some(12),
+                Some(7),
+            ),
+            (
+                "chat stream without usage",
+                &plain,
+                true,
+                true,
+                None,
+                Some(5),
+            ),
+            ("sglang stream", &sglang, true, true, Some(7), Some(4)),
+            ("sglang reply", SGLANG_REPLY, true, true, Some(7), Some(2)),
+            (
+                "responses reply (input_tokens)",
+                RESPONSES_REPLY,
+                true,
+                true,
+                None,
+                Some(4),
+            ),
+            (
+                "anthropic reply (input_tokens)",
+                ANTHROPIC_REPLY,
+                true,
+                true,
+                None,
+                Some(8),
+            ),
+            ("failed", CHAT_REPLY, false, true, None, None),
+            ("cut off", CHAT_REPLY, true, false, None, None),
+            (
+                "no tokens",
+                r#"{"usage":{"prompt_tokens":0,"completion_tokens":2}}"#,
+                true,
+                true,
+                None,
+                Some(2),
+            ),
+            (
+                "count last",
+                r#"{"usage":{"completion_tokens":2,"prompt_tokens":41"#,
+                true,
+                true,
+                Some(41),
+                Some(2),
+            ),
+            (
+                "not a number",
+                r#"{"usage":{"prompt_tokens":"x","completion_tokens":2}}"#,
+                true,
+                true,
+                None,
+                Some(2),
+            ),
+        ];
+        for (name, body, ok, completed, prompt, sample) in cases {
+            let m = read(&[body.as_bytes()]);
+            assert_eq!(m.prompt_reported(*ok, *completed), *prompt, "{name}");
+            assert_eq!(m.finish(*ok, *completed), *sample, "{name}");
+            // Split anywhere, the same.
+            for at in 0..body.len() {
+                let (a, b) = body.as_bytes().split_at(at);
+                let m = read(&[a, b]);
+                assert_eq!(
+                    m.prompt_reported(*ok, *completed),
+                    *prompt,
+                    "{name} split at {at}"
+                );
+            }
         }
     }
 

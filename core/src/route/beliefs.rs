@@ -104,6 +104,10 @@ pub fn render(b: &Balancer, now_ms: u64, books: &mut dyn BookSource, held: Optio
                 "mean_tokens": opt(outputs.fleet().map(|o| o.mean)),
                 "sd_tokens": opt(outputs.fleet().map(|o| o.sd)),
             },
+            "prompt_ratio": {
+                "samples": b.prompt_samples(),
+                "engine_tokens_per_estimated_token": num(b.prompt_ratio()),
+            },
             "held_requests": held,
             "typical_request": {
                 "prompt_tokens": weight.prompt_tokens,

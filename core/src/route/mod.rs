@@ -11,6 +11,7 @@ pub mod outputs;
 mod pin_tests;
 #[cfg(test)]
 mod prefix_tests;
+pub mod prompt_scale;
 pub mod ranking;
 pub mod routers;
 pub mod survival;

@@ -89,6 +89,7 @@ stats! {
     TelemetryNotFoundNow Gauge "token_balancer.telemetry.not_found_now",
     TelemetryUnfiltered Counter "token_balancer.telemetry.unfiltered",
     HealthQuietNodes Gauge "token_balancer.health.quiet_nodes",
+    PromptRatioPermille Gauge "token_balancer.prompt_ratio_permille",
     NodesEjected Counter "token_balancer.nodes_ejected",
     NodesReadmitted Counter "token_balancer.nodes_readmitted",
     ModelsOk Counter "token_balancer.models.ok",

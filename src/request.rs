@@ -24,7 +24,7 @@
 use crate::asking::{Asking, Heard};
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::state::{admit_held, Placement, Replies, Shared, State, Waiting};
+use crate::state::{admit_held, Placement, Replies, Shared, State, Waiting, PROMPT_RATIO_STEP};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
@@ -497,6 +497,13 @@ impl<H: Host> Request<H> {
                 }
                 if let Some((estimated, reported)) = prompt {
                     s.balancer.observe_prompt(estimated, reported);
+                    let permille = s.balancer.prompt_permille();
+                    if s.prompt_permille == 0
+                        || permille.abs_diff(s.prompt_permille) >= PROMPT_RATIO_STEP
+                    {
+                        s.metrics.record(Stat::PromptRatioPermille, permille);
+                        s.prompt_permille = permille;
+                    }
                 }
                 if let Some(seconds) = tpot {
                     s.balancer.observe_tpot(&ticket, seconds, now);

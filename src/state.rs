@@ -43,7 +43,13 @@ pub struct State<H> {
     pub wake_queue: Option<u32>,
     /// What this VM does besides routing, with that role's own state.
     pub role: Role,
+    /// The prompt ratio last recorded in its gauge, in thousandths (0: none yet): the gauge
+    /// is moved when the ratio has moved by `PROMPT_RATIO_STEP`, not at every answer.
+    pub prompt_permille: u64,
 }
+
+/// How far (thousandths) the learned prompt ratio moves before its gauge is recorded again.
+pub const PROMPT_RATIO_STEP: u64 = 10;
 
 /// The state every context of a VM holds; `None` until the plugin is configured.
 pub type Shared<H> = Rc<RefCell<Option<State<H>>>>;
@@ -96,6 +102,7 @@ impl<H: Host> State<H> {
             wake_queue,
             config: Rc::new(config),
             role,
+            prompt_permille: 0,
         }
     }
 

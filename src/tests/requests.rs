@@ -520,7 +520,13 @@ fn prompts_are_booked_in_the_engines_tokens_once_answers_count_them() {
     }
     let (req, tokens) = booked(id, &text);
     assert_eq!(tokens, estimated, "failed answers are no samples");
+    assert_eq!(host.metric("token_balancer.prompt_ratio_permille"), 0);
     answered(id, req, "200");
+    assert_eq!(
+        host.metric("token_balancer.prompt_ratio_permille"),
+        1000,
+        "one answer: not used yet"
+    );
     id += 1;
     for _ in 1..MIN_SAMPLES {
         let (req, _) = booked(id, &text);
@@ -529,6 +535,7 @@ fn prompts_are_booked_in_the_engines_tokens_once_answers_count_them() {
     }
     let (_req, tokens) = booked(id, &text);
     assert_eq!(tokens, estimated / 2, "in the engines' tokens");
+    assert_eq!(host.metric("token_balancer.prompt_ratio_permille"), 500);
     // Token ids: one token an id, whatever the ratio.
     let ids = r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10],"max_tokens":4}"#;
     let (_req, tokens) = booked(id + 1, ids);

@@ -80,6 +80,7 @@ const GAUGES: &[&str] = &[
     "shared.inflight_tokens",
     "telemetry.not_found_now",
     "health.quiet_nodes",
+    "prompt_ratio_permille",
     "prefix.blocks",
     "prefix.bytes",
 ];
@@ -541,18 +542,21 @@ fn a_routed_request_costs_at_most_25_host_calls() {
     let (host, _service, mut worker) = singleton();
     host.enter(100);
     worker.on_tick();
-    // A first request: what is built once (metric ids, books keys) is built.
+    // A first request: what is built once (metric ids, books keys, the prompt ratio's gauge
+    // from the first count of a prompt) is built.
+    let usage = br#"{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
     let (mut req, _, _) = post(&host, &worker, 2, BODY);
     respond(&host, &mut req, 2, "200");
+    host.stream(2).response_body = usage.to_vec();
+    host.enter(2);
+    req.on_http_response_body(usage.len(), true);
     end(&host, &mut req, 2);
     host.take_host_calls();
     let (mut req, _, body) = post(&host, &worker, 3, BODY);
     assert_eq!(body, Action::Continue);
     let routed = host.take_host_calls();
     respond(&host, &mut req, 3, "200");
-    host.stream(3).response_body =
-        br#"{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#
-            .to_vec();
+    host.stream(3).response_body = usage.to_vec();
     host.enter(3);
     req.on_http_response_body(80, true);
     end(&host, &mut req, 3);

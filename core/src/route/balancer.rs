@@ -614,6 +614,11 @@ impl Balancer {
         self.prompt_scale.ratio()
     }
 
+    /// `prompt_ratio` in thousandths.
+    pub fn prompt_permille(&self) -> u64 {
+        self.prompt_scale.permille()
+    }
+
     /// Answers that have counted a prompt this filter estimated.
     pub fn prompt_samples(&self) -> u32 {
         self.prompt_scale.samples()

@@ -73,6 +73,11 @@ impl PromptScale {
         }
     }
 
+    /// `ratio` in thousandths, rounded.
+    pub fn permille(&self) -> u64 {
+        (self.ratio() * 1000.0).round() as u64
+    }
+
     /// Prompts counted so far.
     pub fn samples(&self) -> u32 {
         self.samples

@@ -496,16 +496,21 @@ def test_images_are_priced_as_prompt_when_asked(envoy, cluster):
 
 def test_an_agents_tools_are_priced_as_its_prompt(envoy):
     """The tools a chat request offers are rendered into its prompt by the engine: the filter
-    prices them (an agent's tool list is often thousands of tokens no message shows)."""
+    prices them (an agent's tool list is often thousands of tokens no message shows), in the
+    engines' tokens once their answers have taught it how they count (this module's Envoy has
+    served the earlier tests' requests: `prompt_ratio_permille`)."""
     tool = {"type": "function", "function": {
         "name": "read_file", "description": "Read one file of the repository and return it. " * 10,
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
     plain = debug_fields(envoy.post("/v1/chat/completions", chat("What does main.rs do?", 8)))
     agent = debug_fields(envoy.post("/v1/chat/completions",
                                     {**chat("What does main.rs do?", 8), "tools": [tool] * 8}))
-    # Eight tools of about 500 characters each: about 1,100 tokens more.
+    # Eight tools of about 500 characters each: about 1,100 tokens more by the filter's rule,
+    # scaled by the ratio learned (its gauge moves in steps of 0.01: 2% of slack).
+    permille = envoy.counter("token_balancer.prompt_ratio_permille")
+    ratio = permille / 1000 if permille else 1.0
     added = int(agent["prompt_tokens"]) - int(plain["prompt_tokens"])
-    assert 1000 <= added <= 1300, (plain, agent)
+    assert 1000 * ratio * 0.98 <= added <= 1300 * ratio * 1.02, (plain, agent, ratio)
 
 
 def test_two_choices_spread_and_keep_the_rules(cluster):

@@ -382,31 +382,28 @@ impl OutputMeter {
         true
     }
 
-    /// The count the server reported last, counting one whose digits end the body so far.
-    fn reported(&self) -> Option<u64> {
+    /// A count whose digits end the body so far (of the prompt when `prompt`), not yet taken.
+    fn pending(&self, prompt: bool) -> Option<u64> {
         match self.scan {
             Scan::Count {
                 value,
                 overflow: false,
-                prompt: false,
-            } => Some(value),
-            _ => self.reported,
+                prompt: p,
+            } if p == prompt => Some(value),
+            _ => None,
         }
+    }
+
+    /// The count the server reported last, counting one whose digits end the body so far.
+    fn reported(&self) -> Option<u64> {
+        self.pending(false).or(self.reported)
     }
 
     /// The prompt's length as the server counted it, once the response has ended as `finish`
     /// takes a sample (a 200 read to its end); `None` when it sent no count.
     pub fn prompt_reported(&self, status_ok: bool, completed: bool) -> Option<u64> {
-        let pending = match self.scan {
-            Scan::Count {
-                value,
-                overflow: false,
-                prompt: true,
-            } => Some(value),
-            _ => None,
-        };
         (status_ok && completed)
-            .then(|| pending.unwrap_or(u64::from(self.prompt)))
+            .then(|| self.pending(true).unwrap_or(u64::from(self.prompt)))
             .filter(|&n| n > 0)
     }
 

@@ -302,6 +302,43 @@ def test_anthropics_messages_api_through_envoy(envoy):
     assert fallbacks(envoy) == fell_back
 
 
+def test_streams_that_ask_no_usage_still_count_the_prompt(fleet):
+    """llama-server sends a stream's usage only when the client asks for it
+    (`stream_options.include_usage`), as OpenAI's API says, but puts its `timings` on the last
+    event of every stream: the prompt tokens it computed (`prompt_n`) and found cached
+    (`cache_n`). The filter learns how the server counts prompts from those, so streams that
+    ask for nothing calibrate its estimates too. The same prompt each time: after the first,
+    almost all of it is cached, and the two parts still add up to the server's count."""
+    envoy = start_envoy(fleet, [llamacpp_node() for _ in SPECS])
+    ratio = "token_balancer.prompt_ratio_permille"
+    try:
+        fresh_reports(envoy, len(SPECS))
+        text = "In one word, what is this about? " + " ".join(
+            "the model server request token cluster latency memory answer question".split() * 8)
+        # The server's own count of this prompt, asked directly.
+        counted = fleet[0].post("/v1/chat/completions", chat(text, 1)).json()["usage"]["prompt_tokens"]
+
+        def stream():
+            r = envoy.post("/v1/chat/completions", chat(text, 2, stream=True), timeout=120)
+            assert r.status == 200, (r.status, r.body[:300])
+            events = real_engines.sse_events(r.body)
+            assert not [e for e in events if isinstance(e, dict) and e.get("usage")], "no usage was asked for"
+            assert any(isinstance(e, dict) and "timings" in e for e in events), events[-2:]
+            return r
+
+        booked = dict(kv.split("=", 1) for kv in stream().headers["x-token-balancer"].split("; "))
+        estimate = int(booked["prompt_tokens"])
+        assert envoy.counter(ratio) in (0, 1000), "not learned from one answer"
+        for _ in range(24):
+            stream()
+        wait_until(lambda: envoy.counter(ratio) not in (0, 1000), 10,
+                   lambda: f"the ratio learned (gauge {envoy.counter(ratio)})")
+        expected = 1000 * counted / estimate
+        assert abs(envoy.counter(ratio) - expected) <= 0.05 * expected + 10, (envoy.counter(ratio), counted, estimate)
+    finally:
+        envoy.stop()
+
+
 def test_a_real_server_killed_under_load_costs_no_failed_request(engine):
     specs = [Spec("a", parallel=2, ctx_size=2048, aliases=(MODEL,)),
              Spec("b", parallel=2, ctx_size=2048, aliases=(MODEL,)),

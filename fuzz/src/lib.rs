@@ -551,8 +551,12 @@ fn meter(chunks: &[&[u8]]) -> OutputMeter {
 }
 
 /// What a meter tells the filter: the running count and the sample.
-fn told(m: &OutputMeter) -> (u64, Option<u64>) {
-    (m.progress(), m.finish(true, true))
+fn told(m: &OutputMeter) -> (u64, Option<u64>, Option<u64>) {
+    (
+        m.progress(),
+        m.finish(true, true),
+        m.prompt_reported(true, true),
+    )
 }
 
 /// The response body metered as Envoy may hand it over: the input is the whole body, cut into
@@ -675,6 +679,23 @@ pub fn response_usage(data: &[u8]) {
     let last = with(format!(",\"output_tokens\": {n}}}").as_bytes());
     assert_eq!(last.finish(true, true), (n > 0).then_some(n));
     assert!(last.progress() >= n);
+
+    // llama.cpp's timings at the end count the prompt, unless a usage count of it came first;
+    // they move neither the output count nor its sample.
+    let (computed, cached) = (n & 0xffff, n >> 48);
+    let timed =
+        with(format!(",\"timings\":{{\"cache_n\":{cached},\"prompt_n\":{computed}}}").as_bytes());
+    let usage = with(b",").prompt_reported(true, true);
+    let from_timings = (computed > 0).then_some(computed + cached);
+    assert_eq!(
+        timed.prompt_reported(true, true),
+        usage.or(from_timings),
+        "{usage:?} then timings {cached} + {computed}"
+    );
+    assert_eq!(
+        (timed.progress(), timed.finish(true, true)),
+        (ended, with(b",").finish(true, true))
+    );
 }
 
 /// The report invariants any health answer must meet once turned into a `Report`: every number

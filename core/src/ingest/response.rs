@@ -70,11 +70,15 @@
 //! the books of requests in flight advance by, which never goes back; [`OutputMeter::finish`],
 //! the output length a response that ended is a sample of — only a 200 read to its end, with a
 //! positive count, is one; and [`OutputMeter::prompt_reported`], the prompt's length as the
-//! server counted it (`"prompt_tokens":N` in OpenAI's usage and SGLang's `meta_info`), which
-//! the filter's estimate of prompts is calibrated by (`route::prompt_scale`).
+//! server counted it, which the filter's estimate of prompts is calibrated by
+//! (`route::prompt_scale`): `"prompt_tokens":N` in OpenAI's usage and SGLang's `meta_info`,
+//! else llama.cpp's `timings` (`prompt_n` computed plus `cache_n` found cached), which its
+//! server puts on the last event of every stream, with or without usage. OpenAI-compatible
+//! servers send a stream's usage only when the client asks for it
+//! (`stream_options.include_usage`), so without `timings` most streams carry no prompt count.
 
 /// The keys the scan reads: the name between the quotes, and what its value is.
-const KEYS: [(&[u8], Kind); 13] = [
+const KEYS: [(&[u8], Kind); 15] = [
     (b"content", Kind::Text),
     (b"text", Kind::Text),
     (b"delta", Kind::Text),
@@ -83,11 +87,13 @@ const KEYS: [(&[u8], Kind); 13] = [
     (b"thinking", Kind::Thought),
     (b"arguments", Kind::Text),
     (b"partial_json", Kind::Text),
-    (b"completion_tokens", Kind::Count),
-    (b"output_tokens", Kind::Count),
-    (b"tokens_predicted", Kind::Count),
-    (b"generated_tokens", Kind::Count),
-    (b"prompt_tokens", Kind::Prompt),
+    (b"completion_tokens", Kind::Count(Number::Output)),
+    (b"output_tokens", Kind::Count(Number::Output)),
+    (b"tokens_predicted", Kind::Count(Number::Output)),
+    (b"generated_tokens", Kind::Count(Number::Output)),
+    (b"prompt_tokens", Kind::Count(Number::Prompt)),
+    (b"prompt_n", Kind::Count(Number::Computed)),
+    (b"cache_n", Kind::Count(Number::Cached)),
 ];
 
 /// Chunks of one content event each a stream must show, read, before one is counted unread.
@@ -107,11 +113,22 @@ enum Kind {
     /// A string of thinking: a content event when it is not empty and no other thinking of
     /// the same line was one (vLLM sends a delta's thinking under both of its names).
     Thought,
-    /// A number: the server's output count.
-    Count,
-    /// A number: the server's count of the prompt (OpenAI's `usage.prompt_tokens`, SGLang's
+    /// A number, of what.
+    Count(Number),
+}
+
+/// What a number the scan reads counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Number {
+    /// The server's output count.
+    Output,
+    /// The server's count of the prompt (OpenAI's `usage.prompt_tokens`, SGLang's
     /// `meta_info`), what the filter's estimate of it is calibrated by (see `PromptScale`).
     Prompt,
+    /// llama.cpp's `timings`: the prompt tokens computed (`prompt_n`) and those found in the
+    /// cache (`cache_n`); together, the prompt's count when no usage gives it.
+    Computed,
+    Cached,
 }
 
 /// What kind of body the response is, from its first byte.
@@ -140,12 +157,11 @@ enum Scan {
     Value(Kind),
     /// After a text value's opening quote (of thinking, or not).
     Text { thought: bool },
-    /// In a count's digits (`overflow` when they are past `u64`: no count), of the prompt's
-    /// count when `prompt`.
+    /// In a count's digits (`overflow` when they are past `u64`: no count), of `of`.
     Count {
         value: u64,
         overflow: bool,
-        prompt: bool,
+        of: Number,
     },
 }
 
@@ -190,14 +206,19 @@ pub struct OutputMeter {
     scan: Scan,
     /// Content events seen.
     events: u64,
-    /// The last count the server reported whose digits have ended.
-    reported: Option<u64>,
+    /// The last count the server reported whose digits have ended, when `has_reported` (an
+    /// `Option` would take eight bytes more: the meter is carried by every response in flight).
+    reported: u64,
+    has_reported: bool,
     /// The highest such count.
     highest: u64,
     /// The last prompt count the server reported whose digits have ended (0: none; a prompt
     /// of no tokens is no sample either), at most `u32::MAX` (kept small: the meter is carried
-    /// by every response in flight).
+    /// by every response in flight); and the last of llama.cpp's `timings` (`prompt_n`, of
+    /// which 0 is none: the server computes at least one token of every prompt; `cache_n`).
     prompt: u32,
+    computed: u32,
+    cached: u32,
     /// Sizes of the chunks read that were each exactly one content event (smallest, largest),
     /// how many such were read, and chunks of such a size counted unread since the last read.
     single: Option<(u16, u16)>,
@@ -244,8 +265,11 @@ impl OutputMeter {
     /// Reads the next chunk of the response body.
     pub fn feed(&mut self, chunk: &[u8]) {
         let at_boundary = self.body != Body::Reply && self.scan == Scan::Idle;
-        let (events, highest, reported, prompt) =
-            (self.events, self.highest, self.reported, self.prompt);
+        let counts = |m: &Self| {
+            let reported = m.has_reported.then_some(m.reported);
+            (m.highest, reported, m.prompt, m.computed, m.cached)
+        };
+        let (events, before) = (self.events, counts(self));
         self.scan_chunk(chunk);
         // One content event from one boundary to the next, and no count: the size of a chunk
         // that may later be counted unread.
@@ -255,7 +279,7 @@ impl OutputMeter {
             && self.body == Body::Stream
             && self.scan == Scan::Idle
             && self.events == events.saturating_add(1)
-            && (self.highest, self.reported, self.prompt) == (highest, reported, prompt);
+            && counts(self) == before;
         let size = size.unwrap_or(u16::MAX);
         let within = self
             .single
@@ -332,10 +356,10 @@ impl OutputMeter {
             Scan::Value(kind @ (Kind::Text | Kind::Thought)) if b == b'"' => Scan::Text {
                 thought: kind == Kind::Thought,
             },
-            Scan::Value(kind @ (Kind::Count | Kind::Prompt)) if b.is_ascii_digit() => Scan::Count {
+            Scan::Value(Kind::Count(of)) if b.is_ascii_digit() => Scan::Count {
                 value: u64::from(b - b'0'),
                 overflow: false,
-                prompt: kind == Kind::Prompt,
+                of,
             },
             Scan::Text { thought } if b != b'"' => {
                 if !(thought && self.thought_in_line) {
@@ -347,7 +371,7 @@ impl OutputMeter {
             Scan::Count {
                 value,
                 overflow,
-                prompt,
+                of,
             } if b.is_ascii_digit() => {
                 let next = value
                     .checked_mul(10)
@@ -355,19 +379,23 @@ impl OutputMeter {
                 Scan::Count {
                     value: next.unwrap_or(value),
                     overflow: overflow || next.is_none(),
-                    prompt,
+                    of,
                 }
             }
             Scan::Count {
                 value,
                 overflow,
-                prompt,
+                of,
             } => {
-                match (overflow, prompt) {
+                let small = u32::try_from(value).unwrap_or(u32::MAX);
+                match (overflow, of) {
                     (true, _) => {}
-                    (false, true) => self.prompt = u32::try_from(value).unwrap_or(u32::MAX),
-                    (false, false) => {
-                        self.reported = Some(value);
+                    (false, Number::Prompt) => self.prompt = small,
+                    (false, Number::Computed) => self.computed = small,
+                    (false, Number::Cached) => self.cached = small,
+                    (false, Number::Output) => {
+                        self.reported = value;
+                        self.has_reported = true;
                         self.highest = self.highest.max(value);
                     }
                 }
@@ -382,29 +410,37 @@ impl OutputMeter {
         true
     }
 
-    /// A count whose digits end the body so far (of the prompt when `prompt`), not yet taken.
-    fn pending(&self, prompt: bool) -> Option<u64> {
+    /// A count of `of` whose digits end the body so far, not yet taken.
+    fn pending(&self, of: Number) -> Option<u64> {
         match self.scan {
             Scan::Count {
                 value,
                 overflow: false,
-                prompt: p,
-            } if p == prompt => Some(value),
+                of: o,
+            } if o == of => Some(value),
             _ => None,
         }
     }
 
     /// The count the server reported last, counting one whose digits end the body so far.
     fn reported(&self) -> Option<u64> {
-        self.pending(false).or(self.reported)
+        self.pending(Number::Output)
+            .or(self.has_reported.then_some(self.reported))
     }
 
     /// The prompt's length as the server counted it, once the response has ended as `finish`
-    /// takes a sample (a 200 read to its end); `None` when it sent no count.
+    /// takes a sample (a 200 read to its end): its usage's count, else llama.cpp's timings
+    /// (computed plus cached); `None` when it sent neither.
     pub fn prompt_reported(&self, status_ok: bool, completed: bool) -> Option<u64> {
-        (status_ok && completed)
-            .then(|| self.pending(true).unwrap_or(u64::from(self.prompt)))
-            .filter(|&n| n > 0)
+        if !(status_ok && completed) {
+            return None;
+        }
+        let usage = self
+            .pending(Number::Prompt)
+            .unwrap_or(u64::from(self.prompt));
+        let timed = (self.computed > 0)
+            .then(|| u64::from(self.computed).saturating_add(u64::from(self.cached)));
+        Some(usage).filter(|&n| n > 0).or(timed)
     }
 
     /// Output tokens delivered so far, for the books of requests in flight: the content events
@@ -1126,6 +1162,38 @@ mod tests {
                 None,
                 Some(2),
             ),
+            (
+                "llama.cpp's timings, no usage",
+                "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[{\"finish_reason\":\"length\",\"delta\":{}}],\"timings\":{\"cache_n\":30,\"prompt_n\":7,\"prompt_ms\":1.5,\"predicted_n\":1}}\n\ndata: [DONE]\n\n",
+                true,
+                true,
+                Some(37),
+                Some(1),
+            ),
+            (
+                "usage before timings",
+                r#"{"usage":{"completion_tokens":2,"prompt_tokens":41},"timings":{"cache_n":1,"prompt_n":2}}"#,
+                true,
+                true,
+                Some(41),
+                Some(2),
+            ),
+            (
+                "nothing computed is no count",
+                r#"{"usage":{"completion_tokens":2},"timings":{"cache_n":9,"prompt_n":0}}"#,
+                true,
+                true,
+                None,
+                Some(2),
+            ),
+            (
+                "timings of a failed answer",
+                r#"{"usage":{"completion_tokens":2},"timings":{"cache_n":0,"prompt_n":5}}"#,
+                false,
+                true,
+                None,
+                None,
+            ),
         ];
         for (name, body, ok, completed, prompt, sample) in cases {
             let m = read(&[body.as_bytes()]);
@@ -1309,21 +1377,26 @@ mod tests {
     /// count and sample as reading every byte, most chunks unread.
     #[test]
     fn real_streams_are_counted_as_if_read() {
+        // (body, the server's output count, its prompt count: the usage's when asked for,
+        // else its timings', the same)
         let streams = [
             (
                 include_str!("../../tests/data/streams/llamacpp_chat.sse"),
                 None,
+                37,
             ),
             (
                 include_str!("../../tests/data/streams/llamacpp_chat_usage.sse"),
                 Some(40),
+                37,
             ),
             (
                 include_str!("../../tests/data/streams/llamacpp_completion.sse"),
                 None,
+                4,
             ),
         ];
-        for (body, usage) in streams {
+        for (body, usage, prompt) in streams {
             let chunks: Vec<String> = body.split_inclusive("\n\n").map(str::to_string).collect();
             assert!(chunks.len() >= 40, "{}", chunks.len());
             let whole = read(&[body.as_bytes()]);
@@ -1331,6 +1404,10 @@ mod tests {
             assert_eq!(seen(&m), seen(&whole));
             // 40 tokens, each an event (or the server's count).
             assert_eq!(seen(&m).1, Some(usage.unwrap_or(40)));
+            // The prompt's count, from the usage or the timings of the last choice's event,
+            // which is never counted unread.
+            assert_eq!(m.prompt_reported(true, true), Some(prompt));
+            assert_eq!(whole.prompt_reported(true, true), Some(prompt));
             let reads = read.iter().filter(|r| **r).count();
             assert!(reads * 2 < chunks.len(), "{reads} of {} read", chunks.len());
         }
@@ -1353,6 +1430,9 @@ mod tests {
         let (m, reads) = follow(&chunks);
         assert_eq!(seen(&m), seen(&whole));
         assert_eq!(seen(&m), (deltas as u64 + 4, Some(21)));
+        // Its usage says `input_tokens`, which is not read; its timings count the prompt: 23
+        // computed and 3 cached, the 26 of `input_tokens`.
+        assert_eq!(m.prompt_reported(true, true), Some(26));
         // Before the closing events, the count is the deltas so far.
         let (before_close, _) = follow(&chunks[..chunks.len() - 4]);
         assert_eq!(before_close.progress(), deltas as u64);
@@ -1369,16 +1449,20 @@ mod tests {
     /// chunk by chunk as if read whole, at the server's count.
     #[test]
     fn real_messages_and_native_streams_are_followed() {
-        for (body, events, count) in [
+        // (body, a token's event, the server's output count, its prompt count: Anthropic's
+        // `input_tokens` are not read and this stream has no timings; the native one's timings)
+        for (body, events, count, prompt) in [
             (
                 include_str!("../../tests/data/streams/llamacpp_messages.sse"),
                 "event: content_block_delta\n",
                 21,
+                None,
             ),
             (
                 include_str!("../../tests/data/streams/llamacpp_native.sse"),
                 "data: {\"index\":0,\"content\":\"",
                 40,
+                Some(4),
             ),
         ] {
             let chunks: Vec<String> = body.split_inclusive("\n\n").map(str::to_string).collect();
@@ -1388,6 +1472,7 @@ mod tests {
             let (m, _) = follow(&chunks);
             assert_eq!(seen(&m), seen(&whole));
             assert_eq!(m.finish(true, true), Some(count));
+            assert_eq!(m.prompt_reported(true, true), prompt);
             // Before the last events the running count is the tokens so far.
             let (early, _) = follow(&chunks[..10]);
             assert!((8..=10).contains(&early.progress()), "{}", early.progress());

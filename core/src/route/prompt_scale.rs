@@ -7,10 +7,11 @@
 //! look 30% larger in the KV-cache check, so requests wait for room the cache has; 30% low,
 //! and caches overflow. The engines say the truth after the fact: OpenAI-compatible servers
 //! (vLLM, SGLang, llama.cpp's OpenAI endpoints, TGI's) count the prompt in each answer's
-//! `usage.prompt_tokens` (`ingest::response`). So the filter keeps the ratio of those counts
-//! to its own estimates of the same prompts, and scales every estimate by it: a calibration of
-//! its tokenizer-free rule against the model being served, as the output lengths are learned
-//! from the answers rather than taken from `max_tokens`.
+//! `usage.prompt_tokens` (a stream's, when the client asks for it), and llama.cpp's server in
+//! the `timings` that end its every stream (`ingest::response`). So the filter keeps the
+//! ratio of those counts to its own estimates of the same prompts, and scales every estimate
+//! by it: a calibration of its tokenizer-free rule against the model being served, as the
+//! output lengths are learned from the answers rather than taken from `max_tokens`.
 //!
 //! The ratio is of sums, not an average of ratios: a long prompt, where a fixed overhead
 //! matters least and the KV check most, weighs more than a short one. The sums fade, so the

@@ -237,6 +237,8 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
             cmd += ["--images", str(args.images)]
         if getattr(args, "turns", 1) > 1:
             cmd += ["--turns", str(args.turns)]
+        if getattr(args, "no_usage", False):
+            cmd += ["--no-usage"]
         cmd += getattr(args, "loadgen_extra", [])
         started = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -458,6 +460,10 @@ def main():
                          "continuing the answer the server stored (previous_response_id); the mock "
                          "nodes keep stored answers per node and refuse another node's with 404, as "
                          "vLLM does")
+    ap.add_argument("--no-usage", action="store_true",
+                    help="chat streams do not ask for their usage (stream_options.include_usage), as "
+                         "most clients do not: the engines then count no prompt in them, unless told "
+                         "to (--node-options force_usage=1, vLLM's --enable-force-include-usage)")
     ap.add_argument("--tools", type=int, default=0,
                     help="every request offers an agent's N tools (the same list each time, about 100 "
                          "tokens each, rendered into the prompt by the engine)")

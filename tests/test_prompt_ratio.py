@@ -1,7 +1,9 @@
 """Integration test: through a real Envoy, the filter learns how the engines count prompts from
 their answers' `usage.prompt_tokens` and scales its own estimates by it. The mock engines count
 1.3 tokens a word; the filter's rule (about 4 characters a token) counts the words sent here,
-7 characters each with their space, at about 1.75: a ratio near 0.75."""
+7 characters each with their space, at about 1.75: a ratio near 0.75. A stream carries the
+usage only when the client asks for it or the engine is told to send it anyway (vLLM's
+`--enable-force-include-usage`, the mock's `force_usage=1`)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,44 @@ def test_the_engines_count_of_a_prompt_is_learned_from_their_answers(poller):
         wait_until(lambda: envoy.counter(RATIO) not in (0, 1000), 10,
                    lambda: f"the ratio learned (gauge {envoy.counter(RATIO)})")
         assert 650 <= envoy.counter(RATIO) <= 850, envoy.counter(RATIO)
+    finally:
+        envoy.stop()
+        cluster.stop()
+
+
+@pytest.mark.parametrize("node, asked, learns", [
+    ("", False, False),
+    ("", True, True),
+    ("force_usage=1", False, True),
+])
+def test_a_stream_teaches_the_ratio_when_it_ends_with_the_count(node, asked, learns):
+    cluster = MockCluster([("node-a", node), ("node-b", node)])
+    envoy = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                               plugin={"tick_ms": 100}), concurrency=1)
+    try:
+        text = " ".join(WORDS * 30)
+        options = {"stream_options": {"include_usage": True}} if asked else {}
+
+        def stream(i: int) -> bool:
+            r = envoy.post("/v1/chat/completions", chat(f"{i} {text}", 4, stream=True, **options))
+            assert r.status == 200, r.body[:200]
+            assert (b'"usage"' in r.body) == learns, r.body[-300:]
+            return r.headers.get("x-token-balancer", "").startswith("node=")
+
+        wait_until(lambda: stream(0), 15, "a routed request")
+        for i in range(25):
+            stream(i + 1)
+        if learns:
+            wait_until(lambda: envoy.counter(RATIO) not in (0, 1000), 10,
+                       lambda: f"the ratio learned (gauge {envoy.counter(RATIO)})")
+            assert 650 <= envoy.counter(RATIO) <= 850, envoy.counter(RATIO)
+        else:
+            # No stream taught the ratio: the first count comes from a whole answer (which
+            # always has its usage), so the gauge shows one sample, not 27.
+            assert envoy.counter(RATIO) == 0, envoy.counter(RATIO)
+            assert envoy.post("/v1/chat/completions", chat(text, 4)).status == 200
+            wait_until(lambda: envoy.counter(RATIO) != 0, 10, "the whole answer counted")
+            assert envoy.counter(RATIO) == 1000, envoy.counter(RATIO)
     finally:
         envoy.stop()
         cluster.stop()

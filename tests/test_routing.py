@@ -150,10 +150,11 @@ def test_health_endpoints_unreachable_still_fail_open(cluster):
 
 
 def test_streaming_responses_arrive_intact_chunk_by_chunk(envoy):
-    """SSE events pass through Envoy as the node emits them, not buffered, none lost."""
+    """SSE events pass through Envoy as the node emits them, not buffered, none lost (the usage
+    asked for included)."""
     n_tokens = 40
     conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=30)
-    body = json.dumps(chat("tell me a story", n_tokens, stream=True))
+    body = json.dumps(chat("tell me a story", n_tokens, stream=True, stream_options={"include_usage": True}))
     t0 = time.monotonic()
     conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
     r = conn.getresponse()

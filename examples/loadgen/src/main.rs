@@ -74,6 +74,10 @@ usage: loadgen --url http://HOST:PORT [--url http://HOST:PORT ...]
                      balancer that keeps no affinity: request i goes to the (i mod n)-th,
                      and turn k of conversation c (--turns) to the ((c + k) mod n)-th, so
                      that each turn reaches another replica than the one before it
+  --no-usage         chat and token-id streams do not ask for their usage
+                     (stream_options.include_usage), as most clients do not; by default
+                     they ask, and the server ends each with the counts of its prompt
+                     and output
   --label NAME       name of this run in the output
   --out FILE         write every request and the summary as JSON";
 
@@ -148,6 +152,8 @@ struct Args {
     images: usize,
     /// Turns per conversation (`--turns`; 1: none).
     turns: usize,
+    /// Chat and token-id streams ask for their usage (not with `--no-usage`).
+    usage: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -178,6 +184,7 @@ fn parse_args() -> Result<Args, String> {
         tools: 0,
         images: 0,
         turns: 1,
+        usage: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -230,6 +237,7 @@ fn parse_args() -> Result<Args, String> {
                         format!("--api {name:?}: chat, responses, messages, generate or tokens")
                     })?;
             }
+            "--no-usage" => a.usage = false,
             "--label" => a.label = v()?,
             "--seed" => a.seed = pos(v()?, "--seed")? as u64,
             "--out" => a.out = Some(v()?),
@@ -674,6 +682,11 @@ async fn main() {
             };
             if let (Some(tools), Some(o)) = (&tools, body.as_object_mut()) {
                 o.insert("tools".into(), tools.clone());
+            }
+            if args.usage && matches!(args.api, Api::Chat | Api::Tokens) {
+                if let Some(o) = body.as_object_mut() {
+                    o.insert("stream_options".into(), json!({"include_usage": true}));
+                }
             }
             let wall_ms = (r.at_ms - selected[0].at_ms) / args.rate / args.time_scale;
             let prefix_key = match r.blocks.first() {

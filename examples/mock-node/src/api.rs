@@ -212,6 +212,10 @@ struct Completion {
     reasoning_tokens: u64,
     /// A chat stream's answer is a tool call, its tokens the call's arguments.
     tool_call: bool,
+    /// A chat or text stream ends with its usage: the client asked for it
+    /// (`stream_options.include_usage`), or the node sends it unasked (`force_usage=1`), as
+    /// vLLM, SGLang, llama.cpp and OpenAI's API do; otherwise no chunk carries it.
+    usage_in_stream: bool,
 }
 
 impl Completion {
@@ -499,14 +503,16 @@ impl Completion {
             // The last token's event carried the finish reason.
             Kind::Generate => return vec![Bytes::from_static(b"data: [DONE]\n\n")],
         };
-        vec![
-            sse(&self.object(json!({"object": self.chunk_object(), "choices": [last]}))),
-            sse(
-                &self.object(json!({"object": self.chunk_object(), "choices": [],
-                                    "usage": self.usage()})),
-            ),
-            Bytes::from_static(b"data: [DONE]\n\n"),
-        ]
+        let mut events = vec![sse(
+            &self.object(json!({"object": self.chunk_object(), "choices": [last]}))
+        )];
+        if self.usage_in_stream {
+            events.push(sse(&self.object(
+                json!({"object": self.chunk_object(), "choices": [], "usage": self.usage()}),
+            )));
+        }
+        events.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        events
     }
 }
 
@@ -640,6 +646,7 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         cached_tokens: cached_at_arrival,
         reasoning_tokens: (output as f64 * node.reasoning).round() as u64,
         tool_call: node.tool_calls,
+        usage_in_stream: usage_in_stream(&node, &body),
     };
 
     if !stream {
@@ -699,6 +706,16 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
     r
 }
 
+/// Whether a chat or text stream ends with its usage: the client asked for it, or the node
+/// sends it unasked (`force_usage=1`).
+fn usage_in_stream(node: &Node, body: &Value) -> bool {
+    node.force_usage
+        || body
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+}
+
 /// A completion answered at once with one token, without the engine: the upstream of the
 /// proxy-overhead benchmark, where the node's own time must be as close to nothing as a real
 /// HTTP server gets. Same shapes as an engine answer (whole, or the SSE events of a stream).
@@ -723,6 +740,7 @@ fn instant(
         cached_tokens: 0,
         reasoning_tokens: 0,
         tool_call: false,
+        usage_in_stream: usage_in_stream(node, body),
     };
     if !body.get("stream").and_then(Value::as_bool).unwrap_or(false) {
         return json_response(StatusCode::OK, &c.whole(token_text(0)));

@@ -60,6 +60,10 @@ Serves one mock GPU inference node per --node, all in this process.
                                                reasoning_content deltas (default 0)
                           tool_calls=1         an agent's turns: each streamed chat answer is
                                                one tool call, its tokens the arguments
+                          force_usage=1        a streamed chat or text answer ends with its
+                                               usage even when the client did not ask for it
+                                               (stream_options.include_usage), as vLLM does
+                                               with --enable-force-include-usage
                           instant_tokens=N     with instant=1: a streamed answer sends N
                                                token events, each its own chunk (default 1)
                           instant_gap_us=N     with instant=1: microseconds between those
@@ -97,6 +101,8 @@ pub struct NodeSpec {
     pub reasoning: f64,
     /// Every streamed chat answer is a tool call (`tool_calls=1`).
     pub tool_calls: bool,
+    /// Streamed chat and text answers carry their usage unasked (`force_usage=1`).
+    pub force_usage: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -182,6 +188,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let (mut instant_tokens, mut instant_gap_us) = (None, None);
     let mut reasoning = 0.0;
     let mut tool_calls = false;
+    let mut force_usage = false;
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -246,6 +253,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "instant" => instant = switch(k, v)?,
             "instant_tokens" => instant_tokens = Some(int(k, v)?),
             "tool_calls" => tool_calls = switch(k, v)?,
+            "force_usage" => force_usage = switch(k, v)?,
             "reasoning" => {
                 reasoning = float(k, v)?;
                 if reasoning > 1.0 {
@@ -301,6 +309,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         instant_gap_us: instant_gap_us.unwrap_or(0),
         reasoning,
         tool_calls,
+        force_usage,
     })
 }
 
@@ -385,6 +394,7 @@ mod tests {
         assert_eq!(run("--node 1,reasoning=0.75").nodes[0].reasoning, 0.75);
         assert_eq!(plain.reasoning, 0.0);
         assert!(run("--node 1,tool_calls=1").nodes[0].tool_calls && !plain.tool_calls);
+        assert!(run("--node 1,force_usage=1").nodes[0].force_usage && !plain.force_usage);
     }
 
     #[test]

@@ -110,6 +110,8 @@ pub struct Node {
     pub reasoning: f64,
     /// Every streamed chat answer is a tool call (`tool_calls=1`).
     pub tool_calls: bool,
+    /// Streamed chat and text answers carry their usage unasked (`force_usage=1`).
+    pub force_usage: bool,
     flavour: Flavour,
     /// What /health answers (the seed JSON, or the engine's own answer).
     pub health_mode: HealthMode,
@@ -201,6 +203,7 @@ impl Node {
             instant_gap_us: spec.instant_gap_us,
             reasoning: spec.reasoning,
             tool_calls: spec.tool_calls,
+            force_usage: spec.force_usage,
             flavour: spec.metrics,
             health_mode: spec.health,
             metrics_off: spec.metrics_off,

@@ -217,11 +217,76 @@ fn sse_events(body: &str) -> Vec<String> {
 
 const PROMPT: &str = "Hello, how are you today?";
 
+/// A chat body; streamed, it asks for the usage (`stream_options.include_usage`).
 fn chat_body(max_tokens: u64, stream: bool) -> String {
+    let usage = if stream {
+        r#","stream_options":{"include_usage":true}"#
+    } else {
+        ""
+    };
     format!(
-        r#"{{"model":"m1","stream":{stream},"max_tokens":{max_tokens},
+        r#"{{"model":"m1","stream":{stream},"max_tokens":{max_tokens}{usage},
             "messages":[{{"role":"user","content":"{PROMPT}"}}]}}"#
     )
+}
+
+/// As vLLM, SGLang, llama.cpp and OpenAI's API: a chat or text stream ends with its usage
+/// only when the client asks for it, or when the node sends it unasked (`force_usage=1`,
+/// vLLM's `--enable-force-include-usage`); a whole answer always has it.
+#[test]
+fn a_stream_carries_its_usage_only_when_asked_or_forced() {
+    let mock = start(
+        &[
+            "name=plain,instant=1",
+            "name=forced,instant=1,force_usage=1",
+        ],
+        &[],
+    );
+    let usage_events = |port: u16, path: &str, body: &str| -> Vec<Value> {
+        let r = Conn::open(port).call("POST", path, &[], body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let events = sse_events(&r.text());
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        events
+            .iter()
+            .filter(|e| e.as_str() != "[DONE]")
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .filter(|v| v.get("usage").is_some())
+            .collect()
+    };
+    let chat = |options: &str| {
+        format!(
+            r#"{{"model":"m","stream":true,"max_tokens":4{options},"messages":[{{"role":"user","content":"hi"}}]}}"#
+        )
+    };
+    let text = r#"{"prompt":"Once","max_tokens":4,"stream":true}"#;
+    let asked = r#","stream_options":{"include_usage":true}"#;
+    let declined = r#","stream_options":{"include_usage":false}"#;
+    let (plain, forced) = (mock.ports[0], mock.ports[1]);
+    for (port, path, body, usage) in [
+        (plain, "/v1/chat/completions", chat(""), false),
+        (plain, "/v1/chat/completions", chat(declined), false),
+        (plain, "/v1/chat/completions", chat(asked), true),
+        (plain, "/v1/completions", text.to_string(), false),
+        (forced, "/v1/chat/completions", chat(""), true),
+        (forced, "/v1/completions", text.to_string(), true),
+    ] {
+        let found = usage_events(port, path, &body);
+        assert_eq!(found.len(), usize::from(usage), "{path} {body}: {found:?}");
+        if let Some(u) = found.first() {
+            assert_eq!(u["choices"], Value::Array(vec![]), "{u}");
+            assert_eq!(u["usage"]["completion_tokens"], 1, "{u}");
+            assert!(u["usage"]["prompt_tokens"].as_u64() > Some(0), "{u}");
+        }
+    }
+    // A whole answer has its usage whatever was asked.
+    let r = Conn::open(plain).call(
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        &chat("").replace(r#""stream":true"#, r#""stream":false"#),
+    );
+    assert!(r.json()["usage"]["prompt_tokens"].as_u64() > Some(0));
 }
 
 #[test]
@@ -375,7 +440,7 @@ fn streaming_sends_one_event_per_token_as_produced() {
         "POST",
         "/v1/completions",
         &[("x-mock-output-tokens", "3")],
-        r#"{"prompt":"Once upon a time","max_tokens":8,"stream":true}"#,
+        r#"{"prompt":"Once upon a time","max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}"#,
     );
     let events = sse_events(&r.text());
     assert_eq!(events.len(), 3 + 3, "{events:?}");
@@ -557,7 +622,8 @@ fn prefix_cache_hits_show_in_headers_usage_stats_and_metrics() {
     assert_eq!(hit(&r), 0);
     // A stream reports, in its headers, what the cache held when it arrived, and the
     // exact figure in its final usage.
-    let body = serde_json::json!({"prompt": same, "max_tokens": 2, "stream": true});
+    let body = serde_json::json!({"prompt": same, "max_tokens": 2, "stream": true,
+                                  "stream_options": {"include_usage": true}});
     let r = c.call("POST", "/v1/completions", &[], &body.to_string());
     assert_eq!(hit(&r), full);
     let events = sse_events(&r.text());

@@ -496,7 +496,8 @@ impl<H: Host> Request<H> {
                         .observe_output(ticket.weight.prompt_tokens, output);
                 }
                 if let Some((estimated, reported)) = prompt {
-                    s.balancer.observe_prompt(estimated, reported);
+                    s.balancer
+                        .observe_prompt(self.model.as_deref(), estimated, reported);
                     let permille = s.balancer.prompt_permille();
                     if s.prompt_permille == 0
                         || permille.abs_diff(s.prompt_permille) >= PROMPT_RATIO_STEP
@@ -670,7 +671,9 @@ impl<H: Host> HttpContext for Request<H> {
                 if !e.ids {
                     let estimated = e.weight.prompt_tokens;
                     self.prompt_estimate = Some(estimated);
-                    if let Some(tokens) = self.with(|s| s.balancer.prompt_tokens(estimated)) {
+                    let model = e.model.as_deref();
+                    if let Some(tokens) = self.with(|s| s.balancer.prompt_tokens(model, estimated))
+                    {
                         e.weight.prompt_tokens = tokens;
                     }
                 }

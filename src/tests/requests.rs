@@ -541,3 +541,78 @@ fn prompts_are_booked_in_the_engines_tokens_once_answers_count_them() {
     let (_req, tokens) = booked(id + 1, ids);
     assert_eq!(tokens, 10);
 }
+
+/// A tokenizer is the model's: answers of model `a` count half the estimate and answers of
+/// `b` twice it, and once each has counted `MIN_SAMPLES` prompts, each model's next prompt is
+/// booked at its own ratio; a model no answer has counted is booked at the fleet's.
+#[test]
+fn each_models_prompts_are_booked_at_its_own_ratio() {
+    use token_balancer_core::ingest::request::{self as ingest, Api};
+    use token_balancer_core::route::prompt_scale::MIN_SAMPLES;
+    let (host, root) = reported(&config(""), IDLE);
+    let body = |model: &str| {
+        format!(
+            r#"{{"model":"{model}","prompt":"{}","max_tokens":4}}"#,
+            "hello there ".repeat(100)
+        )
+    };
+    let estimated = ingest::read(Api::Completions, body("a").as_bytes(), 256)
+        .unwrap()
+        .weight
+        .prompt_tokens;
+    let booked = |id: u32, model: &str| {
+        let sum = || -> u64 {
+            (0..2)
+                .map(|n| books(&root, n).unreflected_prompt_tokens)
+                .sum()
+        };
+        let before = sum();
+        let (req, _, _) = post(&host, &root, id, &body(model));
+        (req, sum() - before)
+    };
+    let answered = |id: u32, mut req: Request<FakeHost>, counted: u64| {
+        respond(&host, &mut req, id, "200");
+        let usage = format!(
+            r#"{{"choices":[{{"text":"a b c"}}],"usage":{{"prompt_tokens":{counted},"completion_tokens":3}}}}"#
+        );
+        host.stream(id).response_body = usage.as_bytes().to_vec();
+        host.enter(id);
+        req.on_http_response_body(usage.len(), true);
+        end(&host, &mut req, id);
+    };
+    // The fleet's ratio: (1/2 + 2) / 2, the answers weighed alike but for their fading.
+    let fleet = estimated * 5 / 4;
+    let mut id = 2;
+    for pair in 0..MIN_SAMPLES {
+        for (model, counted) in [("a", estimated / 2), ("b", estimated * 2)] {
+            let (req, tokens) = booked(id, model);
+            if pair < MIN_SAMPLES / 2 {
+                assert_eq!(tokens, estimated, "as estimated until answers count it");
+            } else {
+                // The fleet has counted enough, each model not yet: the fleet's (its gauge,
+                // which moves in steps of 0.01).
+                let ratio = host
+                    .metric("token_balancer.prompt_ratio_permille")
+                    .unsigned_abs();
+                let fleet_now = estimated * ratio / 1000;
+                assert!(
+                    tokens.abs_diff(fleet_now) <= estimated / 100 + 1,
+                    "{tokens} against {fleet_now}"
+                );
+            }
+            answered(id, req, counted);
+            id += 1;
+        }
+    }
+    let (_a, a) = booked(id, "a");
+    let (_b, b) = booked(id + 1, "b");
+    let (_c, c) = booked(id + 2, "c");
+    assert_eq!((a, b), (estimated / 2, estimated * 2));
+    assert!(c.abs_diff(fleet) <= 2, "{c} against {fleet}");
+    assert!(
+        host.metric("token_balancer.prompt_ratio_permille")
+            .abs_diff(1250)
+            <= 10,
+        "the gauge is the fleet's"
+    );
+}

@@ -34,7 +34,7 @@ use crate::rng::Rng;
 use crate::route::candidates::{self, Pool};
 use crate::route::choice::{self, Ask, AssumedCapacity, Growth, Params, Pin, Prefix, Ranked};
 use crate::route::outputs::OutputModel;
-use crate::route::prompt_scale::PromptScale;
+use crate::route::prompt_scale::{PromptScale, PromptScales};
 use crate::route::ranking::{self, Decision};
 use crate::route::routers::{self, Routers};
 pub use crate::share::fleet::Imported;
@@ -261,8 +261,8 @@ pub struct Balancer {
     mean_request_tokens: Option<f64>,
     /// Output lengths learned from the streams seen to completion.
     outputs: OutputModel,
-    /// Engine tokens per estimated prompt token (`prompt_scale`).
-    prompt_scale: PromptScale,
+    /// Engine tokens per estimated prompt token, the fleet's and each model's (`prompt_scale`).
+    prompt_scales: PromptScales,
     /// The candidates of the power-of-d choices and their drawing weights.
     pool: Pool,
     /// How many routers share the fleet, as this one can tell (see `routers`): with
@@ -330,7 +330,7 @@ impl Balancer {
             first_asked_ms: None,
             next_refresh: 0,
             outputs: OutputModel::default(),
-            prompt_scale: PromptScale::default(),
+            prompt_scales: PromptScales::default(),
             pool: Pool::default(),
             routers: Routers::default(),
             auto_choices: cfg.choices == Choices::Auto,
@@ -597,31 +597,39 @@ impl Balancer {
         self.outputs.observe(prompt_tokens, tokens);
     }
 
-    /// An answer's server counted `reported` prompt tokens for a prompt this filter estimated
-    /// from its text at `estimated` (before `prompt_tokens` scaled it; see `prompt_scale`).
-    pub fn observe_prompt(&mut self, estimated: u64, reported: u64) {
-        self.prompt_scale.observe(estimated, reported);
+    /// An answer's server counted `reported` prompt tokens for a prompt of `model` (the
+    /// request's) this filter estimated from its text at `estimated` (before `prompt_tokens`
+    /// scaled it; see `prompt_scale`).
+    pub fn observe_prompt(&mut self, model: Option<&str>, estimated: u64, reported: u64) {
+        self.prompt_scales.observe(model, estimated, reported);
     }
 
-    /// A prompt estimated from its text at `estimated` tokens, in the engines' tokens as their
-    /// answers have counted prompts so far (`prompt_scale`).
-    pub fn prompt_tokens(&self, estimated: u64) -> u64 {
-        self.prompt_scale.apply(estimated)
+    /// A prompt of `model` estimated from its text at `estimated` tokens, in the engines'
+    /// tokens as their answers have counted that model's prompts, or the fleet's until they
+    /// have counted enough (`prompt_scale`).
+    pub fn prompt_tokens(&self, model: Option<&str>, estimated: u64) -> u64 {
+        self.prompt_scales.of(model).apply(estimated)
     }
 
-    /// Engine tokens per estimated prompt token, as learned (1 until enough answers counted).
+    /// Engine tokens per estimated prompt token over the fleet, as learned (1 until enough
+    /// answers counted).
     pub fn prompt_ratio(&self) -> f64 {
-        self.prompt_scale.ratio()
+        self.prompt_scales.fleet().ratio()
     }
 
     /// `prompt_ratio` in thousandths.
     pub fn prompt_permille(&self) -> u64 {
-        self.prompt_scale.permille()
+        self.prompt_scales.fleet().permille()
     }
 
     /// Answers that have counted a prompt this filter estimated.
     pub fn prompt_samples(&self) -> u32 {
-        self.prompt_scale.samples()
+        self.prompt_scales.fleet().samples()
+    }
+
+    /// Each model's own ratio, the most recently counted first.
+    pub fn model_prompt_scales(&self) -> Vec<(&str, &PromptScale)> {
+        self.prompt_scales.models()
     }
 
     /// Chooses the nodes for a request and books it as in flight on the first. `weight` is

@@ -685,7 +685,8 @@ pub fn response_usage(data: &[u8]) {
     let (computed, cached) = (n & 0xffff, n >> 48);
     let timed =
         with(format!(",\"timings\":{{\"cache_n\":{cached},\"prompt_n\":{computed}}}").as_bytes());
-    let usage = with(b",").prompt_reported(true, true);
+    // The usage's count alone: timings that computed nothing count no prompt.
+    let usage = with(b",\"prompt_n\":0,").prompt_reported(true, true);
     let from_timings = (computed > 0).then_some(computed + cached);
     assert_eq!(
         timed.prompt_reported(true, true),

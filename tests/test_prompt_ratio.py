@@ -75,3 +75,41 @@ def test_a_stream_teaches_the_ratio_when_it_ends_with_the_count(node, asked, lea
     finally:
         envoy.stop()
         cluster.stop()
+
+
+def test_each_model_is_scaled_by_its_own_tokenizers_count():
+    """Two models whose tokenizers count the same text differently (the mock's `token_scale`:
+    model b's counts twice what a's do): once each model's answers have counted 20 prompts,
+    each model's next prompt is booked at its own ratio (the debug header says what was
+    booked), and the gauge shows the fleet's, between the two."""
+    cluster = MockCluster([("node-a", "models=a"), ("node-b", "models=b,token_scale=2")])
+    envoy = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                               plugin={"tick_ms": 100}), concurrency=1)
+    try:
+        # Both nodes reported and listed their models: each model's requests go to its node.
+        wait_until(lambda: envoy.counter("token_balancer.models.ok") >= 2
+                   and envoy.counter("token_balancer.health.ok") >= 4, 15,
+                   lambda: f"both nodes' reports and model lists: {envoy.counters()}")
+        text = " ".join(WORDS * 30)
+
+        def booked(model: str) -> int:
+            body = {**chat(text, 4), "model": model}
+            r = envoy.post("/v1/chat/completions", body)
+            assert r.status == 200, r.body[:200]
+            header = dict(kv.split("=", 1) for kv in r.headers["x-token-balancer"].split("; "))
+            assert header["node"] == cluster.nodes[0 if model == "a" else 1].address, header
+            return int(header["prompt_tokens"])
+
+        estimate = booked("a")
+        assert booked("b") == estimate, "the same text, the same estimate before any count"
+        for _ in range(25):
+            booked("a")
+            booked("b")
+        wait_until(lambda: envoy.counter(RATIO) not in (0, 1000), 10, "the fleet's ratio learned")
+        a, b = booked("a") / estimate, booked("b") / estimate
+        assert 0.65 <= a <= 0.85, (a, b)
+        assert 1.3 <= b <= 1.7, (a, b)
+        assert 1000 * a < envoy.counter(RATIO) < 1000 * b, envoy.counter(RATIO)
+    finally:
+        envoy.stop()
+        cluster.stop()

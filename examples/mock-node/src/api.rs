@@ -549,7 +549,9 @@ async fn completion(node: Arc<Node>, kind: Kind, req: Request<Incoming>) -> Resp
         }
     };
     let prompt_ids = match kind {
-        Kind::Chat => tokenize::chat_prompt_ids(&body),
+        Kind::Chat => {
+            tokenize::chat_prompt_ids(&body).map(|ids| tokenize::rescale(ids, node.token_scale))
+        }
         Kind::Text => tokenize::completion_prompt_ids(&body),
         Kind::Responses => {
             tokenize::responses_as_chat(&body).and_then(|c| tokenize::chat_prompt_ids(&c))

@@ -60,6 +60,8 @@ Serves one mock GPU inference node per --node, all in this process.
                                                reasoning_content deltas (default 0)
                           tool_calls=1         an agent's turns: each streamed chat answer is
                                                one tool call, its tokens the arguments
+                          token_scale=F        a chat prompt counts F times the tokens (0.25
+                                               to 4; default 1): another model's tokenizer
                           force_usage=1        a streamed chat or text answer ends with its
                                                usage even when the client did not ask for it
                                                (stream_options.include_usage), as vLLM does
@@ -103,6 +105,8 @@ pub struct NodeSpec {
     pub tool_calls: bool,
     /// Streamed chat and text answers carry their usage unasked (`force_usage=1`).
     pub force_usage: bool,
+    /// A chat prompt's tokens, as a share of the mock's own count (`token_scale=`).
+    pub token_scale: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -189,6 +193,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
     let mut reasoning = 0.0;
     let mut tool_calls = false;
     let mut force_usage = false;
+    let mut token_scale = 1.0;
     let float = |k: &str, v: &str| {
         v.parse::<f64>()
             .ok()
@@ -254,6 +259,12 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
             "instant_tokens" => instant_tokens = Some(int(k, v)?),
             "tool_calls" => tool_calls = switch(k, v)?,
             "force_usage" => force_usage = switch(k, v)?,
+            "token_scale" => {
+                token_scale = float(k, v)?;
+                if !(0.25..=4.0).contains(&token_scale) {
+                    return Err(err(format!("token_scale={v:?}: from 0.25 to 4")));
+                }
+            }
             "reasoning" => {
                 reasoning = float(k, v)?;
                 if reasoning > 1.0 {
@@ -310,6 +321,7 @@ fn parse_node(spec: &str) -> Result<NodeSpec, String> {
         reasoning,
         tool_calls,
         force_usage,
+        token_scale,
     })
 }
 
@@ -395,6 +407,8 @@ mod tests {
         assert_eq!(plain.reasoning, 0.0);
         assert!(run("--node 1,tool_calls=1").nodes[0].tool_calls && !plain.tool_calls);
         assert!(run("--node 1,force_usage=1").nodes[0].force_usage && !plain.force_usage);
+        assert_eq!(run("--node 1,token_scale=1.5").nodes[0].token_scale, 1.5);
+        assert_eq!(plain.token_scale, 1.0);
     }
 
     #[test]

@@ -112,6 +112,8 @@ pub struct Node {
     pub tool_calls: bool,
     /// Streamed chat and text answers carry their usage unasked (`force_usage=1`).
     pub force_usage: bool,
+    /// A chat prompt's tokens, as a share of the mock's own count (`token_scale=`).
+    pub token_scale: f64,
     flavour: Flavour,
     /// What /health answers (the seed JSON, or the engine's own answer).
     pub health_mode: HealthMode,
@@ -204,6 +206,7 @@ impl Node {
             reasoning: spec.reasoning,
             tool_calls: spec.tool_calls,
             force_usage: spec.force_usage,
+            token_scale: spec.token_scale,
             flavour: spec.metrics,
             health_mode: spec.health,
             metrics_off: spec.metrics_off,

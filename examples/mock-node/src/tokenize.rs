@@ -17,6 +17,28 @@ use serde_json::Value;
 /// Tokens a chat template adds per message.
 pub const PER_MESSAGE: u64 = 4;
 
+/// `ids` as another tokenizer would count them, `scale` times as many (`token_scale=`): each
+/// id kept, dropped or followed by ids derived from it, so that the same prompt gives the same
+/// ids (and its prefix is cached alike).
+pub fn rescale(ids: Vec<u64>, scale: f64) -> Vec<u64> {
+    if scale == 1.0 {
+        return ids;
+    }
+    let upto = |i: usize| (i as f64 * scale).floor() as usize;
+    let mut out = Vec::with_capacity(upto(ids.len()) + 1);
+    for (i, id) in ids.into_iter().enumerate() {
+        for k in 0..upto(i + 1) - upto(i) {
+            out.push(if k == 0 {
+                id
+            } else {
+                id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    .wrapping_add(k as u64)
+            });
+        }
+    }
+    out
+}
+
 /// Tokens in a piece of text.
 pub fn count(text: &str) -> u64 {
     let words = text.split_whitespace().count() as u64;
@@ -513,5 +535,27 @@ mod tests {
         // Token-id prompts are their own ids.
         let ids = completion_prompt_ids(&json!({"prompt": [[5, 6], [7]]})).unwrap();
         assert_eq!(ids, vec![5, 6, 7]);
+    }
+}
+
+#[cfg(test)]
+mod rescale_tests {
+    use super::*;
+
+    #[test]
+    fn another_tokenizer_counts_a_share_of_the_ids_alike_each_time() {
+        let ids: Vec<u64> = (100..200).collect();
+        for (scale, want) in [(1.0, 100), (0.5, 50), (2.0, 200), (1.5, 150), (0.25, 25)] {
+            let out = rescale(ids.clone(), scale);
+            assert_eq!(out.len(), want, "{scale}");
+            assert_eq!(
+                out,
+                rescale(ids.clone(), scale),
+                "the same prompt, the same ids"
+            );
+            // A prompt's prefix gives the prefix of its ids.
+            let head = rescale(ids[..40].to_vec(), scale);
+            assert_eq!(out.get(..head.len()), Some(&head[..]), "{scale}");
+        }
     }
 }

@@ -25,9 +25,10 @@
 //! ([`PromptScales`]): a fleet serving Llama and Qwen learns each one's. A model's own ratio
 //! is used once its answers alone have counted `MIN_SAMPLES` prompts; until then, and for
 //! requests that name no model, the fleet's, learned from every answer, stands in. At most
-//! `MAX_MODELS` are kept apart, the least recently counted giving way to a new one, so a
-//! client that sends a new name each time costs a bounded memory and leaves the fleet's
-//! ratio as it is.
+//! `MAX_MODELS` are kept apart, the least recently counted giving way to a new one: names
+//! that keep changing (an engine that serves any name, a client that invents them) cost a
+//! bounded memory, and a model pushed out is scaled by the fleet's ratio again until it has
+//! counted enough anew.
 
 /// Answers that must have counted a prompt before the ratio is used.
 pub const MIN_SAMPLES: u32 = 20;

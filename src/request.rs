@@ -667,10 +667,12 @@ impl<H: Host> HttpContext for Request<H> {
         let body = self.host.request_body(body_size).unwrap_or_default();
         match request::read_with_chain(self.api, &body, &pricing, block_chars) {
             Some(mut e) => {
-                // A prompt estimated from its text is counted in the engines' tokens.
+                // A prompt estimated from its text is counted in the engines' tokens, and
+                // the engine's count of it is a sample of how, unless parts of it were not
+                // estimated at all (images not priced, audio).
                 if !e.ids {
                     let estimated = e.weight.prompt_tokens;
-                    self.prompt_estimate = Some(estimated);
+                    self.prompt_estimate = (!e.uncounted).then_some(estimated);
                     let model = e.model.as_deref();
                     if let Some(tokens) = self.with(|s| s.balancer.prompt_tokens(model, estimated))
                     {

@@ -616,3 +616,22 @@ fn each_models_prompts_are_booked_at_its_own_ratio() {
         "the gauge is the fleet's"
     );
 }
+
+/// The engine's count of a prompt with an image it turns into tokens, while images are not
+/// priced (the default), is no sample of how it counts text: 30 such answers, counted at
+/// 1,000 tokens more than the text, leave the ratio unlearned (its gauge at 0: no sample).
+#[test]
+fn a_prompt_with_parts_not_priced_teaches_no_ratio() {
+    let (host, root) = reported(&config(""), IDLE);
+    let body = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello there"},{"type":"image_url","image_url":{"url":"https://x/y.png"}}]}],"max_tokens":4}"#;
+    let usage = br#"{"choices":[{"message":{"content":"a b c"}}],"usage":{"prompt_tokens":1010,"completion_tokens":3}}"#;
+    for id in 2..32 {
+        let (mut req, _, _) = post(&host, &root, id, body);
+        respond(&host, &mut req, id, "200");
+        host.stream(id).response_body = usage.to_vec();
+        host.enter(id);
+        req.on_http_response_body(usage.len(), true);
+        end(&host, &mut req, id);
+    }
+    assert_eq!(host.metric("token_balancer.prompt_ratio_permille"), 0);
+}

@@ -135,6 +135,19 @@ fn text_of_content(content: &Value, images: &ImagePricing) -> u64 {
     }
 }
 
+/// Whether every part of a message's content is priced (see `Prompt::prices_every_part`).
+fn content_priced(content: &Value, images: &ImagePricing) -> bool {
+    let Value::Array(parts) = content else {
+        return true;
+    };
+    parts.iter().all(|p| match Part::of(p) {
+        Part::Text(_) | Part::Json(_) => true,
+        Part::Content(c) => content_priced(c, images),
+        Part::Image(_) => images.enabled,
+        Part::Other => false,
+    })
+}
+
 /// What one part of a message's content holds for the prompt.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Part<'a> {
@@ -339,6 +352,10 @@ pub struct Estimate {
     /// The prompt is (or has) token ids, counted exactly: not an estimate to calibrate (see
     /// `route::prompt_scale`).
     pub ids: bool,
+    /// The prompt has parts the estimate counts nothing for while the engine counts them:
+    /// images while images are not priced, audio, video (see [`Prompt::prices_every_part`]).
+    /// The engine's count of such a prompt is no sample of how it counts text.
+    pub uncounted: bool,
 }
 
 /// Estimates a request's weight from its JSON body, or `None` when the body gives no basis
@@ -371,6 +388,7 @@ pub fn read_with_chain(
     };
     let mut responses = false;
     let mut ids = false;
+    let mut uncounted = false;
     let (weight, chain) = if api == Api::Count {
         // Costs the GPU nothing, whatever it carries; its model still says where it may go.
         (Weight::default(), Chain::NONE)
@@ -379,6 +397,7 @@ pub fn read_with_chain(
         let found = Prompt::of(api, &obj)?;
         responses = matches!(found, Prompt::Responses { .. });
         ids = matches!(found, Prompt::Text(v) | Prompt::Embed(v) if has_ids(v));
+        uncounted = !found.prices_every_part(&pricing.images);
         let weight = weight_of(api, found, &obj, pricing);
         let chain = match block_chars {
             Some(b) => prompt::chain_of(Some(found), &obj, model.as_deref(), b),
@@ -403,6 +422,7 @@ pub fn read_with_chain(
         continues,
         stores,
         ids,
+        uncounted,
     })
 }
 
@@ -599,6 +619,15 @@ impl<'a> Prompt<'a> {
             }
             Prompt::Text(_) | Prompt::Embed(_) => {}
         }
+    }
+
+    /// Whether every part of every turn is priced by its content: none is an image while
+    /// `images` counts nothing, nor audio or video (`Part::Other`), which the engine turns into
+    /// tokens the body does not tell.
+    fn prices_every_part(&self, images: &ImagePricing) -> bool {
+        let mut all = true;
+        self.turns(|t| all &= t.content.map_or(true, |c| content_priced(c, images)));
+        all
     }
 
     /// Estimated prompt tokens (see the module comment): every turn's content (images as
@@ -999,6 +1028,54 @@ mod tests {
         ];
         for (api, body, want) in cases {
             assert_eq!(estimate(*api, body.as_bytes(), 256), *want, "{body}");
+        }
+    }
+
+    /// A prompt with parts the estimate does not price (images while images count nothing,
+    /// audio) is marked, so that the engine's count of it calibrates nothing; with images
+    /// priced, an image is an estimate like text.
+    #[test]
+    fn prompts_with_parts_not_priced_are_marked() {
+        let on = Pricing {
+            default_max_tokens: 256,
+            images: ImagePricing::on(),
+        };
+        let off = Pricing::new(256);
+        let image = r#"{"type":"image_url","image_url":{"url":"https://x/y.png"}}"#;
+        let audio = r#"{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}"#;
+        let text = r#"{"type":"text","text":"abcd"}"#;
+        let chat = |parts: &[&str]| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":[{}]}}]}}"#,
+                parts.join(",")
+            )
+        };
+        let in_tool_result = format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"tool_result","content":[{image}]}}]}}],"max_tokens":5}}"#
+        );
+        // (api, body, marked with images off, marked with images priced)
+        let cases: Vec<(Api, String, bool, bool)> = vec![
+            (Api::Chat, chat(&[text]), false, false),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"abcd"}]}"#.into(),
+                false,
+                false,
+            ),
+            (Api::Chat, chat(&[text, image]), true, false),
+            (Api::Chat, chat(&[audio, text]), true, true),
+            (Api::Messages, in_tool_result, true, false),
+            (
+                Api::Completions,
+                r#"{"prompt":"abcd"}"#.into(),
+                false,
+                false,
+            ),
+        ];
+        for (api, body, marked_off, marked_on) in cases {
+            let read = |p: &Pricing| read_with_chain(api, body.as_bytes(), p, None).unwrap();
+            assert_eq!(read(&off).uncounted, marked_off, "{body}");
+            assert_eq!(read(&on).uncounted, marked_on, "{body}");
         }
     }
 

@@ -238,11 +238,6 @@ mod tests {
         }
         assert_eq!(s.apply(u64::MAX), u64::MAX, "saturates");
     }
-}
-
-#[cfg(test)]
-mod model_tests {
-    use super::*;
 
     /// Two models whose tokenizers count 0.7 and 1.3 engine tokens per estimated token, their
     /// answers interleaved: each is scaled by its own ratio once learned, the others (a model

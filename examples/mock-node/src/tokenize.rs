@@ -536,11 +536,6 @@ mod tests {
         let ids = completion_prompt_ids(&json!({"prompt": [[5, 6], [7]]})).unwrap();
         assert_eq!(ids, vec![5, 6, 7]);
     }
-}
-
-#[cfg(test)]
-mod rescale_tests {
-    use super::*;
 
     #[test]
     fn another_tokenizer_counts_a_share_of_the_ids_alike_each_time() {

@@ -170,20 +170,18 @@ impl<H: Host> State<H> {
             Role::Reader(_) => return (Vec::new(), config.tick_ms),
         };
         // The fleet may grow or shrink (membership): the slices follow it.
-        let due = polls
-            .schedule
-            .due(balancer.nodes().len(), config.tick_ms, now_ms);
+        let nodes = balancer.nodes();
+        let due = polls.schedule.due(nodes.len(), config.tick_ms, now_ms);
         let slices = polls.schedule.slices();
-        let mut quiet = 0u64;
-        for (i, state) in balancer.nodes().iter().enumerate() {
-            quiet += u64::from(state.member() && state.quiet_reports() > 0);
+        for i in due
+            .iter()
+            .flat_map(|&slice| polling::slice_nodes(slice, slices, nodes.len()))
+        {
+            let Some(state) = nodes.get(i) else { continue };
             // A node whose last poll is still outstanding is not polled again: slow nodes must
             // not pile up callouts. A node out of the cluster is not polled at all, a quiet
             // one only once its longer period is up (see `polling`).
-            if !state.member()
-                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
-                || polls.health.is_asked(i, state.tenant())
-            {
+            if !state.member() || polls.health.is_asked(i, state.tenant()) {
                 continue;
             }
             // Prompts sent there whose first token has not come back: this VM's own books,
@@ -197,8 +195,13 @@ impl<H: Host> State<H> {
             }
             send_health(host, config, balancer, polls, metrics, i);
         }
-        if !due.is_empty() {
-            metrics.record(Stat::HealthQuietNodes, quiet);
+        // The gauge once a round: counting the quiet nodes is a walk over the whole fleet.
+        if polls.schedule.round_polled() {
+            let quiet = nodes
+                .iter()
+                .filter(|n| n.member() && n.quiet_reports() > 0)
+                .count();
+            metrics.record(Stat::HealthQuietNodes, quiet as u64);
         }
         (due, polls.schedule.period_ms())
     }
@@ -221,11 +224,16 @@ impl<H: Host> State<H> {
         }
         let slices = polls.schedule.slices();
         let timeout = Duration::from_millis(config.health_timeout_ms);
-        for (i, state) in balancer.nodes().iter().enumerate() {
-            let Some(node) = balancer.node_config(i) else {
-                continue;
-            };
-            let Some(p) = polls.list_polls.get_mut(i) else {
+        let nodes = balancer.nodes();
+        for i in due
+            .iter()
+            .flat_map(|&slice| polling::slice_nodes(slice, slices, nodes.len()))
+        {
+            let (Some(state), Some(node), Some(p)) = (
+                nodes.get(i),
+                balancer.node_config(i),
+                polls.list_polls.get_mut(i),
+            ) else {
                 continue;
             };
             // Lists are asked in the slice their node's health is: a thousand nodes due at
@@ -233,7 +241,6 @@ impl<H: Host> State<H> {
             if !state.member()
                 || !balancer.learns_models(i)
                 || !p.due(now_ms)
-                || !due.iter().any(|&slice| polling::in_slice(i, slice, slices))
                 || polls.models.is_asked(i, state.tenant())
             {
                 continue;

@@ -120,10 +120,14 @@ impl Picker {
         let slices = polls.schedule.slices();
         let timeout = Duration::from_millis(config.health_timeout_ms);
         let mut out = Vec::new();
-        for (i, state) in balancer.nodes().iter().enumerate() {
-            if !state.member() || !due.iter().any(|&s| polling::in_slice(i, s, slices)) {
+        let nodes = balancer.nodes();
+        for i in due
+            .iter()
+            .flat_map(|&s| polling::slice_nodes(s, slices, nodes.len()))
+        {
+            let Some(state) = nodes.get(i).filter(|n| n.member()) else {
                 continue;
-            }
+            };
             let (Some(node), Some(path)) = (balancer.node_config(i), balancer.health_path(i))
             else {
                 continue;

@@ -10,6 +10,7 @@
 use crate::host::Host;
 use crate::metrics::{NodeStat, Stat};
 use crate::polls::{send_health, Polls};
+use crate::roles::Role;
 use crate::state::State;
 use log::{debug, info, warn};
 use token_balancer_core::config::DEFAULT_HEALTH_PATH;
@@ -163,6 +164,7 @@ impl<H: Host> State<H> {
                     .unwrap_or_default()
                     .to_string();
                 let answered = self.balancer.on_health_answer(node, polled, now);
+                self.check_waiting(node);
                 let state = self.balancer.nodes().get(node);
                 if let Some((hits, queries)) = state.and_then(|n| n.engine_prefix()) {
                     self.metrics
@@ -210,6 +212,27 @@ impl<H: Host> State<H> {
             self.publish(now);
         }
         fresh
+    }
+
+    /// The poller service, at node `node`'s answer: if the answer lets the node wait longer
+    /// than a tick for its next poll, whether a prompt a worker sent there still waits for
+    /// its first token decides (one read of its shared books); a node polled every tick
+    /// anyway needs no read. Between answers, the workers name the node on the wake list.
+    fn check_waiting(&mut self, node: usize) {
+        let State {
+            host,
+            balancer,
+            role,
+            ..
+        } = self;
+        let Role::Service(polls, service) = role else {
+            return;
+        };
+        let late = balancer.nodes().get(node).is_some_and(|n| n.grace_ms() > 0);
+        let waiting = late && service.prefilling(&mut *host, node);
+        if let Some(w) = polls.waiting.get_mut(node) {
+            *w = waiting;
+        }
     }
 
     /// Says, once per node, where its telemetry was found or that it was not (see

@@ -107,6 +107,7 @@ stats! {
     SharedBooksGone Counter "token_balancer.shared.books_gone",
     SharedPublished Counter "token_balancer.shared.published",
     SharedImported Counter "token_balancer.shared.imported",
+    SharedWakesLost Counter "token_balancer.shared.wakes_lost",
     SharedInflightRequests Gauge "token_balancer.shared.inflight_requests",
     SharedInflightTokens Gauge "token_balancer.shared.inflight_tokens",
     PrefixPromptTokens Counter "token_balancer.prefix.prompt_tokens",
@@ -338,6 +339,7 @@ impl<H: Host> Metrics<H> {
             (Stat::SharedBooksGone, c.books_gone),
             (Stat::SharedPublished, c.published),
             (Stat::SharedImported, c.imported),
+            (Stat::SharedWakesLost, c.wakes_lost),
         ]);
     }
 

@@ -179,6 +179,23 @@ impl<H: Host> State<H> {
         }
     }
 
+    /// Reader: a prompt was just sent to `node`; if the poller service may be polling it less
+    /// often than every tick (`NodeState::polled_late`), it is named on the wake list, once
+    /// per report of it (`share::wake`), so the service polls it every tick again while the
+    /// prompt waits.
+    pub fn wake(&mut self, node: usize) {
+        let Role::Reader(reader) = &mut self.role else {
+            return;
+        };
+        let Some(state) = self.balancer.nodes().get(node) else {
+            return;
+        };
+        if state.polled_late() {
+            let counts = reader.wake(&mut self.host, node, state.epoch());
+            self.metrics.count(&counts);
+        }
+    }
+
     /// Reader: takes a new fleet snapshot if the version moved, and says whether there is a
     /// usable one, and whether a node got a new report. Other roles always have their fleet.
     pub fn sync_fleet(&mut self, now_ms: u64) -> (bool, bool) {

@@ -168,6 +168,7 @@ impl<H: Host> State<H> {
                 self.metrics.bump(Stat::Routed);
                 let known = reads.take(ticket.node);
                 self.share(&ticket, Change::dispatch(&ticket), known);
+                self.wake(ticket.node);
                 self.metrics.shift(Stat::InflightNow, 1);
                 self.metrics.bump_node(ticket.node, NodeStat::Picks);
                 if self.balancer.prefixes().is_some() {

@@ -63,6 +63,7 @@ const NAMES: &[&str] = &[
     "shared.books_gone",
     "shared.published",
     "shared.imported",
+    "shared.wakes_lost",
     "prefix.prompt_tokens",
     "prefix.cached_tokens",
     "prefix.shared_published",
@@ -313,6 +314,83 @@ fn the_service_polls_a_quiet_node_every_tick_while_a_workers_request_runs_there(
     let polled: Vec<Vec<String>> = (0..8).map(|_| round(&host, &mut service)).collect();
     let times = |who: &str| polled.iter().filter(|p| p.iter().any(|a| a == who)).count();
     assert!(times(there) <= 3, "{polled:?}");
+}
+
+/// Between a quiet node's polls the poller service reads one key a tick, the wake list the
+/// workers name nodes on (`share::wake`), and a node's books only at its answers: not, as it
+/// did, every quiet node's books every tick.
+#[test]
+fn the_service_reads_no_quiet_nodes_books_between_their_polls() {
+    let (host, mut service, _worker) =
+        singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":800"#);
+    for _ in 0..20 {
+        round(&host, &mut service);
+    }
+    host.take_host_calls();
+    let polls: usize = (0..40).map(|_| round(&host, &mut service).len()).sum();
+    let calls = host.take_host_calls();
+    let count = |prefix: &str| calls.iter().filter(|c| c.starts_with(prefix)).count();
+    let books = count("shared get token_balancer.books.");
+    let lists = count("shared get token_balancer.wake");
+    // Two nodes every 800 ms for 4 s: about 10 polls, each answer's read of the books, and
+    // the gauges' once a second (2 nodes x 4). Reading every quiet node's books every tick
+    // was 2 x 40.
+    assert!(polls <= 12, "{polls} polls");
+    assert!(
+        books <= polls + 2 * 4,
+        "{books} reads of the books, {polls} polls"
+    );
+    assert_eq!(lists, 40, "the wake list once a tick");
+}
+
+/// A node the workers' snapshot shows busy (polled every tick, so a worker names it on no
+/// list) whose answers then turn quiet while a prompt sent there waits: the answer's check of
+/// its books keeps it polled every tick.
+#[test]
+fn a_node_turning_quiet_while_a_prompt_waits_is_polled_every_tick() {
+    const BUSY: &str = r#"{"tokens_per_sec_load":900,"tokens_per_sec_capacity":1000}"#;
+    const BUSIER: &str = r#"{"tokens_per_sec_load":700,"tokens_per_sec_capacity":1000}"#;
+    let (host, mut service, worker) =
+        singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":400"#);
+    let round_of = |host: &FakeHost, service: &mut Root<FakeHost>, body: &str| {
+        host.advance(100);
+        tick(host, service);
+        let calls = host.take_calls();
+        for c in &calls {
+            answer(host, service, c.token, Some("200"), body);
+        }
+        calls.into_iter().map(|c| c.authority).collect::<Vec<_>>()
+    };
+    // Reports that move and show no room to spare: every node polled every tick.
+    for i in 0..6 {
+        let polled = round_of(&host, &mut service, if i % 2 == 0 { BUSY } else { BUSIER });
+        assert_eq!(polled.len(), 2, "round {i}");
+    }
+    host.advance(1);
+    host.take_host_calls();
+    let (mut req, _, _) = post(&host, &worker, 7, BODY);
+    let named = host
+        .take_host_calls()
+        .iter()
+        .filter(|c| c.starts_with("shared set token_balancer.wake"))
+        .count();
+    assert_eq!(named, 0, "a node polled every tick is named on no list");
+    let there = if shared_books(&host, 0).inflight_requests == 1 {
+        A
+    } else {
+        B
+    };
+    let other = if there == A { B } else { A };
+    // The same report from now on: quiet, so polled at the longer period, but for the
+    // prompt that waits there.
+    let polled: Vec<Vec<String>> = (0..8)
+        .map(|_| round_of(&host, &mut service, BUSIER))
+        .collect();
+    let times = |who: &str| polled.iter().filter(|p| p.iter().any(|a| a == who)).count();
+    assert_eq!(times(there), 8, "{polled:?}");
+    assert!(times(other) <= 4, "{polled:?}");
+    respond(&host, &mut req, 7, "200");
+    end(&host, &mut req, 7);
 }
 
 /// A quiet node polled less often than the staleness limit stays in a worker's choice: the

@@ -453,6 +453,18 @@ impl NodeState {
         ) || prefilling()
     }
 
+    /// Whether the poller may be polling the node less often than every tick, as far as this
+    /// VM knows: it is waiting a longer period (`grace_ms`), or its latest report shows room to
+    /// spare, so the next one may let it (`Report::slack`). A worker that sends a prompt to
+    /// such a node names it on the wake list (`share::wake`).
+    pub fn polled_late(&self) -> bool {
+        self.grace_ms > 0
+            || self
+                .report
+                .as_ref()
+                .is_some_and(|(r, _)| r.slack(self.slack_kv))
+    }
+
     /// Good reports in a row that moved nothing or showed room to spare (see `poll_due`).
     pub fn quiet_reports(&self) -> u32 {
         self.quiet_reports

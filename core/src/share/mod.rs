@@ -46,6 +46,10 @@
 //! every VM did before shared books), and this VM sees it only in its own view (`view` adds
 //! its pending changes).
 //!
+//! - **The wake list** (`wake`, under `wake::WAKE_KEY`): the slots of nodes the workers sent a
+//!   prompt to while the poller polls them less often than every tick, so it polls them every
+//!   tick again while the prompt waits, without reading every quiet node's books every tick.
+//!
 //! The parts: `codec` (the bytes of the snapshot, the version record and the books), `ledger`
 //! (the read-modify-writes of the books), `fleet` (a balancer's nodes to the snapshot and
 //! back), `sync` (the protocol between the poller service and the workers' VMs over them).
@@ -57,6 +61,7 @@ pub mod stored;
 pub mod sync;
 #[cfg(test)]
 pub(crate) mod testing;
+pub mod wake;
 
 pub use crate::fleet::books::{Books, Change, Unreflected};
 pub use codec::{Malformed, NodeView, Snapshot, Version, BOOKS_LEN};

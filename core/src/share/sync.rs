@@ -69,6 +69,8 @@ pub struct Counts {
     pub published: u32,
     /// Snapshots taken in (reader).
     pub imported: u32,
+    /// Nodes a worker could not name on the wake list (`wake::push`; reader).
+    pub wakes_lost: u32,
 }
 
 impl Counts {

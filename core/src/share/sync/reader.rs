@@ -6,6 +6,7 @@ use super::{BookKey, Counts, VERSION_RECHECK_MS};
 use crate::fleet::node::Ticket;
 use crate::route::balancer::{Balancer, BookSource};
 use crate::share::journal::{Journal, JournalCounts};
+use crate::share::wake::{self, Pushed};
 use crate::share::{
     Books, Change, Ledger, Read, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
@@ -76,6 +77,9 @@ pub struct Reader {
     warned: bool,
     /// Where every worker's prompts went (see `share::journal`).
     pub(crate) journal: Journal,
+    /// By node, the report epoch at which this VM last named it on the wake list
+    /// (`share::wake`): a node is named once per report of it, not once per request.
+    woke: Vec<Option<u64>>,
 }
 
 impl Reader {
@@ -272,6 +276,32 @@ impl Reader {
         };
         for w in self.ledger.flush(store, epoch_of) {
             counts.add(w);
+        }
+        counts
+    }
+
+    /// A prompt was just sent to `node`, which the poller service may be polling at a longer
+    /// period (the caller checks, `NodeState::polled_late`) and whose latest report is of
+    /// epoch `epoch`: the node is named on the wake list (`share::wake`), once per report.
+    pub fn wake<S: Store>(&mut self, store: &mut S, node: usize, epoch: u64) -> Counts {
+        let mut counts = Counts::default();
+        let Some(Some(book)) = self.keys.get(node) else {
+            return counts;
+        };
+        if self.woke.get(node).copied().flatten() == Some(epoch) {
+            return counts;
+        }
+        match wake::push(store, book.slot) {
+            Pushed::Yes { retries } => {
+                counts.cas_retries = retries;
+                if self.woke.len() <= node {
+                    self.woke.resize(node + 1, None);
+                }
+                if let Some(w) = self.woke.get_mut(node) {
+                    *w = Some(epoch);
+                }
+            }
+            Pushed::Lost => counts.wakes_lost = 1,
         }
         counts
     }

@@ -5,6 +5,7 @@ use super::{BookKey, Counts};
 use crate::fleet::node::tenant_of;
 use crate::route::balancer::{Balancer, MemberChange};
 use crate::share::journal;
+use crate::share::wake::{self, Woken};
 use crate::share::{
     ensure_books, totals, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
@@ -49,6 +50,9 @@ impl Service {
             }
         }
         if journal::ensure_head(store).is_err() {
+            counts.fail();
+        }
+        if wake::create(store).is_err() {
             counts.fail();
         }
         counts
@@ -143,6 +147,12 @@ impl Service {
     /// Where slot `slot`'s books are.
     pub fn key(&self, slot: usize) -> Option<&BookKey> {
         self.keys.get(slot)?.as_ref()
+    }
+
+    /// The slots the workers named on the wake list since the last call (`share::wake`), the
+    /// list emptied; `None` when it could not be read (the caller then reads the books).
+    pub fn take_woken<S: Store>(&self, store: &mut S) -> Option<Woken> {
+        wake::take(store).ok()
     }
 
     /// Whether slot `slot`'s shared books have prompts whose first token has not come back

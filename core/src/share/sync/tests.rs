@@ -344,6 +344,7 @@ fn counts_follow_what_each_write_became() {
             books_gone: 1,
             published: 0,
             imported: 0,
+            wakes_lost: 0,
         }
     );
 }

@@ -102,3 +102,59 @@ def test_a_node_decoding_with_room_to_spare_is_polled_at_the_quiet_period():
             envoy.stop()
     finally:
         c.stop()
+
+
+def test_a_quiet_node_is_polled_every_tick_while_a_prompt_waits_there():
+    """A prompt sent to a node polled every 2 s, which takes seconds to prefill: the worker that
+    sent it names the node on the poller's wake list, so the node is polled at the next tick
+    and every tick until its first token comes back, and at the quiet period again once the
+    stream has ended."""
+    slow = "gpu=h100,prefill_chunk=32,floor_ms=100"
+    c = MockCluster([("node-a", slow), ("node-b", slow)])
+    try:
+        cfg = envoy_config([n.address for n in c.nodes], free_port(), free_port(),
+                           plugin={"tick_ms": 100, "stale_after_ms": 1000, "quiet_poll_ms": 2000},
+                           poller="singleton")
+        envoy = Envoy(cfg)
+        try:
+            def rate(node, seconds: float) -> float:
+                b, s = node.stats()["health_requests_total"], time.monotonic()
+                wait_until(lambda: time.monotonic() >= s + seconds, seconds + 2, "the window")
+                return (node.stats()["health_requests_total"] - b) / (time.monotonic() - s)
+
+            # Both nodes at the whole quiet period: about one poll every 2 s.
+            rates: list[float] = []
+            wait_until(lambda: rates.append(rate(c.nodes[0], 2.5))
+                       or rates[-1] <= 0.8, 20, lambda: f"the whole quiet period: {rates} a second")
+            # The prompt goes out just after a poll (both nodes are polled together): without a
+            # word from the worker, the node's next poll would be 2 s away.
+            polled = c.nodes[0].stats()["health_requests_total"]
+            wait_until(lambda: c.nodes[0].stats()["health_requests_total"] > polled, 5, "a poll",
+                       interval=0.005)
+            first_token, out = threading.Event(), {}
+            prompt = " ".join(f"word{i}" for i in range(1200))
+            t = threading.Thread(target=stream_until_closed, daemon=True,
+                                 args=(envoy.port, chat(prompt, 4), first_token, out))
+            t.start()
+            wait_until(lambda: "node" in out, 10, "the answer's headers")
+            node = next(n for n in c.nodes if n.name == out["node"])
+            before, t0 = node.stats()["health_requests_total"], time.monotonic()
+            # Polled within a few ticks, not at the end of its 2-s period.
+            wait_until(lambda: node.stats()["health_requests_total"] > before, 0.5,
+                       "a poll of the node within 0.5 s of the prompt")
+            wait_until(lambda: time.monotonic() >= t0 + 1.5 or first_token.is_set(), 4, "the window")
+            assert not first_token.is_set(), "the prompt took less than the window to start"
+            waiting = (node.stats()["health_requests_total"] - before) / (time.monotonic() - t0)
+            # Ten a second at the tick.
+            assert waiting >= 6.0, f"{waiting:.1f} polls a second while the prompt waits"
+            assert first_token.wait(30), "no first token"
+            t.join(30)
+            assert out["end"] == "complete", out
+            assert envoy.counter("token_balancer.shared.wakes_lost") == 0
+            rates = []
+            wait_until(lambda: rates.append(rate(node, 2.5)) or rates[-1] <= 1.5, 20,
+                       lambda: f"the quiet period again once the stream ended: {rates} a second")
+        finally:
+            envoy.stop()
+    finally:
+        c.stop()

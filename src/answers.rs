@@ -215,8 +215,8 @@ impl<H: Host> State<H> {
     }
 
     /// The poller service, at node `node`'s answer: if the answer lets the node wait longer
-    /// than a tick for its next poll, whether a prompt a worker sent there still waits for
-    /// its first token decides (one read of its shared books); a node polled every tick
+    /// than a tick for its next poll, its books are read (once now, and at each of its slices
+    /// while a prompt of a worker's waits there for its first token); a node polled every tick
     /// anyway needs no read. Between answers, the workers name the node on the wake list.
     fn check_waiting(&mut self, node: usize) {
         let State {
@@ -230,8 +230,8 @@ impl<H: Host> State<H> {
         };
         let late = balancer.nodes().get(node).is_some_and(|n| n.grace_ms() > 0);
         let waiting = late && service.prefilling(&mut *host, node);
-        if let Some(w) = polls.waiting.get_mut(node) {
-            *w = waiting;
+        if let Some(n) = polls.named.get_mut(node) {
+            *n = waiting;
         }
     }
 

@@ -33,11 +33,12 @@ pub struct Polls {
     pub members_due_ms: u64,
     /// Which slices of the fleet to poll when (see `polling`).
     pub schedule: Schedule,
-    /// The poller service: by node, whether a prompt a worker sent there waits for its first
-    /// token, so the node is polled every tick whatever its reports (see `polling`). Set when
-    /// a worker names the node on the wake list (`share::wake`), and at each of the node's
-    /// answers that would let it wait longer, from its shared books.
-    pub waiting: Vec<bool>,
+    /// The poller service: by node, whether a worker may have a prompt there that waits for
+    /// its first token while the node is polled late, so its shared books are read at each of
+    /// its slices (a node with such a prompt is polled every tick, see `polling`). Set when a
+    /// worker names the node on the wake list (`share::wake`); at each of the node's answers,
+    /// set if it would wait longer and its books show such a prompt, cleared otherwise.
+    pub named: Vec<bool>,
     /// When the poller service last added up every node's shared books for its gauges
     /// (`State::report_books`), ms.
     books_reported_ms: Option<u64>,
@@ -61,7 +62,7 @@ impl Polls {
             members: None,
             members_due_ms: 0,
             schedule: Schedule::default(),
-            waiting: vec![false; config.nodes.len()],
+            named: vec![false; config.nodes.len()],
             books_reported_ms: None,
         }
     }
@@ -81,10 +82,10 @@ impl Polls {
     /// Node `i` is new in its slot: its model list is asked afresh, and nothing of this
     /// Envoy's is known to wait there.
     pub fn joined(&mut self, i: usize, config: &Config) {
-        if self.waiting.len() <= i {
-            self.waiting.resize(i + 1, false);
-        } else if let Some(w) = self.waiting.get_mut(i) {
-            *w = false;
+        if self.named.len() <= i {
+            self.named.resize(i + 1, false);
+        } else if let Some(n) = self.named.get_mut(i) {
+            *n = false;
         }
         let fresh = ListPoll::new(config.tick_ms, config.models_poll_ms);
         if self.list_polls.len() <= i {
@@ -181,16 +182,16 @@ impl<H: Host> State<H> {
             Role::Service(polls, service) => (polls, Some(&*service)),
             Role::Reader(_) => return (Vec::new(), config.tick_ms),
         };
-        // The poller service: the nodes workers named since the last tick now wait for a
-        // first token; if the list cannot be read, this tick reads the books instead.
+        // The poller service: the nodes the workers named since the last tick have their books
+        // read from now on; if the list cannot be read, this tick reads every node's.
         let mut read_books = false;
         if let Some(service) = service {
             match service.take_woken(&mut *host) {
-                Some(woken) if woken.overflowed => polls.waiting.fill(true),
+                Some(woken) if woken.overflowed => polls.named.fill(true),
                 Some(woken) => {
                     for slot in woken.slots {
-                        if let Some(w) = polls.waiting.get_mut(slot) {
-                            *w = true;
+                        if let Some(n) = polls.named.get_mut(slot) {
+                            *n = true;
                         }
                     }
                 }
@@ -216,10 +217,10 @@ impl<H: Host> State<H> {
                 continue;
             }
             // Prompts sent there whose first token has not come back: this VM's own books,
-            // or (the poller service) what the workers said and the books showed.
-            let waiting = polls.waiting.get(i).copied().unwrap_or(false);
+            // or (the poller service) the shared books of a node a worker named.
+            let named = read_books || polls.named.get(i).copied().unwrap_or(false);
             let prefilling = || match service {
-                Some(service) => waiting || (read_books && service.prefilling(&mut *host, i)),
+                Some(service) => named && service.prefilling(&mut *host, i),
                 None => balancer.books(i).is_some_and(|b| b.prefilling()),
             };
             if !state.poll_due(now_ms, prefilling) {

@@ -46,7 +46,7 @@ use token_balancer_core::share::Change;
 
 /// Output tokens a stream delivers between two writes of its progress to the shared books: a
 /// write is two host calls, and per token that would be most of a stream's cost.
-const SHARED_PROGRESS_STEP: u64 = 16;
+pub(crate) const SHARED_PROGRESS_STEP: u64 = 16;
 
 /// Output tokens a stream delivers between two measures of its node's pace (the time per
 /// token it decodes at now): enough for a millisecond clock to tell 20 ms a token from 30.

@@ -271,6 +271,7 @@ impl<H: Host> State<H> {
         self.balancer.note_failed_request(ticket.node, now);
         self.share(ticket, Change::release(ticket, 0), None);
         self.share(&moved, Change::dispatch(&moved), None);
+        self.wake(moved.node);
         self.publish_placements(now);
         self.metrics.bump(Stat::ServedElsewhere);
         Some(moved)

@@ -2,6 +2,7 @@
 //! that left the cluster is dropped).
 
 use super::*;
+use crate::request::SHARED_PROGRESS_STEP;
 use proxy_wasm::types::MetricType;
 use token_balancer_core::share::{books_key, Books, POLLER_ROOT_ID};
 
@@ -341,6 +342,34 @@ fn the_service_reads_no_quiet_nodes_books_between_their_polls() {
         "{books} reads of the books, {polls} polls"
     );
     assert_eq!(lists, 40, "the wake list once a tick");
+}
+
+/// A worker names a quiet node at its prompt, but the stream is under way before the
+/// service's next tick (its first tokens booked in the shared books): the service reads the
+/// node's books, finds no prompt waiting, and the node keeps its longer period (a poll per name
+/// would cost a busy fleet more polls than reading the books did).
+#[test]
+fn a_named_node_whose_prompt_has_started_keeps_its_period() {
+    const STREAM: &str = r#"{"model":"m","prompt":"hello there","max_tokens":40,"stream":true}"#;
+    let (host, mut service, worker) =
+        singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":800"#);
+    for _ in 0..20 {
+        round(&host, &mut service);
+    }
+    let mut polls = 0;
+    for id in 0..8u32 {
+        host.advance(1);
+        let (mut req, _, _) = post(&host, &worker, 50 + id, STREAM);
+        respond(&host, &mut req, 50 + id, "200");
+        let token = r#"data: {"choices":[{"text":"a","index":0}]}"#.to_string() + "\n\n";
+        for _ in 0..SHARED_PROGRESS_STEP {
+            response_chunk(&host, &mut req, 50 + id, token.as_bytes(), false);
+        }
+        polls += round(&host, &mut service).len();
+        end(&host, &mut req, 50 + id);
+    }
+    // Two nodes for 0.8 s at an 800-ms period: about two polls, not one a request.
+    assert!(polls <= 4, "{polls} polls for 8 requests under way at once");
 }
 
 /// A node the workers' snapshot shows busy (polled every tick, so a worker names it on no

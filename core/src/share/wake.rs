@@ -8,8 +8,9 @@
 //! books of every node it was not polling that tick: at a thousand idle nodes, four thousand
 //! reads a second, each a crossing into Envoy and back into the VM for the copy, about 1% of a
 //! core. Instead the worker that sends a prompt to such a node says so here, and the service
-//! reads this one key per timer tick, and a node's books only when its answer would let it wait
-//! a longer period.
+//! reads this one key per timer tick, the books of the nodes named (at their slices, until an
+//! answer shows nothing waiting), and a node's books once at each answer that would let it wait
+//! a longer period. Nodes nobody sent anything to are not read.
 //!
 //! - **The list** (`WAKE_KEY`): slots of the poller's fleet (as the books are keyed), at most
 //!   `MAX_WAKES`, each once. The poller service creates it empty at start; workers never create

@@ -9,7 +9,7 @@
 
 use crate::host::Host;
 use crate::metrics::{NodeStat, Stat};
-use crate::polls::{send_health, Polls};
+use crate::polls::{send_health, Named, Polls};
 use crate::roles::Role;
 use crate::state::State;
 use log::{debug, info, warn};
@@ -231,7 +231,11 @@ impl<H: Host> State<H> {
         let late = balancer.nodes().get(node).is_some_and(|n| n.grace_ms() > 0);
         let waiting = late && service.prefilling(&mut *host, node);
         if let Some(n) = polls.named.get_mut(node) {
-            *n = waiting;
+            *n = match (waiting, *n) {
+                (true, _) => Named::Yes,
+                (false, Named::No) => Named::No,
+                (false, _) => Named::UntilPublished,
+            };
         }
     }
 

@@ -34,14 +34,28 @@ pub struct Polls {
     /// Which slices of the fleet to poll when (see `polling`).
     pub schedule: Schedule,
     /// The poller service: by node, whether a worker may have a prompt there that waits for
-    /// its first token while the node is polled late, so its shared books are read at each of
-    /// its slices (a node with such a prompt is polled every tick, see `polling`). Set when a
-    /// worker names the node on the wake list (`share::wake`); at each of the node's answers,
-    /// set if it would wait longer and its books show such a prompt, cleared otherwise.
-    pub named: Vec<bool>,
+    /// its first token while the node is polled late (see `Named`).
+    pub named: Vec<Named>,
     /// When the poller service last added up every node's shared books for its gauges
     /// (`State::report_books`), ms.
     books_reported_ms: Option<u64>,
+}
+
+/// What the poller service knows of prompts the workers sent to a node polled late: whether
+/// its shared books are read at each of its slices (a node with a prompt waiting for its
+/// first token is polled every tick, see `polling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Named {
+    /// No worker named the node since an answer of its showed nothing waiting: not read.
+    #[default]
+    No,
+    /// A worker named it on the wake list (`share::wake`), or its last answer would let it
+    /// wait longer while its books showed a prompt waiting: read.
+    Yes,
+    /// Its last answer showed nothing waiting, but the workers still see the report before
+    /// it until the next snapshot is out, and name a node once per report: read until then,
+    /// and once more then.
+    UntilPublished,
 }
 
 /// How often the poller service adds up every node's shared books for the
@@ -62,7 +76,7 @@ impl Polls {
             members: None,
             members_due_ms: 0,
             schedule: Schedule::default(),
-            named: vec![false; config.nodes.len()],
+            named: vec![Named::No; config.nodes.len()],
             books_reported_ms: None,
         }
     }
@@ -83,9 +97,9 @@ impl Polls {
     /// Envoy's is known to wait there.
     pub fn joined(&mut self, i: usize, config: &Config) {
         if self.named.len() <= i {
-            self.named.resize(i + 1, false);
+            self.named.resize(i + 1, Named::No);
         } else if let Some(n) = self.named.get_mut(i) {
-            *n = false;
+            *n = Named::No;
         }
         let fresh = ListPoll::new(config.tick_ms, config.models_poll_ms);
         if self.list_polls.len() <= i {
@@ -187,11 +201,11 @@ impl<H: Host> State<H> {
         let mut read_books = false;
         if let Some(service) = service {
             match service.take_woken(&mut *host) {
-                Some(woken) if woken.overflowed => polls.named.fill(true),
+                Some(woken) if woken.overflowed => polls.named.fill(Named::Yes),
                 Some(woken) => {
                     for slot in woken.slots {
                         if let Some(n) = polls.named.get_mut(slot) {
-                            *n = true;
+                            *n = Named::Yes;
                         }
                     }
                 }
@@ -218,7 +232,7 @@ impl<H: Host> State<H> {
             }
             // Prompts sent there whose first token has not come back: this VM's own books,
             // or (the poller service) the shared books of a node a worker named.
-            let named = read_books || polls.named.get(i).copied().unwrap_or(false);
+            let named = read_books || polls.named.get(i).is_some_and(|&n| n != Named::No);
             let prefilling = || match service {
                 Some(service) => named && service.prefilling(&mut *host, i),
                 None => balancer.books(i).is_some_and(|b| b.prefilling()),

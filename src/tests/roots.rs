@@ -372,6 +372,95 @@ fn a_named_node_whose_prompt_has_started_keeps_its_period() {
     assert!(polls <= 4, "{polls} polls for 8 requests under way at once");
 }
 
+/// A worker names a node once per report of it. A prompt sent after the node's answer but
+/// before the service publishes that answer is sent by a worker that already named the node
+/// at that report: the service reads the named node's books once more when it publishes, and
+/// polls it every tick while that prompt waits.
+#[test]
+fn a_prompt_sent_between_a_named_nodes_answer_and_the_snapshot_is_followed() {
+    const STREAM: &str = r#"{"model":"m","prompt":"hello there","max_tokens":40,"stream":true}"#;
+    let (host, mut service, worker) =
+        singleton_with(r#","tick_ms":100,"stale_after_ms":1000,"quiet_poll_ms":800"#);
+    // B's cache is full (and moves, so B is polled every tick): every prompt goes to A.
+    const NEARLY_FULL: &str = r#"{"tokens_per_sec_load":100,"tokens_per_sec_capacity":1000,"vram_used_bytes":950000000,"vram_total_bytes":1000000000}"#;
+    let mut b_reports = 0u32;
+    let mut report = |authority: &str| {
+        if authority == A {
+            return IDLE;
+        }
+        b_reports += 1;
+        if b_reports % 2 == 0 {
+            FULL
+        } else {
+            NEARLY_FULL
+        }
+    };
+    let mut polled_round = |first: bool| {
+        host.advance(100);
+        tick(&host, &mut service);
+        let mut calls = host.take_calls();
+        // A's answer first, then B's: between them, the caller's prompt.
+        calls.sort_by_key(|c| c.authority != A);
+        let both = calls.len() == 2;
+        let mut sent = None;
+        for (k, c) in calls.iter().enumerate() {
+            answer(
+                &host,
+                &mut service,
+                c.token,
+                Some("200"),
+                report(&c.authority),
+            );
+            if first && k == 0 && both {
+                host.advance(1);
+                sent = Some(post(&host, &worker, 61, STREAM).0);
+            }
+        }
+        (
+            calls.into_iter().map(|c| c.authority).collect::<Vec<_>>(),
+            sent,
+        )
+    };
+    for _ in 0..20 {
+        polled_round(false);
+    }
+    // A first stream, under way at once: A is named, its books read, nothing waiting.
+    host.advance(1);
+    let (mut first, _, _) = post(&host, &worker, 60, STREAM);
+    assert_eq!(
+        host.request_header_of(60, ROUTING)
+            .map(|h| h.starts_with(A)),
+        Some(true)
+    );
+    respond(&host, &mut first, 60, "200");
+    let token = r#"data: {"choices":[{"text":"a","index":0}]}"#.to_string() + "\n\n";
+    for _ in 0..SHARED_PROGRESS_STEP {
+        response_chunk(&host, &mut first, 60, token.as_bytes(), false);
+    }
+    end(&host, &mut first, 60);
+    // A round that polls both: A's answer, the second prompt, B's answer and the snapshot.
+    let mut second = None;
+    for _ in 0..20 {
+        if let (_, Some(req)) = polled_round(true) {
+            second = Some(req);
+            break;
+        }
+    }
+    let Some(mut second) = second else {
+        panic!("no round polled both nodes")
+    };
+    assert_eq!(
+        host.request_header_of(61, ROUTING)
+            .map(|h| h.starts_with(A)),
+        Some(true)
+    );
+    let polled: Vec<Vec<String>> = (0..6).map(|_| polled_round(false).0).collect();
+    let times = polled.iter().filter(|p| p.iter().any(|a| a == A)).count();
+    assert_eq!(times, 6, "{polled:?}");
+    respond(&host, &mut second, 61, "200");
+    end(&host, &mut second, 61);
+}
+
 /// A node the workers' snapshot shows busy (polled every tick, so a worker names it on no
 /// list) whose answers then turn quiet while a prompt sent there waits: the answer's check of
 /// its books keeps it polled every tick.

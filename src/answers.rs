@@ -9,7 +9,7 @@
 
 use crate::host::Host;
 use crate::metrics::{NodeStat, Stat};
-use crate::polls::{send_health, Named, Polls};
+use crate::polls::{send_health, Polls};
 use crate::roles::Role;
 use crate::state::State;
 use log::{debug, info, warn};
@@ -214,10 +214,8 @@ impl<H: Host> State<H> {
         fresh
     }
 
-    /// The poller service, at node `node`'s answer: if the answer lets the node wait longer
-    /// than a tick for its next poll, its books are read (once now, and at each of its slices
-    /// while a prompt of a worker's waits there for its first token); a node polled every tick
-    /// anyway needs no read. Between answers, the workers name the node on the wake list.
+    /// The poller service, at node `node`'s answer: whether it still follows the prompts the
+    /// workers sent there (`sync::Service::answered`).
     fn check_waiting(&mut self, node: usize) {
         let State {
             host,
@@ -225,17 +223,9 @@ impl<H: Host> State<H> {
             role,
             ..
         } = self;
-        let Role::Service(polls, service) = role else {
-            return;
-        };
-        let late = balancer.nodes().get(node).is_some_and(|n| n.grace_ms() > 0);
-        let waiting = late && service.prefilling(&mut *host, node);
-        if let Some(n) = polls.named.get_mut(node) {
-            *n = match (waiting, *n) {
-                (true, _) => Named::Yes,
-                (false, Named::No) => Named::No,
-                (false, _) => Named::UntilPublished,
-            };
+        if let Role::Service(_, service) = role {
+            let late = balancer.nodes().get(node).is_some_and(|n| n.grace_ms() > 0);
+            service.answered(&mut *host, node, late);
         }
     }
 

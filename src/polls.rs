@@ -33,29 +33,9 @@ pub struct Polls {
     pub members_due_ms: u64,
     /// Which slices of the fleet to poll when (see `polling`).
     pub schedule: Schedule,
-    /// The poller service: by node, whether a worker may have a prompt there that waits for
-    /// its first token while the node is polled late (see `Named`).
-    pub named: Vec<Named>,
     /// When the poller service last added up every node's shared books for its gauges
     /// (`State::report_books`), ms.
     books_reported_ms: Option<u64>,
-}
-
-/// What the poller service knows of prompts the workers sent to a node polled late: whether
-/// its shared books are read at each of its slices (a node with a prompt waiting for its
-/// first token is polled every tick, see `polling`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Named {
-    /// No worker named the node since an answer of its showed nothing waiting: not read.
-    #[default]
-    No,
-    /// A worker named it on the wake list (`share::wake`), or its last answer would let it
-    /// wait longer while its books showed a prompt waiting: read.
-    Yes,
-    /// Its last answer showed nothing waiting, but the workers still see the report before
-    /// it until the next snapshot is out, and name a node once per report: read until then,
-    /// and once more then.
-    UntilPublished,
 }
 
 /// How often the poller service adds up every node's shared books for the
@@ -76,7 +56,6 @@ impl Polls {
             members: None,
             members_due_ms: 0,
             schedule: Schedule::default(),
-            named: vec![Named::No; config.nodes.len()],
             books_reported_ms: None,
         }
     }
@@ -93,14 +72,8 @@ impl Polls {
         due
     }
 
-    /// Node `i` is new in its slot: its model list is asked afresh, and nothing of this
-    /// Envoy's is known to wait there.
+    /// Node `i` is new in its slot: its model list is asked afresh.
     pub fn joined(&mut self, i: usize, config: &Config) {
-        if self.named.len() <= i {
-            self.named.resize(i + 1, Named::No);
-        } else if let Some(n) = self.named.get_mut(i) {
-            *n = Named::No;
-        }
         let fresh = ListPoll::new(config.tick_ms, config.models_poll_ms);
         if self.list_polls.len() <= i {
             self.list_polls.resize(i + 1, fresh);
@@ -193,28 +166,13 @@ impl<H: Host> State<H> {
         } = self;
         let (polls, service) = match role {
             Role::Vm(polls) => (polls, None),
-            Role::Service(polls, service) => (polls, Some(&*service)),
+            Role::Service(polls, service) => {
+                // The nodes the workers named since the last tick (`share::wake`).
+                metrics.count(&service.take_woken(&mut *host));
+                (polls, Some(&*service))
+            }
             Role::Reader(_) => return (Vec::new(), config.tick_ms),
         };
-        // The poller service: the nodes the workers named since the last tick have their books
-        // read from now on; if the list cannot be read, this tick reads every node's.
-        let mut read_books = false;
-        if let Some(service) = service {
-            match service.take_woken(&mut *host) {
-                Some(woken) if woken.overflowed => polls.named.fill(Named::Yes),
-                Some(woken) => {
-                    for slot in woken.slots {
-                        if let Some(n) = polls.named.get_mut(slot) {
-                            *n = Named::Yes;
-                        }
-                    }
-                }
-                None => {
-                    metrics.bump(Stat::SharedFailed);
-                    read_books = true;
-                }
-            }
-        }
         // The fleet may grow or shrink (membership): the slices follow it.
         let nodes = balancer.nodes();
         let due = polls.schedule.due(nodes.len(), config.tick_ms, now_ms);
@@ -232,9 +190,8 @@ impl<H: Host> State<H> {
             }
             // Prompts sent there whose first token has not come back: this VM's own books,
             // or (the poller service) the shared books of a node a worker named.
-            let named = read_books || polls.named.get(i).is_some_and(|&n| n != Named::No);
             let prefilling = || match service {
-                Some(service) => named && service.prefilling(&mut *host, i),
+                Some(service) => service.waiting(&mut *host, i),
                 None => balancer.books(i).is_some_and(|b| b.prefilling()),
             };
             if !state.poll_due(now_ms, prefilling) {

@@ -14,7 +14,7 @@
 
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::polls::{Named, Polls};
+use crate::polls::Polls;
 use crate::state::{Placement, State};
 use log::{debug, info, warn};
 use token_balancer_core::config::{Config, Poller};
@@ -241,25 +241,11 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Service: publishes the fleet if it changed, and the heartbeat. The workers now see
-    /// every report taken so far: a name kept until then (`Named::UntilPublished`) is dropped,
-    /// unless the node's books show a prompt sent since its answer (one read each).
+    /// Service: publishes the fleet if it changed, and the heartbeat.
     pub fn publish(&mut self, now_ms: u64) {
-        if let Role::Service(polls, service) = &mut self.role {
+        if let Role::Service(_, service) = &mut self.role {
             let counts = service.publish(&mut self.host, &self.balancer, now_ms);
             self.metrics.count(&counts);
-            if counts.failed > 0 {
-                return;
-            }
-            for (slot, n) in polls.named.iter_mut().enumerate() {
-                if *n == Named::UntilPublished {
-                    *n = if service.prefilling(&mut self.host, slot) {
-                        Named::Yes
-                    } else {
-                        Named::No
-                    };
-                }
-            }
         }
     }
 

@@ -5,7 +5,7 @@ use super::{BookKey, Counts};
 use crate::fleet::node::tenant_of;
 use crate::route::balancer::{Balancer, MemberChange};
 use crate::share::journal;
-use crate::share::wake::{self, Woken};
+use crate::share::wake;
 use crate::share::{
     ensure_books, totals, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
 };
@@ -23,17 +23,40 @@ pub struct Service {
     epoch_base: u64,
     /// The bytes last published, so the version moves only when something changed.
     published: Vec<u8>,
+    /// By slot, what is known of prompts the workers sent to a node polled late (`Named`).
+    named: Vec<Named>,
+    /// The wake list could not be read this tick: every slot's books are read instead.
+    read_all: bool,
+}
+
+/// What the poller service knows of prompts the workers sent to a node polled late: whether
+/// its shared books are read when its slice comes (a node with a prompt waiting for its first
+/// token is polled every tick, see `fleet::polling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Named {
+    /// No worker named the node since an answer of its showed nothing waiting: not read.
+    #[default]
+    No,
+    /// A worker named it on the wake list (`share::wake`), or its last answer would let it
+    /// wait longer while its books showed a prompt waiting: read.
+    Yes,
+    /// Its last answer showed nothing waiting, but the workers still see the report before
+    /// it until the next snapshot is out, and name a node once per report: read until then,
+    /// and once more then.
+    UntilPublished,
 }
 
 impl Service {
     /// A service started at `now_ms` whose configured nodes are at `addresses`, slot for slot.
     pub fn new<'a>(addresses: impl IntoIterator<Item = &'a str>, now_ms: u64) -> Service {
+        let keys: Vec<Option<BookKey>> = addresses
+            .into_iter()
+            .enumerate()
+            .map(|(i, a)| Some(BookKey::new(i, tenant_of(a))))
+            .collect();
         Service {
-            keys: addresses
-                .into_iter()
-                .enumerate()
-                .map(|(i, a)| Some(BookKey::new(i, tenant_of(a))))
-                .collect(),
+            named: vec![Named::No; keys.len()],
+            keys,
             epoch_base: now_ms,
             ..Service::default()
         }
@@ -98,6 +121,7 @@ impl Service {
             };
             if self.keys.len() <= i {
                 self.keys.resize_with(i + 1, || None);
+                self.named.resize(i + 1, Named::No);
             }
             let book = BookKey::new(i, tenant);
             if ensure_books(store, &book.key, tenant).is_err() {
@@ -105,6 +129,10 @@ impl Service {
             }
             if let Some(k) = self.keys.get_mut(i) {
                 *k = Some(book);
+            }
+            // Nothing of this Envoy's is known to wait at a new node.
+            if let Some(n) = self.named.get_mut(i) {
+                *n = Named::No;
             }
         }
         counts
@@ -136,6 +164,18 @@ impl Service {
         if store.set(VERSION_KEY, &record.encode(), None).is_err() {
             counts.fail();
         }
+        // The workers now see every report taken so far: a name kept until then is dropped,
+        // unless the node's books show a prompt sent since its answer (one read each).
+        if counts.failed == 0 {
+            for slot in 0..self.named.len() {
+                if self.named.get(slot) == Some(&Named::UntilPublished) {
+                    let waiting = self.prefilling(store, slot);
+                    if let Some(n) = self.named.get_mut(slot) {
+                        *n = if waiting { Named::Yes } else { Named::No };
+                    }
+                }
+            }
+        }
         counts
     }
 
@@ -149,10 +189,50 @@ impl Service {
         self.keys.get(slot)?.as_ref()
     }
 
-    /// The slots the workers named on the wake list since the last call (`share::wake`), the
-    /// list emptied; `None` when it could not be read (the caller then reads the books).
-    pub fn take_woken<S: Store>(&self, store: &mut S) -> Option<Woken> {
-        wake::take(store).ok()
+    /// A timer tick: the slots the workers named on the wake list since the last one
+    /// (`share::wake`) have their books read from now on, and the list is emptied. If it
+    /// cannot be read, this tick reads every slot's books (`waiting`).
+    pub fn take_woken<S: Store>(&mut self, store: &mut S) -> Counts {
+        let mut counts = Counts::default();
+        self.read_all = false;
+        match wake::take(store) {
+            Ok(woken) if woken.overflowed => self.named.fill(Named::Yes),
+            Ok(woken) => {
+                for slot in woken.slots {
+                    if let Some(n) = self.named.get_mut(slot) {
+                        *n = Named::Yes;
+                    }
+                }
+            }
+            Err(StoreFailed) => {
+                self.read_all = true;
+                counts.fail();
+            }
+        }
+        counts
+    }
+
+    /// Whether a prompt of a worker's waits for its first token at the node in slot `slot`,
+    /// as far as the service looks: the books of a named node (or of every node, this tick,
+    /// when the wake list could not be read) are read; others count as nothing waiting.
+    pub fn waiting<S: Store>(&self, store: &mut S, slot: usize) -> bool {
+        let named = self.read_all || self.named.get(slot).is_some_and(|&n| n != Named::No);
+        named && self.prefilling(store, slot)
+    }
+
+    /// The node in slot `slot` answered a poll. If the answer lets it wait longer than a
+    /// tick (`late`), its books are read once: a prompt waiting keeps it named; otherwise a
+    /// name is kept until the next snapshot is out (`Named::UntilPublished`). A node polled
+    /// every tick anyway needs no read, and no name.
+    pub fn answered<S: Store>(&mut self, store: &mut S, slot: usize, late: bool) {
+        let waiting = late && self.prefilling(store, slot);
+        if let Some(n) = self.named.get_mut(slot) {
+            *n = match (waiting, *n) {
+                (true, _) => Named::Yes,
+                (false, Named::No) => Named::No,
+                (false, _) => Named::UntilPublished,
+            };
+        }
     }
 
     /// Whether slot `slot`'s shared books have prompts whose first token has not come back

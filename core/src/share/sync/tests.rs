@@ -7,7 +7,7 @@ use crate::fleet::node::{tenant_of, Ticket};
 use crate::ingest::request::Weight;
 use crate::route::balancer::{Balancer, BookSource};
 use crate::share::testing::FakeStore;
-use crate::share::{Books, Change, Store, Version, FLEET_KEY, VERSION_KEY};
+use crate::share::{books_key, Books, Change, Store, Version, FLEET_KEY, VERSION_KEY};
 
 /// Envoy's shared data as the host keeps it (see `share::testing`).
 type Mem = FakeStore;
@@ -496,4 +496,47 @@ fn held_requests_let_out_together_see_each_others_dispatches() {
         })
         .collect();
     assert_eq!(nodes, vec![Some(0), Some(0), Some(1), Some(1)], "{out:?}");
+}
+
+/// The service reads the books only of the nodes the workers named (`share::wake`), keeps a
+/// name that an answer drops until the snapshot showing that answer is out (reading the books
+/// once more then), and reads every node's books for a tick when the list cannot be read.
+#[test]
+fn the_service_reads_the_books_of_the_named_nodes_only() {
+    let mut store = Mem::default();
+    let (mut s, b) = started(&mut store, &[A, B], 1000);
+    let waiting = Books {
+        prefill_tokens: 10,
+        ..Books::of(tenant_of(A))
+    };
+    store.set(&books_key(0), &waiting.encode(), None).unwrap();
+    assert_eq!(s.take_woken(&mut store), Counts::default());
+    store.calls = 0;
+    assert!(!s.waiting(&mut store, 0), "not named: not read");
+    assert_eq!(store.calls, 0);
+    crate::share::wake::push(&mut store, 0);
+    s.take_woken(&mut store);
+    assert!(s.waiting(&mut store, 0), "named: its books show the prompt");
+    // The prompt started; an answer that lets the node wait longer keeps the name until the
+    // snapshot is out; a prompt sent in between is found then.
+    let idle = Books::of(tenant_of(A));
+    store.set(&books_key(0), &idle.encode(), None).unwrap();
+    s.answered(&mut store, 0, true);
+    store.set(&books_key(0), &waiting.encode(), None).unwrap();
+    s.publish(&mut store, &b, 1100);
+    assert!(
+        s.waiting(&mut store, 0),
+        "kept: a prompt sent before the snapshot"
+    );
+    // Nothing waiting at the next answer and at the snapshot: the name goes.
+    store.set(&books_key(0), &idle.encode(), None).unwrap();
+    s.answered(&mut store, 0, true);
+    s.publish(&mut store, &b, 1200);
+    store.set(&books_key(0), &waiting.encode(), None).unwrap();
+    assert!(!s.waiting(&mut store, 0), "dropped");
+    // The list cannot be read: this tick reads every node's books.
+    store.fail = true;
+    assert_eq!(s.take_woken(&mut store).failed, 1);
+    store.fail = false;
+    assert!(s.waiting(&mut store, 0));
 }

@@ -230,6 +230,7 @@ fn share_cost() {
         let encode = time(&mut || {
             bytes = Snapshot {
                 nodes: poller.fleet_view(0),
+                prompt_ratio: None,
             }
             .encode();
         });

@@ -24,7 +24,7 @@
 use crate::asking::{Asking, Heard};
 use crate::host::Host;
 use crate::metrics::Stat;
-use crate::state::{admit_held, Placement, Replies, Shared, State, Waiting, PROMPT_RATIO_STEP};
+use crate::state::{admit_held, Placement, Replies, Shared, State, Waiting};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
@@ -362,7 +362,7 @@ impl<H: Host> Request<H> {
         self.chain = chain;
         match step {
             Some(Ok(placed)) => {
-                self.ticket = placed.ticket;
+                self.ticket = self.with_text_prompt(placed.ticket);
                 self.decision = placed.decision;
                 if placed.answered {
                     // The local reply is on its way; the request goes no further.
@@ -405,7 +405,7 @@ impl<H: Host> Request<H> {
             .ok()
             .and_then(|mut w| w.placed.take());
         if let Some(placed) = placed {
-            self.ticket = placed.ticket;
+            self.ticket = self.with_text_prompt(placed.ticket);
             self.decision = placed.decision;
             self.placement = None;
         }
@@ -498,19 +498,15 @@ impl<H: Host> Request<H> {
                 if let Some((estimated, reported)) = prompt {
                     s.balancer
                         .observe_prompt(self.model.as_deref(), estimated, reported);
-                    let permille = s.balancer.prompt_permille();
-                    if s.prompt_permille == 0
-                        || permille.abs_diff(s.prompt_permille) >= PROMPT_RATIO_STEP
-                    {
-                        s.metrics.record(Stat::PromptRatioPermille, permille);
-                        s.prompt_permille = permille;
-                    }
+                    s.note_prompt_ratio();
                 }
                 if let Some(seconds) = tpot {
                     s.balancer.observe_tpot(&ticket, seconds, now);
                 }
                 s.balancer.release(&ticket, progressed);
-                s.share(&ticket, Change::release(&ticket, written), None);
+                // The engine began to answer: a first token came, or a whole answer.
+                let started = progressed > 0 || (self.status_ok && self.completed);
+                s.share(&ticket, Change::ended(&ticket, written, started), None);
                 s.metrics.shift(Stat::InflightNow, -1);
                 s.metrics.add(Stat::OutputChunksUnread, unread);
             });
@@ -799,12 +795,21 @@ impl<H: Host> Request<H> {
             .with(|s| s.served_by(&ticket, &upstream, &chain))
             .flatten()
         {
-            self.ticket = Some(moved);
+            self.ticket = self.with_text_prompt(Some(moved));
             if let Some(Verdict::Routed(route)) = self.decision.as_mut().map(|d| &mut d.verdict) {
                 route.served_by = Some(upstream);
             }
             admit_held(&self.state, self.context_id, Replies::Later);
         }
+    }
+
+    /// `ticket` with the prompt as estimated from its text, for the books' count of started
+    /// prompts (`Ticket::text_prompt`).
+    fn with_text_prompt(&self, ticket: Option<Ticket>) -> Option<Ticket> {
+        let text_prompt = self
+            .prompt_estimate
+            .map_or(0, |e| u32::try_from(e).unwrap_or(u32::MAX));
+        ticket.map(|t| Ticket { text_prompt, ..t })
     }
 
     /// A response chunk taken by the meter: its output events advance the booking, and a

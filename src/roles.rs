@@ -15,7 +15,7 @@
 use crate::host::Host;
 use crate::metrics::Stat;
 use crate::polls::Polls;
-use crate::state::{Placement, State};
+use crate::state::{Placement, State, PROMPT_RATIO_STEP};
 use log::{debug, info, warn};
 use token_balancer_core::config::{Config, Poller};
 use token_balancer_core::fleet::node::Ticket;
@@ -196,6 +196,16 @@ impl<H: Host> State<H> {
         }
     }
 
+    /// The prompt ratio in use, into its gauge once it has moved by `PROMPT_RATIO_STEP`.
+    pub fn note_prompt_ratio(&mut self) {
+        let permille = self.balancer.prompt_permille();
+        if self.prompt_permille == 0 || permille.abs_diff(self.prompt_permille) >= PROMPT_RATIO_STEP
+        {
+            self.metrics.record(Stat::PromptRatioPermille, permille);
+            self.prompt_permille = permille;
+        }
+    }
+
     /// Reader: takes a new fleet snapshot if the version moved, and says whether there is a
     /// usable one, and whether a node got a new report. Other roles always have their fleet.
     pub fn sync_fleet(&mut self, now_ms: u64) -> (bool, bool) {
@@ -209,6 +219,10 @@ impl<H: Host> State<H> {
             self.config.stale_after_ms,
         );
         self.metrics.count(&synced.counts);
+        // A snapshot may bring the engines' prompt ratio (see `route::prompt_scale`).
+        if synced.new_reports && self.balancer.engine_prompt_ratio().is_some() {
+            self.note_prompt_ratio();
+        }
         // The per-node counters of a node followed from the poller's fleet are named after
         // it; the service counts and logs the joins and departures, once for the process.
         for &i in &synced.joined {
@@ -249,10 +263,11 @@ impl<H: Host> State<H> {
         }
     }
 
-    /// Service: the totals of the shared books, as gauges.
+    /// Service: the totals of the shared books, as gauges, and a pass of the engines' prompt
+    /// counters against them (`sync::Service::read_books`).
     pub fn report_books(&mut self) {
-        if let Role::Service(_, service) = &self.role {
-            let t = service.totals(&mut self.host);
+        if let Role::Service(_, service) = &mut self.role {
+            let t = service.read_books(&mut self.host, &self.balancer);
             self.metrics
                 .record(Stat::SharedInflightRequests, t.inflight_requests);
             self.metrics

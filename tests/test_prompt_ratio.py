@@ -7,6 +7,8 @@ usage only when the client asks for it or the engine is told to send it anyway (
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from harness import Envoy, MockCluster, chat, envoy_config, free_port, wait_until
@@ -111,5 +113,45 @@ def test_each_model_is_scaled_by_its_own_tokenizers_count():
         assert 1.3 <= b <= 1.7, (a, b)
         assert 1000 * a < envoy.counter(RATIO) < 1000 * b, envoy.counter(RATIO)
     finally:
+        envoy.stop()
+        cluster.stop()
+
+
+def test_streams_without_usage_teach_the_ratio_through_the_engines_counters():
+    """vLLM ends a stream whose client did not ask for usage without the count, and most
+    clients do not ask. Its prompt counter still counts every prompt, whole, at its first
+    token: the poller service compares the counters' growth with the filter's estimates of the
+    prompts that started on those nodes (the shared books), and the workers scale their prompts
+    by that ratio until answers count enough prompts themselves."""
+    cluster = MockCluster([("node-a", "metrics=vllm"), ("node-b", "metrics=vllm")])
+    envoy = Envoy(envoy_config([n.address for n in cluster.nodes], free_port(), free_port(),
+                               poller="singleton", plugin={"tick_ms": 100}), concurrency=1)
+    stop = threading.Event()
+    errors: list[str] = []
+    text = " ".join(WORDS * 30)
+
+    def client(k: int):
+        i = 0
+        while not stop.is_set():
+            r = envoy.post("/v1/chat/completions", chat(f"{k} {i} {text}", 24, stream=True))
+            if r.status != 200 or b'"usage"' in r.body:
+                errors.append(f"{r.status} {r.body[-200:]!r}")
+                return
+            i += 1
+
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
+    try:
+        wait_until(lambda: envoy.counter("token_balancer.health.ok") >= 4, 15, "both nodes' reports")
+        for t in clients:
+            t.start()
+        wait_until(lambda: errors or envoy.counter(RATIO) not in (0, 1000), 90,
+                   lambda: f"the ratio learned from the counters (gauge {envoy.counter(RATIO)})")
+        assert not errors, errors[:3]
+        assert 650 <= envoy.counter(RATIO) <= 850, envoy.counter(RATIO)
+    finally:
+        stop.set()
+        for t in clients:
+            if t.is_alive():
+                t.join(10)
         envoy.stop()
         cluster.stop()

@@ -812,3 +812,130 @@ fn the_service_reads_every_nodes_books_for_its_gauges_once_a_second() {
     assert_eq!(host.metric("token_balancer.shared.inflight_requests"), 1);
     end(&host, &mut req, 9);
 }
+
+/// A vLLM `/metrics` page: `running` requests, and `prompt` prompt tokens counted.
+fn vllm_page(running: u64, prompt: u64) -> String {
+    let l = r#"{engine="0",model_name="m"}"#;
+    format!(
+        "vllm:num_requests_running{l} {running}.0\nvllm:num_requests_waiting{l} 0.0\n\
+         vllm:kv_cache_usage_perc{l} 0.1\nvllm:prompt_tokens_total{l} {prompt}.0\n\
+         vllm:generation_tokens_total{l} 0.0\n"
+    )
+}
+
+/// Streams that report no usage teach the filter nothing of how the engines count its
+/// estimates; the engines' own prompt counters do. The poller service compares them with the
+/// prompts its workers saw start (the shared books), publishes the ratio, and a worker scales
+/// its prompts by it.
+#[test]
+fn the_engines_prompt_counters_scale_prompts_that_no_answer_counts() {
+    let node = |a: &str| {
+        format!(
+            r#"{{"address":"{a}","health_path":"/metrics","format":"vllm","filter_metrics":false}}"#
+        )
+    };
+    let json = format!(
+        r#"{{"nodes":[{},{}],"health_cluster":"gpu_health","models_poll_ms":0,"poller":"singleton","tick_ms":100,"quiet_poll_ms":100}}"#,
+        node(A),
+        node(B)
+    );
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.configuration = json.as_bytes().to_vec();
+        w.root_id = Some(POLLER_ROOT_ID.as_bytes().to_vec());
+        w.now_ms = 1_000_000;
+    }
+    host.enter(ROOT);
+    let mut service = Root::new(ROOT, host.clone());
+    assert!(service.on_configure(0));
+    host.world().root_id = None;
+    host.enter(100);
+    let mut worker = Root::new(100, host.clone());
+    assert!(worker.on_configure(0));
+    // The engines: each counts 1.3 tokens for every token the filter estimated of the
+    // prompts that started there, and runs what the books hold in flight.
+    let round = |service: &mut Root<FakeHost>, worker: &mut Root<FakeHost>| {
+        host.advance(100);
+        tick(&host, service);
+        for c in host.take_calls() {
+            assert_eq!(c.path, "/metrics", "{c:?}");
+            let slot = usize::from(c.authority == B);
+            let books = host
+                .world()
+                .shared
+                .get(&books_key(slot))
+                .and_then(|(b, _)| Books::decode(b))
+                .unwrap_or_default();
+            let counted = (books.started_text_prompt as f64 * 1.3).round() as u64;
+            answer(
+                &host,
+                service,
+                c.token,
+                Some("200"),
+                &vllm_page(books.inflight_requests, counted),
+            );
+        }
+        host.enter(100);
+        worker.on_tick();
+    };
+    round(&mut service, &mut worker);
+    round(&mut service, &mut worker);
+    // A request in flight on each node, that never starts: the engines run this router's work.
+    let mut anchors = Vec::new();
+    let mut id = 2;
+    while (0..2).any(|slot| shared_books(&host, slot).inflight_requests == 0) {
+        let (req, _, _) = post(&host, &worker, id, BODY);
+        anchors.push(req);
+        id += 1;
+        assert!(id < 40, "both nodes chosen");
+    }
+    let prompt = format!(
+        r#"{{"model":"m","prompt":"{}","max_tokens":20}}"#,
+        "a few words of text ".repeat(40)
+    );
+    let no_usage = r#"{"choices":[{"text":"an answer of some words"}]}"#;
+    for r in 0..300 {
+        if r % 5 == 0 {
+            let (mut req, _, _) = post(&host, &worker, id, &prompt);
+            respond(&host, &mut req, id, "200");
+            host.stream(id).response_body = no_usage.as_bytes().to_vec();
+            host.enter(id);
+            req.on_http_response_body(no_usage.len(), true);
+            end(&host, &mut req, id);
+            id += 1;
+        }
+        round(&mut service, &mut worker);
+    }
+    let started: u64 = (0..2)
+        .map(|s| shared_books(&host, s).started_text_prompt)
+        .sum();
+    assert!(started > 0, "the prompts that started are in the books");
+    let ratio = worker
+        .state()
+        .borrow()
+        .as_ref()
+        .and_then(|s| s.balancer.engine_prompt_ratio());
+    let ratio = ratio.expect("the engines' ratio reaches the worker");
+    assert!((ratio - 1.3).abs() < 0.02, "{ratio}");
+    let gauge = host.metric("token_balancer.prompt_ratio_permille");
+    assert!((1280..=1320).contains(&gauge), "{gauge}");
+    // A new prompt is booked in the engines' tokens.
+    let before: Vec<u64> = (0..2)
+        .map(|s| shared_books(&host, s).unreflected_prompt_tokens)
+        .collect();
+    let (_req, _, _) = post(&host, &worker, id, &prompt);
+    let booked: u64 = (0..2)
+        .map(|s| shared_books(&host, s).unreflected_prompt_tokens)
+        .zip(&before)
+        .map(|(after, before)| after.saturating_sub(*before))
+        .sum();
+    let estimate = token_balancer_core::ingest::request::estimate_text_tokens(
+        &"a few words of text ".repeat(40),
+    );
+    assert!(
+        booked as f64 > estimate as f64 * 1.2,
+        "{booked} for an estimate of {estimate}"
+    );
+    drop(anchors);
+}

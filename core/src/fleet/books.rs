@@ -54,6 +54,13 @@ pub struct Books {
     /// since: with the in-flight requests it counts, what that report shows of this router's
     /// (`in_report_requests`).
     pub ended_requests: u64,
+    /// Running totals, never taken back, of the prompts whose first token came back: those
+    /// estimated from text, at the filter's estimate before any scaling, and the others
+    /// (token ids, or text with parts not estimated), as booked. Against the engine's own
+    /// count of prompt tokens they say how the engine counts what the filter estimates
+    /// (`route::prompt_scale::EngineCounts`).
+    pub started_text_prompt: u64,
+    pub started_other_prompt: u64,
 }
 
 /// `v` moved by `d`, saturating at both ends.
@@ -111,6 +118,8 @@ impl Books {
         self.inflight_tokens = add(self.inflight_tokens, c.tokens);
         self.growth_tokens = add(self.growth_tokens, c.growth);
         self.prefill_tokens = add(self.prefill_tokens, c.prefill);
+        self.started_text_prompt = self.started_text_prompt.saturating_add(c.started.text);
+        self.started_other_prompt = self.started_other_prompt.saturating_add(c.started.other);
         if let Some(u) = &c.unreflected {
             if u.epoch == self.epoch {
                 self.unreflected_requests = add(self.unreflected_requests, u.requests);
@@ -139,17 +148,25 @@ impl Books {
             growth_tokens: self.growth_tokens.saturating_add(o.growth_tokens),
             prefill_tokens: self.prefill_tokens.saturating_add(o.prefill_tokens),
             ended_requests: self.ended_requests.saturating_add(o.ended_requests),
+            started_text_prompt: self
+                .started_text_prompt
+                .saturating_add(o.started_text_prompt),
+            started_other_prompt: self
+                .started_other_prompt
+                .saturating_add(o.started_other_prompt),
             ..self
         }
     }
 
-    /// Nothing in flight, nothing unreflected (the epoch, the tenant and the requests ended
-    /// since the report aside).
+    /// Nothing in flight, nothing unreflected (the epoch, the tenant, the requests ended
+    /// since the report and the running totals of started prompts aside).
     pub fn is_zero(&self) -> bool {
         Books {
             epoch: 0,
             tenant: 0,
             ended_requests: 0,
+            started_text_prompt: 0,
+            started_other_prompt: 0,
             ..*self
         } == Books::default()
     }
@@ -173,6 +190,39 @@ pub struct Change {
     pub growth: i64,
     pub prefill: i64,
     pub unreflected: Option<Unreflected>,
+    /// Prompts whose first token came (the running totals of `Books`).
+    pub started: Started,
+}
+
+/// The prompt tokens of requests whose first token came back, by how they were counted (see
+/// `Books::started_text_prompt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Started {
+    pub text: u64,
+    pub other: u64,
+}
+
+impl Started {
+    /// The prompt of `t`, once.
+    pub fn of(t: &Ticket) -> Started {
+        match t.text_prompt {
+            0 => Started {
+                text: 0,
+                other: t.weight.prompt_tokens,
+            },
+            text => Started {
+                text: u64::from(text),
+                other: 0,
+            },
+        }
+    }
+
+    fn plus(self, o: Started) -> Started {
+        Started {
+            text: self.text.saturating_add(o.text),
+            other: self.other.saturating_add(o.other),
+        }
+    }
 }
 
 /// `v` as a delta, saturating at `i64::MAX`.
@@ -196,18 +246,25 @@ impl Change {
                 tokens,
                 prompt_tokens: signed(t.weight.prompt_tokens),
             }),
+            started: Started::default(),
         }
     }
 
     /// Its stream went from `before` to `after` output tokens: that much of its reserved
     /// growth has happened (and is in the node's KV use), and its prefill is done once the
-    /// first token came. Output past the reservation grows nothing the books hold.
+    /// first token came, when its prompt counts as started. Output past the reservation grows
+    /// nothing the books hold.
     pub fn progress(t: &Ticket, before: u64, after: u64) -> Change {
         let r = t.reserved_output;
         let done = after.min(r).saturating_sub(before.min(r));
         Change {
             growth: -signed(done),
             prefill: Self::prefilled(t, before, after),
+            started: if before == 0 && after > 0 {
+                Started::of(t)
+            } else {
+                Started::default()
+            },
             ..Change::default()
         }
     }
@@ -239,6 +296,23 @@ impl Change {
                 tokens: -tokens,
                 prompt_tokens: -signed(t.weight.prompt_tokens),
             }),
+            started: Started::default(),
+        }
+    }
+
+    /// Its stream ended; the books were told of `written` output tokens (`progress` is booked
+    /// in steps), and `started` says whether the engine began to answer (a first token came,
+    /// or a whole answer). `release`, and the prompt counted as started if it did and no
+    /// progress said so.
+    pub fn ended(t: &Ticket, written: u64, started: bool) -> Change {
+        let started = if written == 0 && started {
+            Started::of(t)
+        } else {
+            Started::default()
+        };
+        Change {
+            started,
+            ..Self::release(t, written)
         }
     }
 
@@ -264,6 +338,7 @@ impl Change {
             growth: self.growth.saturating_add(o.growth),
             prefill: self.prefill.saturating_add(o.prefill),
             unreflected,
+            started: self.started.plus(o.started),
         }
     }
 
@@ -272,6 +347,7 @@ impl Change {
             && self.tokens == 0
             && self.growth == 0
             && self.prefill == 0
+            && self.started == Started::default()
             && self.unreflected.map_or(true, |u| {
                 u.requests == 0 && u.tokens == 0 && u.prompt_tokens == 0
             })
@@ -297,6 +373,7 @@ mod tests {
             cached: 0,
             tpot_ms: None,
             stream: 0,
+            text_prompt: 0,
         }
     }
 
@@ -324,6 +401,61 @@ mod tests {
         let b = b.apply(&Change::release(&t, 200));
         assert!(b.is_zero(), "{b:?}");
         assert_eq!((b.epoch, b.tenant), (3, 7));
+    }
+
+    /// A prompt counts as started once, at its first token: at the progress that says so, or
+    /// at its end when no progress did; by its text estimate, or as booked when it has none;
+    /// never taken back, and not at all for a stream that ended before its first token.
+    #[test]
+    fn a_prompt_counts_as_started_once_at_its_first_token() {
+        let text = Ticket {
+            text_prompt: 80,
+            ..ticket(3, 100, 50, 80)
+        };
+        let ids = ticket(3, 100, 50, 80);
+        let started = |b: Books| (b.started_text_prompt, b.started_other_prompt);
+        let sent = |t: &Ticket| Books::of(7).at_epoch(3).apply(&Change::dispatch(t));
+        // (ticket, changes after its dispatch, started totals)
+        let cases: Vec<(&Ticket, Vec<Change>, (u64, u64))> = vec![
+            (&text, vec![], (0, 0)),
+            (&text, vec![Change::progress(&text, 0, 16)], (80, 0)),
+            (&ids, vec![Change::progress(&ids, 0, 16)], (0, 100)),
+            // Later progress and the end add nothing more.
+            (
+                &text,
+                vec![
+                    Change::progress(&text, 0, 16),
+                    Change::progress(&text, 16, 32),
+                    Change::ended(&text, 32, true),
+                ],
+                (80, 0),
+            ),
+            // No progress was written (fewer tokens than a step, or an answer that came
+            // whole): counted at the end.
+            (&text, vec![Change::ended(&text, 0, true)], (80, 0)),
+            // Ended before its first token: never started.
+            (&text, vec![Change::ended(&text, 0, false)], (0, 0)),
+            (&ids, vec![Change::release(&ids, 0)], (0, 0)),
+            // Merged changes keep the count.
+            (
+                &ids,
+                vec![Change::progress(&ids, 0, 3).merge(Change::ended(&ids, 3, true))],
+                (0, 100),
+            ),
+        ];
+        for (t, changes, want) in cases {
+            let b = changes.iter().fold(sent(t), |b, c| b.apply(c));
+            assert_eq!(started(b), want, "{changes:?}");
+        }
+        // What started stays in the totals when the request ends, and the books are empty
+        // otherwise.
+        let b = sent(&text)
+            .apply(&Change::progress(&text, 0, 16))
+            .apply(&Change::ended(&text, 16, true));
+        assert!(b.is_zero(), "{b:?}");
+        assert_eq!(started(b), (80, 0));
+        assert_eq!(started(b.plus(&b)), (160, 0));
+        assert!(!Change::progress(&text, 0, 1).is_empty());
     }
 
     /// A prompt is prefill to do from its dispatch to its first token, whatever the reports
@@ -416,6 +548,8 @@ mod tests {
             growth_tokens: u64::MAX,
             prefill_tokens: u64::MAX,
             ended_requests: u64::MAX,
+            started_text_prompt: 0,
+            started_other_prompt: 0,
         };
         let huge = ticket(1, u64::MAX, u64::MAX, u64::MAX);
         let b = full.apply(&Change::dispatch(&huge));

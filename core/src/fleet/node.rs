@@ -31,7 +31,7 @@ use crate::fleet::books::{Books, Change};
 use crate::fleet::models::ServedModels;
 use crate::fleet::polling;
 use crate::fleet::probe::{Probe, Seen, Step};
-use crate::ingest::engine::{self, FormatError, Health, HealthFormat};
+use crate::ingest::engine::{self, Counter, Engine, FormatError, Health, HealthFormat};
 use crate::ingest::rates::Tracker;
 use crate::ingest::request::Weight;
 use crate::ingest::telemetry::Report;
@@ -72,6 +72,11 @@ pub struct Ticket {
     pub tpot_ms: Option<u32>,
     /// Its record among the node's streams (`NodeState::streams`); 0 when it has none.
     pub stream: u32,
+    /// The prompt as the filter estimated it from its text, before scaling to the engines'
+    /// tokens (`route::prompt_scale`); 0 for a prompt of token ids or one with parts not
+    /// estimated. Set by the caller after routing. (32 bits, where the ticket has room: a
+    /// body is far below four billion tokens.)
+    pub text_prompt: u32,
 }
 
 impl Ticket {
@@ -672,6 +677,12 @@ impl NodeState {
         self.engine_prefix
     }
 
+    /// The engine's count of prompt tokens at its last scrape, and the engine
+    /// (`route::prompt_scale::EngineCounts`).
+    pub fn engine_prompt_counter(&self) -> Option<(Engine, Counter)> {
+        self.tracker.prompt_counter()
+    }
+
     /// The engine's recent prefix-cache hit rate at its last scrape, 0..1, when it publishes
     /// a rate rather than counters (SGLang).
     pub fn engine_hit_rate(&self) -> Option<f64> {
@@ -893,6 +904,7 @@ impl NodeState {
             cached,
             tpot_ms: None,
             stream,
+            text_prompt: 0,
         };
         self.books = self.books.apply(&Change::dispatch(&ticket));
         ticket
@@ -1447,6 +1459,8 @@ mod tests {
             growth_tokens: u64::MAX,
             prefill_tokens: u64::MAX,
             ended_requests: u64::MAX,
+            started_text_prompt: 0,
+            started_other_prompt: 0,
         };
         n.set_books(&full);
         assert_eq!(

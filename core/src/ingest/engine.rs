@@ -189,6 +189,14 @@ impl Engine {
         matches!(self, Engine::Vllm | Engine::Sglang | Engine::Trtllm)
     }
 
+    /// Whether the engine's prompt-token counter counts each prompt whole, its cached part
+    /// included, once its prefill is done: vLLM's (v1 counts a request's prompt length at its
+    /// first token). llama.cpp counts only the tokens it computed; SGLang's, TGI's and
+    /// trtllm-serve's counting is not relied on. See `route::prompt_scale::EngineCounts`.
+    pub fn counts_whole_prompts(self) -> bool {
+        matches!(self, Engine::Vllm)
+    }
+
     /// Every sample name this module reads from the engine's scrape: the table of `READ` and
     /// vLLM's LoRA gauge. A poll may ask for these alone (see `probe`).
     pub fn names_read(self) -> impl Iterator<Item = &'static str> {

@@ -112,6 +112,8 @@ pub struct Tracker {
     /// The sustained rate's window: the tokens counted when it started, the milliseconds
     /// since in which the node had work, and whether it had work at the last scrape.
     window: Option<(f64, u64, bool)>,
+    /// The last scrape's prompt-token counter, and the engine that served it.
+    prompt: Option<(Engine, Counter)>,
 }
 
 impl Tracker {
@@ -130,6 +132,11 @@ impl Tracker {
         self.sustained.filter(|p| *p >= LEARNED_CAPACITY_FLOOR)
     }
 
+    /// The engine's count of prompt tokens at the last scrape, and the engine, if it gave one.
+    pub fn prompt_counter(&self) -> Option<(Engine, Counter)> {
+        self.prompt
+    }
+
     /// What the last scrape did to the rate.
     pub fn last_step(&self) -> Option<Step> {
         self.last_step
@@ -144,6 +151,7 @@ impl Tracker {
     ) -> Report {
         let step = self.advance(scrape, now_ms);
         self.learn(scrape, step, now_ms);
+        self.prompt = scrape.prompt_tokens.map(|c| (scrape.engine, c));
         self.last_step = Some(step);
         let kv_size = scrape
             .kv_total_tokens

@@ -593,6 +593,7 @@ mod tests {
             cached: 0,
             tpot_ms: None,
             stream: 0,
+            text_prompt: 0,
         };
         b.observe_tpot(&ticket, seconds, now_ms);
     }

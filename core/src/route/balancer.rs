@@ -611,15 +611,20 @@ impl Balancer {
         self.prompt_scales.of(model).apply(estimated)
     }
 
-    /// Engine tokens per estimated prompt token over the fleet, as learned (1 until enough
-    /// answers counted).
+    /// Engine tokens per estimated prompt token for a prompt that names no model: the fleet's
+    /// as its answers counted them, else the engines' counters' (1 until either is known).
     pub fn prompt_ratio(&self) -> f64 {
-        self.prompt_scales.fleet().ratio()
+        self.prompt_scales.of(None).ratio()
     }
 
     /// `prompt_ratio` in thousandths.
     pub fn prompt_permille(&self) -> u64 {
-        self.prompt_scales.fleet().permille()
+        self.prompt_scales.of(None).permille()
+    }
+
+    /// The ratio the engines' counters gave, as the poller service published it.
+    pub fn engine_prompt_ratio(&self) -> Option<f64> {
+        self.prompt_scales.engine_ratio()
     }
 
     /// Answers that have counted a prompt this filter estimated.
@@ -1248,6 +1253,7 @@ impl Balancer {
     /// address (see `share::fleet::import`). The books are not touched (see `set_books`).
     pub fn import_fleet(&mut self, snapshot: &Snapshot) -> Imported {
         let imported = share::fleet::import(&mut self.fleet, snapshot);
+        self.prompt_scales.set_engine(snapshot.prompt_ratio);
         self.pool.invalidate();
         self.named.invalidate();
         imported
@@ -1490,6 +1496,8 @@ mod tests {
             growth_tokens: u64::MAX,
             prefill_tokens: u64::MAX,
             ended_requests: u64::MAX,
+            started_text_prompt: 0,
+            started_other_prompt: 0,
         };
         b.set_books(0, &full);
         let Outcome::Routed { ticket, .. } = b.route(

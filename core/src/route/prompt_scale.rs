@@ -29,6 +29,21 @@
 //! that keep changing (an engine that serves any name, a client that invents them) cost a
 //! bounded memory, and a model pushed out is scaled by the fleet's ratio again until it has
 //! counted enough anew.
+//!
+//! A stream whose client did not ask for usage (most clients do not) reports no count, and
+//! vLLM and SGLang end such a stream without one. The engine's own counter of prompt tokens
+//! still moves ([`EngineCounts`]): over the same seconds, what the engines counted against what
+//! the filter estimated of the prompts that started there (their first token came back; the
+//! shared books keep the running totals, `Books::started_text_prompt`) is the same ratio, for
+//! the fleet. The poller service samples it about once a second, from the engines whose counter
+//! counts each prompt whole once its prefill is done (vLLM; engines that count only the part
+//! they computed, like llama.cpp, would read their prefix cache's hits as a smaller tokenizer),
+//! and only while this router sends nearly all the work the engines report (its share, as in
+//! `routers`; behind several routers the counter counts the others' prompts too). It is used
+//! for every model until the answers have counted `MIN_SAMPLES` prompts themselves.
+
+use crate::fleet::books::Books;
+use crate::ingest::engine::{Counter, Engine};
 
 /// Answers that must have counted a prompt before the ratio is used.
 pub const MIN_SAMPLES: u32 = 20;
@@ -96,6 +111,19 @@ impl PromptScale {
     pub fn samples(&self) -> u32 {
         self.samples
     }
+
+    /// A ratio learned elsewhere (the poller service's, see [`EngineCounts`]), as a scale that
+    /// is in use.
+    pub fn of_ratio(ratio: f64) -> PromptScale {
+        if !(ratio.is_finite() && ratio > 0.0) {
+            return PromptScale::default();
+        }
+        PromptScale {
+            estimated: 1.0,
+            reported: ratio,
+            samples: MIN_SAMPLES,
+        }
+    }
 }
 
 /// One model's ratio, and when it last counted a prompt (`PromptScales::counted`).
@@ -113,6 +141,8 @@ pub struct PromptScales {
     models: Vec<ModelScale>,
     /// Prompts counted, for which model counted one last.
     counted: u64,
+    /// The ratio the engines' counters gave (see [`EngineCounts`]), when known.
+    engine: Option<PromptScale>,
 }
 
 impl PromptScales {
@@ -148,13 +178,28 @@ impl PromptScales {
     }
 
     /// The ratio a prompt of `model` is scaled by: the model's own once it is learned, else
-    /// the fleet's.
+    /// the fleet's once learned, else the engines' counters' when known (the fleet's, at 1,
+    /// otherwise).
     pub fn of(&self, model: Option<&str>) -> &PromptScale {
+        let learned = |s: &&PromptScale| s.samples() >= MIN_SAMPLES;
         model
             .and_then(|name| self.models.iter().find(|m| m.name == name))
             .map(|m| &m.scale)
-            .filter(|s| s.samples() >= MIN_SAMPLES)
+            .filter(learned)
+            .or_else(|| Some(&self.fleet).filter(learned))
+            .or(self.engine.as_ref())
             .unwrap_or(&self.fleet)
+    }
+
+    /// The ratio the engines' counters gave, as the poller service publishes it (`None`: not
+    /// known).
+    pub fn set_engine(&mut self, ratio: Option<f64>) {
+        self.engine = ratio.map(PromptScale::of_ratio);
+    }
+
+    /// The engines' counters' ratio in use, if known.
+    pub fn engine_ratio(&self) -> Option<f64> {
+        self.engine.map(|s| s.ratio())
     }
 
     /// The fleet's ratio, learned from every answer.
@@ -171,6 +216,110 @@ impl PromptScales {
             .into_iter()
             .map(|m| (m.name.as_str(), &m.scale))
             .collect()
+    }
+}
+
+/// Smallest share of the requests the engines report that must be this router's for the
+/// engines' counters to be sampled.
+pub const MIN_OWN_SHARE: f64 = 0.8;
+/// Requests the engines must report (smoothed) before the share decides anything.
+const MIN_REPORTED: f64 = 1.0;
+/// Each pass keeps this much of the smoothed share before it: about five passes' memory.
+const SHARE_KEEP: f64 = 0.8;
+
+/// What one node says at a pass of [`EngineCounts::observe`] (the default: nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct NodeCount {
+    /// Who holds the slot (`node::tenant_of`): a new tenant starts over.
+    pub tenant: u64,
+    /// The engine's prompt-token counter at its last scrape, and the engine.
+    pub counter: Option<(Engine, Counter)>,
+    /// Its shared books, at its report's epoch.
+    pub books: Books,
+    /// Requests its last fresh report shows running or waiting, if it says.
+    pub reported: Option<f64>,
+}
+
+/// The last pass's figures of one node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Mark {
+    tenant: u64,
+    counter: Counter,
+    text: u64,
+    other: u64,
+}
+
+/// The engines' prompt counters against the books' started prompts (see the module).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineCounts {
+    last: Vec<Option<Mark>>,
+    scale: PromptScale,
+    /// This router's requests and all the requests the engines report, smoothed; none before
+    /// the first pass.
+    share: Option<(f64, f64)>,
+}
+
+impl EngineCounts {
+    /// One pass over every node (`nodes[i]` is slot `i`): each node whose engine counts whole
+    /// prompts and whose counter and books moved comparably since the last pass adds to the
+    /// sample, which is taken while this router's share of the reported requests is at least
+    /// `MIN_OWN_SHARE`.
+    pub fn observe(&mut self, nodes: &[NodeCount]) {
+        self.last.resize(nodes.len(), None);
+        let (mut own, mut reported) = (0.0, 0.0);
+        let (mut counted, mut text, mut other) = (0.0, 0u64, 0u64);
+        for (n, last) in nodes.iter().zip(self.last.iter_mut()) {
+            if let Some(r) = n.reported.filter(|r| r.is_finite() && *r >= 0.0) {
+                reported += r;
+                own += n.books.in_report_requests() as f64;
+            }
+            let Some((_, counter)) = n.counter.filter(|(e, _)| e.counts_whole_prompts()) else {
+                *last = None;
+                continue;
+            };
+            let mark = Mark {
+                tenant: n.tenant,
+                counter,
+                text: n.books.started_text_prompt,
+                other: n.books.started_other_prompt,
+            };
+            if let Some(before) = last.replace(mark) {
+                let comparable = before.tenant == mark.tenant
+                    && before.counter.series == mark.counter.series
+                    && mark.counter.total >= before.counter.total
+                    && mark.text >= before.text
+                    && mark.other >= before.other;
+                if comparable {
+                    counted += mark.counter.total - before.counter.total;
+                    text = text.saturating_add(mark.text - before.text);
+                    other = other.saturating_add(mark.other - before.other);
+                }
+            }
+        }
+        let (own, reported) = match self.share {
+            None => (own, reported),
+            Some((o, r)) => (
+                SHARE_KEEP * o + (1.0 - SHARE_KEEP) * own,
+                SHARE_KEEP * r + (1.0 - SHARE_KEEP) * reported,
+            ),
+        };
+        self.share = Some((own, reported));
+        let alone = reported >= MIN_REPORTED && own / reported >= MIN_OWN_SHARE;
+        if !alone || !counted.is_finite() {
+            return;
+        }
+        // What the engines counted of the prompts the filter estimated from text: their whole
+        // count less what it knew exactly.
+        let of_text = (counted - other as f64).max(0.0);
+        if of_text >= u64::MAX as f64 {
+            return;
+        }
+        self.scale.observe(text, of_text.round() as u64);
+    }
+
+    /// Engine tokens per estimated token, once `MIN_SAMPLES` passes have counted a sample.
+    pub fn ratio(&self) -> Option<f64> {
+        (self.scale.samples() >= MIN_SAMPLES).then(|| self.scale.ratio())
     }
 }
 
@@ -321,5 +470,175 @@ mod tests {
         let fleet = s.fleet().apply(1000);
         assert_eq!(s.of(Some(&name(1))).apply(1000), fleet);
         assert!(fleet > 500 && fleet < 1500, "{fleet}");
+    }
+
+    /// A node at a pass: its engine's counter at `total` (series `series`), the started
+    /// prompts' totals in its books, and the requests its report shows.
+    fn node(
+        engine: Engine,
+        total: f64,
+        series: u32,
+        text: u64,
+        other: u64,
+        reported: f64,
+    ) -> NodeCount {
+        NodeCount {
+            tenant: 1,
+            counter: Some((engine, Counter { total, series })),
+            books: Books {
+                started_text_prompt: text,
+                started_other_prompt: other,
+                // This router's requests the report shows: all of them.
+                inflight_requests: reported as u64,
+                ..Books::default()
+            },
+            reported: Some(reported),
+        }
+    }
+
+    /// `passes` passes of one vLLM node whose engine counts `per_pass` tokens each pass for
+    /// `text` estimated and `other` exact prompt tokens started, with `ours` of the `reported`
+    /// requests this router's.
+    fn run(
+        passes: u64,
+        per_pass: f64,
+        text: u64,
+        other: u64,
+        ours: u64,
+        reported: f64,
+    ) -> EngineCounts {
+        let mut e = EngineCounts::default();
+        for i in 0..passes {
+            let mut n = node(
+                Engine::Vllm,
+                per_pass * i as f64,
+                0,
+                text * i,
+                other * i,
+                reported,
+            );
+            n.books.inflight_requests = ours;
+            e.observe(&[n]);
+        }
+        e
+    }
+
+    #[test]
+    fn the_engines_counters_give_the_ratio_while_this_router_sends_the_work() {
+        let n = u64::from(MIN_SAMPLES) + 1;
+        // (passes, engine tokens a pass, text estimate a pass, exact a pass, ours, reported,
+        // ratio)
+        type Case = (u64, f64, u64, u64, u64, f64, Option<f64>);
+        let cases: &[Case] = &[
+            (n, 1300.0, 1000, 0, 4, 4.0, Some(1.3)),
+            // Not enough passes yet.
+            (n - 1, 1300.0, 1000, 0, 4, 4.0, None),
+            // Prompts of token ids are exact: the engine's count of them is taken off.
+            (n, 1800.0, 1000, 500, 4, 4.0, Some(1.3)),
+            // Other routers send half the work: their prompts are in the counter, so no
+            // sample.
+            (n, 2600.0, 1000, 0, 2, 4.0, None),
+            // Just at the share needed.
+            (n, 1300.0, 1000, 0, 4, 5.0, Some(1.3)),
+            // Nothing reported running: the share is not known, no sample.
+            (n, 1300.0, 1000, 0, 0, 0.0, None),
+            // No prompt started here: nothing learned.
+            (n, 1300.0, 0, 0, 4, 4.0, None),
+        ];
+        for &(passes, per_pass, text, other, ours, reported, want) in cases {
+            let e = run(passes, per_pass, text, other, ours, reported);
+            match (e.ratio(), want) {
+                (Some(got), Some(want)) => assert!((got - want).abs() < 1e-9, "{got}"),
+                (got, want) => assert_eq!(
+                    got, want,
+                    "{passes} {per_pass} {text} {other} {ours} {reported}"
+                ),
+            }
+        }
+    }
+
+    #[test]
+    fn a_counter_that_restarts_or_another_engine_gives_no_sample() {
+        let n = u64::from(MIN_SAMPLES) + 1;
+        // (the node at pass i, samples expected)
+        type Pass = fn(u64) -> NodeCount;
+        let cases: &[(Pass, bool)] = &[
+            // An engine that counts only what it computed is not sampled.
+            (
+                |i| node(Engine::LlamaCpp, 1300.0 * i as f64, 0, 1000 * i, 0, 4.0),
+                false,
+            ),
+            // No counter.
+            (
+                |i| NodeCount {
+                    counter: None,
+                    ..node(Engine::Vllm, 0.0, 0, 1000 * i, 0, 4.0)
+                },
+                false,
+            ),
+            // The counter goes down every pass (restarts): never comparable.
+            (
+                |i| node(Engine::Vllm, 1e9 - 1300.0 * i as f64, 0, 1000 * i, 0, 4.0),
+                false,
+            ),
+            // The series change every pass.
+            (
+                |i| node(Engine::Vllm, 1300.0 * i as f64, i as u32, 1000 * i, 0, 4.0),
+                false,
+            ),
+            // The slot changes hands every pass.
+            (
+                |i| NodeCount {
+                    tenant: i,
+                    ..node(Engine::Vllm, 1300.0 * i as f64, 0, 1000 * i, 0, 4.0)
+                },
+                false,
+            ),
+        ];
+        for (pass, learns) in cases {
+            let mut e = EngineCounts::default();
+            for i in 0..n {
+                e.observe(&[pass(i)]);
+            }
+            assert_eq!(e.ratio().is_some(), *learns, "{:?}", pass(1));
+        }
+        // A restart (the counter starts over) costs one pass, and the ratio is still what the
+        // engine counts.
+        let mut e = EngineCounts::default();
+        for i in 0..n + 1 {
+            let total = if i < 5 { 1300 * i } else { 1300 * (i - 5) };
+            e.observe(&[node(Engine::Vllm, total as f64, 0, 1000 * i, 0, 4.0)]);
+        }
+        assert!((e.ratio().unwrap() - 1.3).abs() < 1e-9);
+        // Two nodes add up, a node without a counter in between changes nothing.
+        let mut e = EngineCounts::default();
+        for i in 0..n {
+            let a = node(Engine::Vllm, 1000.0 * i as f64, 0, 1000 * i, 0, 2.0);
+            let b = node(Engine::Vllm, 2000.0 * i as f64, 0, 1000 * i, 0, 2.0);
+            e.observe(&[a, NodeCount::default(), b]);
+        }
+        assert!((e.ratio().unwrap() - 1.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_engines_ratio_stands_in_until_the_answers_have_counted_enough() {
+        let mut s = PromptScales::default();
+        assert_eq!(s.of(None).apply(1000), 1000);
+        s.set_engine(Some(1.3));
+        assert_eq!(s.engine_ratio(), Some(1.3));
+        assert_eq!(s.of(None).apply(1000), 1300);
+        assert_eq!(s.of(Some("m")).apply(1000), 1300);
+        // Answers that counted prompts win once there are enough of them.
+        for _ in 0..MIN_SAMPLES {
+            s.observe(Some("m"), 1000, 900);
+        }
+        assert_eq!(s.of(Some("m")).apply(1000), 900);
+        assert_eq!(s.of(None).apply(1000), 900);
+        // A ratio that is no ratio, or none, is not used.
+        let mut s = PromptScales::default();
+        s.set_engine(Some(f64::NAN));
+        assert_eq!(s.of(None).apply(1000), 1000);
+        s.set_engine(None);
+        assert_eq!(s.engine_ratio(), None);
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! Every read is checked: a truncated value, trailing bytes or a wrong magic is refused
 //! whole (`Malformed`, `None`), never half read, and a count the bytes cannot hold sizes no
-//! allocation. The books are 72 bytes, nine `u64`s in the order of `Books`' fields; the 64 bytes
-//! builds before the ninth (`prefill_tokens`) wrote are read with it at zero.
+//! allocation. The books are 96 bytes, twelve `u64`s in the order of `Books`' fields; the
+//! shorter books earlier builds wrote (64, 72 and 80 bytes, before `prefill_tokens`,
+//! `ended_requests` and the started prompts' totals) are read with the missing figures at zero.
 
 use crate::fleet::books::Books;
 use crate::ingest::telemetry::Report;
@@ -57,13 +58,17 @@ pub struct NodeView {
     pub grace_ms: u64,
 }
 
-/// What the poller publishes: every node it follows.
+/// What the poller publishes: every node it follows, and what the fleet's engines' counters
+/// say of the filter's prompt estimates (`route::prompt_scale::EngineCounts`), when known.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Snapshot {
     pub nodes: Vec<NodeView>,
+    pub prompt_ratio: Option<f64>,
 }
 
-const MAGIC: &[u8; 4] = b"TBF2";
+const MAGIC: &[u8; 4] = b"TBF3";
+/// Snapshots of builds before the prompt ratio that follows the nodes: read without one.
+const MAGIC_BEFORE_PROMPT_RATIO: &[u8; 4] = b"TBF2";
 /// Snapshots of builds before a report's eighth figure (the sustained rate): read alike, since
 /// they never set its bit. An older reader refuses the new magic rather than misread it.
 const MAGIC_BEFORE_SUSTAINED: &[u8; 4] = b"TBF1";
@@ -220,6 +225,13 @@ impl Snapshot {
                 out.extend_from_slice(&grace.to_le_bytes());
             }
         }
+        match self.prompt_ratio {
+            Some(r) => {
+                out.push(1);
+                out.extend_from_slice(&r.to_bits().to_le_bytes());
+            }
+            None => out.push(0),
+        }
         out
     }
 
@@ -230,9 +242,10 @@ impl Snapshot {
     fn read(bytes: &[u8]) -> Option<Snapshot> {
         let mut r = Reader::new(bytes);
         let magic = r.take(4)?;
-        if magic != MAGIC && magic != MAGIC_BEFORE_SUSTAINED {
+        if magic != MAGIC && magic != MAGIC_BEFORE_PROMPT_RATIO && magic != MAGIC_BEFORE_SUSTAINED {
             return None;
         }
+        let with_ratio = magic == MAGIC;
         let count = r.u32()? as usize;
         // A node takes at least 11 bytes.
         if count > bytes.len() / 11 {
@@ -300,12 +313,25 @@ impl Snapshot {
                 grace_ms,
             });
         }
-        r.done().then_some(Snapshot { nodes })
+        let prompt_ratio = match with_ratio {
+            true => match r.u8()? {
+                0 => None,
+                1 => Some(r.f64()?).filter(|v| v.is_finite() && *v > 0.0),
+                _ => return None,
+            },
+            false => None,
+        };
+        r.done().then_some(Snapshot {
+            nodes,
+            prompt_ratio,
+        })
     }
 }
 
 /// Bytes of encoded books.
-pub const BOOKS_LEN: usize = 80;
+pub const BOOKS_LEN: usize = 96;
+/// Bytes of books as builds before the started prompts' totals wrote them: read with none.
+const BOOKS_LEN_BEFORE_STARTED: usize = 80;
 /// Bytes of books as builds before `ended_requests` wrote them: read with none ended.
 const BOOKS_LEN_BEFORE_ENDED: usize = 72;
 /// Bytes of books as builds before `prefill_tokens` wrote them: read with no prefill.
@@ -320,7 +346,7 @@ impl Books {
         out
     }
 
-    fn fields(&self) -> [u64; 10] {
+    fn fields(&self) -> [u64; 12] {
         [
             self.epoch,
             self.tenant,
@@ -332,6 +358,8 @@ impl Books {
             self.growth_tokens,
             self.prefill_tokens,
             self.ended_requests,
+            self.started_text_prompt,
+            self.started_other_prompt,
         ]
     }
 
@@ -352,6 +380,16 @@ impl Books {
                 r.u64()?
             },
             ended_requests: if bytes.len() <= BOOKS_LEN_BEFORE_ENDED {
+                0
+            } else {
+                r.u64()?
+            },
+            started_text_prompt: if bytes.len() <= BOOKS_LEN_BEFORE_STARTED {
+                0
+            } else {
+                r.u64()?
+            },
+            started_other_prompt: if bytes.len() <= BOOKS_LEN_BEFORE_STARTED {
                 0
             } else {
                 r.u64()?
@@ -378,16 +416,27 @@ mod tests {
             growth_tokens: u64::MAX,
             prefill_tokens: 6,
             ended_requests: 8,
+            started_text_prompt: 9,
+            started_other_prompt: 10,
         };
         assert_eq!(Books::decode(&b.encode()), Some(b));
         assert_eq!(Books::decode(&b.encode()[..BOOKS_LEN - 1]), None);
-        // Books earlier builds wrote, without the ended count (and the prefill): read with
-        // none.
+        // Books earlier builds wrote, without the started prompts' totals (and the ended
+        // count, and the prefill): read with none.
+        let unstarted = Books {
+            started_text_prompt: 0,
+            started_other_prompt: 0,
+            ..b
+        };
+        assert_eq!(
+            Books::decode(&b.encode()[..BOOKS_LEN_BEFORE_STARTED]),
+            Some(unstarted)
+        );
         assert_eq!(
             Books::decode(&b.encode()[..BOOKS_LEN_BEFORE_ENDED]),
             Some(Books {
                 ended_requests: 0,
-                ..b
+                ..unstarted
             })
         );
         assert_eq!(
@@ -395,16 +444,16 @@ mod tests {
             Some(Books {
                 prefill_tokens: 0,
                 ended_requests: 0,
-                ..b
+                ..unstarted
             })
         );
-        // The layout other VMs read: ten little-endian u64s, in order.
+        // The layout other VMs read: twelve little-endian u64s, in order.
         let bytes = b.encode();
         let words: Vec<u64> = bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
             .collect();
-        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX, 6, 8]);
+        assert_eq!(words, [7, 99, 1, 2, 3, 4, 5, u64::MAX, 6, 8, 9, 10]);
         let v = Version {
             version: 3,
             heartbeat_ms: 99,
@@ -439,9 +488,21 @@ mod tests {
                     ..NodeView::default()
                 },
             ],
+            prompt_ratio: Some(1.3),
         };
         let bytes = snap.encode();
         assert_eq!(Snapshot::decode(&bytes), Ok(snap.clone()));
+        let snap = Snapshot {
+            prompt_ratio: None,
+            ..snap
+        };
+        let unknown = snap.encode();
+        assert_eq!(Snapshot::decode(&unknown), Ok(snap.clone()));
+        // A ratio that is no ratio is read as none.
+        let mut bad = bytes.clone();
+        let at = bad.len() - 8;
+        bad[at..].copy_from_slice(&f64::NAN.to_bits().to_le_bytes());
+        assert_eq!(Snapshot::decode(&bad), Ok(snap.clone()));
         // Any truncation, trailing garbage or wrong magic is refused, never half read.
         for n in 0..bytes.len() {
             assert_eq!(Snapshot::decode(&bytes[..n]), Err(Malformed), "{n}");
@@ -449,7 +510,7 @@ mod tests {
         let mut long = bytes.clone();
         long.push(0);
         assert_eq!(Snapshot::decode(&long), Err(Malformed));
-        assert_eq!(Snapshot::decode(b"TBF3\0\0\0\0"), Err(Malformed));
+        assert_eq!(Snapshot::decode(b"TBF4\0\0\0\0"), Err(Malformed));
         // A count the bytes cannot hold allocates nothing.
         assert_eq!(Snapshot::decode(b"TBF2\xff\xff\xff\xff"), Err(Malformed));
         // A snapshot of a build before the sustained rate (which never set its bit) reads.
@@ -457,7 +518,13 @@ mod tests {
         if let Some((r, _)) = older.nodes.first_mut().and_then(|n| n.report.as_mut()) {
             r.sustained_tokens_per_sec = None;
         }
+        // Snapshots of builds before the prompt ratio end with the nodes.
+        let before_ratio = &unknown[..unknown.len() - 1];
+        let mut old_bytes = before_ratio.to_vec();
+        old_bytes[..4].copy_from_slice(b"TBF2");
+        assert_eq!(Snapshot::decode(&old_bytes), Ok(snap.clone()));
         let mut old_bytes = older.encode();
+        old_bytes.pop();
         old_bytes[..4].copy_from_slice(b"TBF1");
         assert_eq!(Snapshot::decode(&old_bytes), Ok(older));
         // A grace past what four bytes hold is written as the most they hold.
@@ -467,6 +534,7 @@ mod tests {
                 grace_ms: u64::MAX,
                 ..NodeView::default()
             }],
+            prompt_ratio: None,
         };
         let read = Snapshot::decode(&far.encode());
         if let Some(n) = far.nodes.first_mut() {
@@ -502,6 +570,7 @@ mod tests {
                     grace_ms: 0,
                 })
                 .collect(),
+            prompt_ratio: None,
         }
     }
 

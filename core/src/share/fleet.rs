@@ -130,6 +130,7 @@ mod tests {
         let base = 1_000_000;
         let snap = Snapshot {
             nodes: poller.fleet_view(base),
+            prompt_ratio: None,
         };
         let snap = Snapshot::decode(&snap.encode()).unwrap();
         let mut reader = Balancer::new(&cfg(&[8001, 8002, 8003]));
@@ -176,6 +177,7 @@ mod tests {
         poller.on_health(2, None, 30).unwrap_err();
         let snap = Snapshot {
             nodes: poller.fleet_view(base),
+            prompt_ratio: None,
         };
         let mut other = Balancer::new(&cfg(&[8001, 8002, 8003, 8009]));
         assert_eq!(other.import_fleet(&snap).missing, 1);
@@ -202,6 +204,7 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         let snap = |p: &Balancer| Snapshot {
             nodes: p.fleet_view(1_000),
+            prompt_ratio: None,
         };
         poller.set_members(&members(&["10.0.0.1:80", "10.0.0.2:80"]), |_| false);
         for i in 0..3 {
@@ -265,6 +268,7 @@ mod tests {
         // A poller restarted with fewer slots: the reader's extra ones leave.
         let c = reader.mirror_fleet(&Snapshot {
             nodes: snap(&poller).nodes[..2].to_vec(),
+            prompt_ratio: None,
         });
         assert_eq!(c.left, vec![2]);
         // Without `membership` the nodes are the configured ones, whatever the snapshot.
@@ -288,6 +292,7 @@ mod tests {
         poller.on_models(1, br#"{"data":[{"id":"m"}]}"#).unwrap();
         let snap = Snapshot {
             nodes: poller.fleet_view(0),
+            prompt_ratio: None,
         };
         let snap = Snapshot::decode(&snap.encode()).unwrap();
         let mut reader = Balancer::new(&cfg(&[8001, 8002]));

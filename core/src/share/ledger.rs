@@ -142,15 +142,17 @@ pub fn ensure_books<S: Store>(store: &mut S, key: &str, tenant: u64) -> Result<b
 
 /// Sums of every node's books (for the gauges the poller publishes).
 pub fn totals<'k, S: Store>(store: &mut S, keys: impl IntoIterator<Item = &'k str>) -> Books {
-    let mut sum = Books::default();
-    for k in keys {
-        if let Ok(Some((bytes, _))) = store.get(k) {
-            if let Some(b) = Books::decode(&bytes) {
-                sum = sum.plus(&b);
-            }
-        }
+    keys.into_iter()
+        .filter_map(|k| read(store, k))
+        .fold(Books::default(), |sum, b| sum.plus(&b))
+}
+
+/// The books at `key`, if there are readable ones.
+pub fn read<S: Store>(store: &mut S, key: &str) -> Option<Books> {
+    match store.get(key) {
+        Ok(Some((bytes, _))) => Books::decode(&bytes),
+        _ => None,
     }
-    sum
 }
 
 fn write<S: Store>(
@@ -216,6 +218,7 @@ mod tests {
             cached: 0,
             tpot_ms: None,
             stream: 0,
+            text_prompt: 0,
         }
     }
 

@@ -253,8 +253,12 @@ pub struct Engine {
     /// In admission order: the last is the first to be preempted.
     running: Vec<Seq>,
     prefix: PrefixCache,
-    /// Prompt tokens computed (recomputation after preemption included, cache hits not).
+    /// Prompt tokens computed (recomputation after preemption included, cache hits not), as
+    /// llama.cpp counts them.
     pub prompt_tokens_total: u64,
+    /// Prompts counted whole, cache hits included, once each when its prefill is done (its
+    /// first token), as vLLM v1 counts them.
+    pub prompt_tokens_whole_total: u64,
     pub generation_tokens_total: u64,
     pub vram_overflow_events: u64,
     /// Prefix-cache lookups: context tokens looked up, and the tokens found, at admissions.
@@ -284,6 +288,7 @@ impl Engine {
             running: Vec::new(),
             prefix,
             prompt_tokens_total: 0,
+            prompt_tokens_whole_total: 0,
             generation_tokens_total: 0,
             vram_overflow_events: 0,
             prefix_queries_tokens_total: 0,
@@ -499,7 +504,7 @@ impl Engine {
         let cached_context: u64 = self.running.iter().map(Seq::held).sum();
         let batch = self.running.len() as u64;
         let mut events = Vec::new();
-        let (mut prefilled, mut generated) = (0, 0);
+        let (mut prefilled, mut generated, mut whole) = (0, 0, 0);
         let prefix = &mut self.prefix;
         for s in &mut self.running {
             if s.to_prefill > 0 {
@@ -517,6 +522,10 @@ impl Engine {
                 if prefix.enabled() {
                     s.cached = prefix.extend(&s.hashes, s.cached);
                 }
+                // Its first token comes with this iteration (not a recomputation's).
+                if s.generated == 0 {
+                    whole += s.prompt;
+                }
                 // The iteration that finishes a prefill also samples the next token.
             }
             s.generated += 1;
@@ -527,6 +536,7 @@ impl Engine {
             });
         }
         self.prompt_tokens_total += prefilled;
+        self.prompt_tokens_whole_total += whole;
         self.generation_tokens_total += generated;
         let tokens = prefilled + generated;
         let duration_ms = self.config.iteration_ms(tokens, cached_context);

@@ -252,7 +252,10 @@ pub struct Snapshot<'a> {
     /// KV block size in tokens (also the prefix-cache block).
     pub block_tokens: u64,
     pub prefix_caching: bool,
+    /// Prompt tokens computed (llama.cpp's, SGLang's and trtllm-serve's counter here).
     pub prompt_tokens_total: u64,
+    /// Prompts counted whole once each at their first token (vLLM's counter).
+    pub prompt_tokens_whole_total: u64,
     pub generation_tokens_total: u64,
     pub prefix_queries_tokens_total: u64,
     pub prefix_hits_tokens_total: u64,
@@ -755,7 +758,7 @@ fn vllm(s: &Snapshot, v1: bool) -> String {
         "vllm:prompt_tokens_total",
         "Number of prefill tokens processed.",
         &l,
-        s.prompt_tokens_total,
+        s.prompt_tokens_whole_total,
     );
     o.counter(
         "vllm:generation_tokens_total",
@@ -1497,6 +1500,7 @@ mod tests {
             block_tokens: 16,
             prefix_caching: true,
             prompt_tokens_total: 8_128_902,
+            prompt_tokens_whole_total: 8_128_902,
             generation_tokens_total: 4567,
             prefix_queries_tokens_total: 10_000,
             prefix_hits_tokens_total: 6400,

@@ -579,6 +579,7 @@ impl Node {
             "prefix_cache_evictable_blocks": e.prefix_evictable_blocks(),
             "prefix_cache_capacity_blocks": e.prefix_capacity_blocks(),
             "prefix_block_tokens": e.config.prefix_block_tokens,
+            "prompt_tokens_computed": e.prompt_tokens_total,
         })
     }
 
@@ -655,6 +656,7 @@ impl Node {
             block_tokens,
             prefix_caching: e.prefix_capacity_blocks() > 0,
             prompt_tokens_total: e.prompt_tokens_total,
+            prompt_tokens_whole_total: e.prompt_tokens_whole_total,
             generation_tokens_total: e.generation_tokens_total,
             prefix_queries_tokens_total: e.prefix_queries_tokens_total,
             prefix_hits_tokens_total: e.prefix_hits_tokens_total,

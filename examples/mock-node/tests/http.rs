@@ -652,9 +652,15 @@ fn prefix_cache_hits_show_in_headers_usage_stats_and_metrics() {
         sample(&m, &format!("vllm:prefix_cache_hits_total{labels}")),
         Some(hits as f64)
     );
-    // Only the uncached tokens were computed.
-    let computed = sample(&m, &format!("vllm:prompt_tokens_total{labels}")).unwrap();
-    assert_eq!(computed as u64, 4 * tokens + tokenize::count(&other) - hits);
+    // vLLM counts every prompt whole, its cached part included.
+    let counted = sample(&m, &format!("vllm:prompt_tokens_total{labels}")).unwrap();
+    assert_eq!(counted as u64, 4 * tokens + tokenize::count(&other));
+    // llama.cpp's counter is of the tokens computed: only the uncached ones.
+    assert_eq!(
+        stats["prompt_tokens_computed"],
+        4 * tokens + tokenize::count(&other) - hits,
+        "{stats}"
+    );
 
     // prefix_cache_blocks=0: no caching at all.
     let mut u = Conn::open(mock.ports[1]);

@@ -4,10 +4,12 @@
 use super::{BookKey, Counts};
 use crate::fleet::node::tenant_of;
 use crate::route::balancer::{Balancer, MemberChange};
+use crate::route::prompt_scale::{EngineCounts, NodeCount};
 use crate::share::journal;
 use crate::share::wake;
 use crate::share::{
-    ensure_books, totals, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY, VERSION_KEY,
+    ensure_books, read_books as read, Books, Snapshot, Store, StoreFailed, Version, FLEET_KEY,
+    VERSION_KEY,
 };
 use std::cell::RefCell;
 
@@ -27,6 +29,8 @@ pub struct Service {
     named: Vec<Named>,
     /// The wake list could not be read this tick: every slot's books are read instead.
     read_all: bool,
+    /// The engines' prompt counters against the books (see `read_books`).
+    engine_counts: EngineCounts,
 }
 
 /// What the poller service knows of prompts the workers sent to a node polled late: whether
@@ -143,6 +147,12 @@ impl Service {
         let mut counts = Counts::default();
         let bytes = Snapshot {
             nodes: balancer.fleet_view(self.epoch_base),
+            // In thousandths: a ratio that moves a little with every pass would make the
+            // snapshot new every second for the workers to decode again.
+            prompt_ratio: self
+                .engine_counts
+                .ratio()
+                .map(|r| (r * 1000.0).round() / 1000.0),
         }
         .encode();
         let mut version = self.version.unwrap_or(self.epoch_base);
@@ -179,9 +189,35 @@ impl Service {
         counts
     }
 
-    /// The sums of every node's shared books (for the service's gauges).
-    pub fn totals<S: Store>(&self, store: &mut S) -> Books {
-        totals(store, self.keys.iter().flatten().map(|b| b.key.as_str()))
+    /// Reads every node's shared books: their sums (for the service's gauges), and a pass of
+    /// the engines' prompt counters against the prompts the books saw start
+    /// (`EngineCounts`), whose ratio the next snapshot carries.
+    pub fn read_books<S: Store>(&mut self, store: &mut S, balancer: &Balancer) -> Books {
+        let mut sum = Books::default();
+        let nodes = balancer.nodes();
+        let mut counts = Vec::with_capacity(self.keys.len());
+        for (slot, key) in self.keys.iter().enumerate() {
+            let books = key.as_ref().and_then(|k| read(store, &k.key));
+            if let Some(b) = &books {
+                sum = sum.plus(b);
+            }
+            let (Some(b), Some(k), Some(n)) = (books, key, nodes.get(slot)) else {
+                counts.push(NodeCount::default());
+                continue;
+            };
+            let reported = n
+                .last_report()
+                .filter(|r| r.running_requests.is_some() || r.queue_depth.is_some())
+                .map(|r| r.running_requests.unwrap_or(0.0) + r.queue_depth.unwrap_or(0.0));
+            counts.push(NodeCount {
+                tenant: k.tenant,
+                counter: n.engine_prompt_counter(),
+                books: b.at_epoch(self.epoch_base.saturating_add(n.epoch())),
+                reported,
+            });
+        }
+        self.engine_counts.observe(&counts);
+        sum
     }
 
     /// Where slot `slot`'s books are.

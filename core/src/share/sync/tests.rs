@@ -77,6 +77,7 @@ fn ticket(node: usize, address: &str) -> Ticket {
         stream: 0,
         // No balancer has generation 0: the node is found by its address (`Balancer::holder`).
         generation: 0,
+        text_prompt: 0,
     }
 }
 

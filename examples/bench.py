@@ -245,7 +245,7 @@ def run_policy(policy: str, args, out_dir: Path) -> dict:
         model_ms = (time.monotonic() - started) * 1000.0 * args.time_scale
         sampler.stop.set()
         sampler.join()
-        final = {n.name: n.health() for n in cluster.nodes}
+        final = {n.name: n.report() for n in cluster.nodes}
         engines = {n.name: n.stats() for n in cluster.nodes}
         (out_dir / f"nodes_{policy}.json").write_text(json.dumps(sampler.samples))
         # The filter's own counters and gauges at the end (held, refused, routed over the

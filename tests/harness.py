@@ -112,6 +112,10 @@ class MockNode:
     def health(self) -> dict:
         return request(self.port, "GET", "/health").json()
 
+    def report(self) -> dict:
+        """The seed report (load, KV, overflows), whatever `/health` serves."""
+        return request(self.port, "GET", "/admin/report").json()
+
 
 class MockCluster:
     """One mock-gpu-node process serving several nodes, each `(name, spec)`: spec is the

@@ -107,6 +107,7 @@ pub fn render(b: &Balancer, now_ms: u64, books: &mut dyn BookSource, held: Optio
             "prompt_ratio": {
                 "samples": b.prompt_samples(),
                 "engine_tokens_per_estimated_token": num(b.prompt_ratio()),
+                "engine_counters": opt(b.engine_prompt_ratio()),
                 "models": b.model_prompt_scales().into_iter().map(|(model, s)| json!({
                     "model": model,
                     "samples": s.samples(),

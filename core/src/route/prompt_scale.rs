@@ -234,7 +234,7 @@ pub struct NodeCount {
     pub tenant: u64,
     /// The engine's prompt-token counter at its last scrape, and the engine.
     pub counter: Option<(Engine, Counter)>,
-    /// Its shared books, at its report's epoch.
+    /// Its shared books.
     pub books: Books,
     /// Requests its last fresh report shows running or waiting, if it says.
     pub reported: Option<f64>,
@@ -271,7 +271,11 @@ impl EngineCounts {
         for (n, last) in nodes.iter().zip(self.last.iter_mut()) {
             if let Some(r) = n.reported.filter(|r| r.is_finite() && *r >= 0.0) {
                 reported += r;
-                own += n.books.in_report_requests() as f64;
+                // This router's requests in flight now against the engine's at its last poll:
+                // the books' count since the report (`in_report_requests`) loses the requests
+                // that end between a poll and the pass, which short requests often do; in a
+                // steady state the two moments see as many.
+                own += n.books.inflight_requests as f64;
             }
             let Some((_, counter)) = n.counter.filter(|(e, _)| e.counts_whole_prompts()) else {
                 *last = None;

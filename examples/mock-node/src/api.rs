@@ -59,6 +59,9 @@ pub async fn handle(
         (Method::GET, p) if p.starts_with("/v1/responses/") => stored_response(&node, p),
         (Method::POST, "/admin/health") => admin_health(&node, req).await,
         (Method::GET, "/admin/stats") => json_response(StatusCode::OK, &admin_stats(&node)),
+        // The seed report, whatever /health serves: for tools reading a node that imitates an
+        // engine honestly (its /health then says nothing of load).
+        (Method::GET, "/admin/report") => json_response(StatusCode::OK, &node.health()),
         (method, _) => error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",

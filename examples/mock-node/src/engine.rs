@@ -688,6 +688,7 @@ mod tests {
         assert!(e.is_idle());
         assert_eq!(e.kv_used_tokens(), 0);
         assert_eq!((e.prompt_tokens_total, e.generation_tokens_total), (250, 3));
+        assert_eq!(e.prompt_tokens_whole_total, 250);
         assert!(e.step(50.0).is_none());
     }
 
@@ -792,8 +793,9 @@ mod tests {
         // Its progress is kept: after recomputation it continues, no token repeats.
         assert_eq!(tokens_of(&events, 2), (0..20).collect::<Vec<_>>());
         assert_eq!(tokens_of(&events, 1), (0..20).collect::<Vec<_>>());
-        // The recompute prefilled prompt + generated again.
+        // The recompute prefilled prompt + generated again; each prompt counts whole once.
         assert!(e.prompt_tokens_total > 90);
+        assert_eq!(e.prompt_tokens_whole_total, 90);
         assert_eq!(e.generation_tokens_total, 40);
         assert!(e.is_idle());
         assert_eq!(e.kv_used_tokens(), 0);

@@ -212,7 +212,7 @@ impl Service {
             counts.push(NodeCount {
                 tenant: k.tenant,
                 counter: n.engine_prompt_counter(),
-                books: b.at_epoch(self.epoch_base.saturating_add(n.epoch())),
+                books: b,
                 reported,
             });
         }

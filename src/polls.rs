@@ -38,10 +38,12 @@ pub struct Polls {
     books_reported_ms: Option<u64>,
 }
 
-/// How often the poller service adds up every node's shared books for the
-/// `shared.inflight_*` gauges: a read of each node's books (about 1 us of Envoy's each), so
-/// once a second rather than every round.
-const BOOKS_REPORT_MS: u64 = 1000;
+/// How often, in ticks, the poller service adds up every node's shared books for the
+/// `shared.inflight_*` gauges and the engines' prompt counters (`sync::Service::read_books`):
+/// a read of each node's books (about 1 us of Envoy's each), so once a second at the shipped
+/// 250 ms tick rather than every round. In ticks, so that a benchmark that scales the tick
+/// with its time scale samples the counters as often in model time as a deployment does.
+const BOOKS_REPORT_TICKS: u64 = 4;
 
 impl Polls {
     pub fn new(config: &Config) -> Polls {
@@ -60,12 +62,13 @@ impl Polls {
         }
     }
 
-    /// Whether the shared books' gauges are due at `now_ms` (see `BOOKS_REPORT_MS`); if so,
-    /// they count as reported now.
-    pub fn books_report_due(&mut self, now_ms: u64) -> bool {
+    /// Whether the shared books' gauges are due at `now_ms` with ticks of `tick_ms` (see
+    /// `BOOKS_REPORT_TICKS`); if so, they count as reported now.
+    pub fn books_report_due(&mut self, now_ms: u64, tick_ms: u64) -> bool {
+        let every = tick_ms.saturating_mul(BOOKS_REPORT_TICKS);
         let due = self
             .books_reported_ms
-            .map_or(true, |at| now_ms >= at.saturating_add(BOOKS_REPORT_MS));
+            .map_or(true, |at| now_ms >= at.saturating_add(every));
         if due {
             self.books_reported_ms = Some(now_ms);
         }

@@ -124,10 +124,11 @@ impl<H: Host> State<H> {
         let round_polled = self.role.polls().is_some_and(|p| p.schedule.round_polled());
         if matches!(self.role, Role::Service(..)) && round_polled {
             self.publish(now_ms);
+            let tick_ms = self.config.tick_ms;
             if self
                 .role
                 .polls()
-                .is_some_and(|p| p.books_report_due(now_ms))
+                .is_some_and(|p| p.books_report_due(now_ms, tick_ms))
             {
                 self.report_books();
             }

@@ -241,29 +241,37 @@ fn singleton() -> (FakeHost, Root<FakeHost>, Root<FakeHost>) {
     singleton_with("")
 }
 
-/// The poller service and one worker, configured with `extra` fields too (see `config`).
+/// The poller service and one worker, configured with `extra` fields too (see `config`),
+/// after a first round of idle reports.
 fn singleton_with(extra: &str) -> (FakeHost, Root<FakeHost>, Root<FakeHost>) {
     let json = config(&format!(r#","poller":"singleton"{extra}"#));
-    let (host, mut service) = {
-        let host = FakeHost::default();
-        {
-            let mut w = host.world();
-            w.configuration = json.as_bytes().to_vec();
-            w.root_id = Some(POLLER_ROOT_ID.as_bytes().to_vec());
-            w.now_ms = 1_000_000;
-        }
-        host.enter(ROOT);
-        let mut service = Root::new(ROOT, host.clone());
-        assert!(service.on_configure(0));
-        (host, service)
-    };
-    tick(&host, &mut service);
-    answer_health(&host, &mut service, IDLE);
-    assert_eq!(
-        host.metric("token_balancer.shared.published"),
-        2,
-        "at start, then the round"
-    );
+    service_and_worker(&json, |host, service| {
+        tick(host, service);
+        answer_health(host, service, IDLE);
+        assert_eq!(
+            host.metric("token_balancer.shared.published"),
+            2,
+            "at start, then the round"
+        );
+    })
+}
+
+/// The poller service configured with `json`, `first` done with it, then one worker.
+fn service_and_worker(
+    json: &str,
+    first: impl FnOnce(&FakeHost, &mut Root<FakeHost>),
+) -> (FakeHost, Root<FakeHost>, Root<FakeHost>) {
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.configuration = json.as_bytes().to_vec();
+        w.root_id = Some(POLLER_ROOT_ID.as_bytes().to_vec());
+        w.now_ms = 1_000_000;
+    }
+    host.enter(ROOT);
+    let mut service = Root::new(ROOT, host.clone());
+    assert!(service.on_configure(0));
+    first(&host, &mut service);
     host.world().root_id = None;
     host.enter(100);
     let mut worker = Root::new(100, host.clone());
@@ -840,20 +848,7 @@ fn the_engines_prompt_counters_scale_prompts_that_no_answer_counts() {
         node(A),
         node(B)
     );
-    let host = FakeHost::default();
-    {
-        let mut w = host.world();
-        w.configuration = json.as_bytes().to_vec();
-        w.root_id = Some(POLLER_ROOT_ID.as_bytes().to_vec());
-        w.now_ms = 1_000_000;
-    }
-    host.enter(ROOT);
-    let mut service = Root::new(ROOT, host.clone());
-    assert!(service.on_configure(0));
-    host.world().root_id = None;
-    host.enter(100);
-    let mut worker = Root::new(100, host.clone());
-    assert!(worker.on_configure(0));
+    let (host, mut service, mut worker) = service_and_worker(&json, |_, _| {});
     // The engines: each counts 1.3 tokens for every token the filter estimated of the
     // prompts that started there, and runs what the books hold in flight.
     let round = |service: &mut Root<FakeHost>, worker: &mut Root<FakeHost>| {

@@ -140,14 +140,8 @@ pub fn ensure_books<S: Store>(store: &mut S, key: &str, tenant: u64) -> Result<b
     Err(StoreFailed)
 }
 
-/// Sums of every node's books (for the gauges the poller publishes).
-pub fn totals<'k, S: Store>(store: &mut S, keys: impl IntoIterator<Item = &'k str>) -> Books {
-    keys.into_iter()
-        .filter_map(|k| read(store, k))
-        .fold(Books::default(), |sum, b| sum.plus(&b))
-}
-
-/// The books at `key`, if there are readable ones.
+/// The books at `key`, if there are readable ones (the poller service's gauges add them up,
+/// `sync::Service::read_books`).
 pub fn read<S: Store>(store: &mut S, key: &str) -> Option<Books> {
     match store.get(key) {
         Ok(Some((bytes, _))) => Books::decode(&bytes),
@@ -591,8 +585,15 @@ mod tests {
         assert_eq!(hits.get(), 0);
     }
 
+    /// The books read back, added up over the nodes.
+    fn totals(s: &mut FakeStore, keys: &[String]) -> Books {
+        keys.iter()
+            .filter_map(|k| read(s, k))
+            .fold(Books::default(), |sum, b| sum.plus(&b))
+    }
+
     #[test]
-    fn totals_add_up_every_node() {
+    fn books_read_back_add_up_over_every_node() {
         let mut s = FakeStore::default();
         let keys: Vec<String> = (0..3).map(books_key).collect();
         let mut l = Ledger::default();
@@ -600,7 +601,7 @@ mod tests {
             ensure_books(&mut s, k, T).unwrap();
             l.update(&mut s, k, T, 0, Change::dispatch(&ticket(0, 10, 5)), None);
         }
-        let t = totals(&mut s, keys.iter().map(String::as_str));
+        let t = totals(&mut s, &keys);
         assert_eq!((t.inflight_requests, t.inflight_tokens), (3, 45));
         // Host calls: one get and one set per uncontended update.
         let before = s.calls;
@@ -622,7 +623,7 @@ mod tests {
         for k in &keys {
             s.set(k, &top.encode(), None).unwrap();
         }
-        let t = totals(&mut s, keys.iter().map(String::as_str));
+        let t = totals(&mut s, &keys);
         assert_eq!((t.inflight_requests, t.growth_tokens), (u64::MAX, u64::MAX));
     }
 }

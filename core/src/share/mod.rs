@@ -65,7 +65,7 @@ pub mod wake;
 
 pub use crate::fleet::books::{Books, Change, Unreflected};
 pub use codec::{Malformed, NodeView, Snapshot, Version, BOOKS_LEN};
-pub use ledger::{ensure_books, read as read_books, totals, Ledger, Written};
+pub use ledger::{ensure_books, read as read_books, Ledger, Written};
 
 /// Root id of the poller service: the bootstrap extension loads the same `.wasm` with this
 /// `root_id`, and the plugin tells its role by its `plugin_root_id` property.

@@ -35,12 +35,14 @@
 //! still moves ([`EngineCounts`]): over the same seconds, what the engines counted against what
 //! the filter estimated of the prompts that started there (their first token came back; the
 //! shared books keep the running totals, `Books::started_text_prompt`) is the same ratio, for
-//! the fleet. The poller service samples it about once a second, from the engines whose counter
-//! counts each prompt whole once its prefill is done (vLLM; engines that count only the part
-//! they computed, like llama.cpp, would read their prefix cache's hits as a smaller tokenizer),
-//! and only while this router sends nearly all the work the engines report (its share, as in
-//! `routers`; behind several routers the counter counts the others' prompts too). It is used
-//! for every model until the answers have counted `MIN_SAMPLES` prompts themselves.
+//! the fleet. The poller service samples it every four ticks (once a second at the shipped
+//! tick), from the engines whose counter counts each prompt whole once its prefill is done
+//! (vLLM; engines that count only the part they computed, like llama.cpp, would read their
+//! prefix cache's hits as a smaller tokenizer), and only while this router sends nearly all the work the engines report (its requests in
+//! flight at least `MIN_OWN_SHARE` of those the engines report running or waiting, smoothed;
+//! behind several routers the counter counts the others' prompts too, which would make every
+//! prompt look larger than it is). It is used for every model until the answers have counted
+//! `MIN_SAMPLES` prompts themselves.
 
 use crate::fleet::books::Books;
 use crate::ingest::engine::{Counter, Engine};
@@ -236,7 +238,7 @@ pub struct NodeCount {
     pub counter: Option<(Engine, Counter)>,
     /// Its shared books.
     pub books: Books,
-    /// Requests its last fresh report shows running or waiting, if it says.
+    /// Requests its last report shows running or waiting, if it says.
     pub reported: Option<f64>,
 }
 

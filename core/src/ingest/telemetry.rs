@@ -37,6 +37,14 @@ pub struct Report {
 }
 
 impl Report {
+    /// Requests the report shows running or waiting, when it gives either count.
+    pub fn requests_there(&self) -> Option<f64> {
+        if self.running_requests.is_none() && self.queue_depth.is_none() {
+            return None;
+        }
+        Some(self.running_requests.unwrap_or(0.0) + self.queue_depth.unwrap_or(0.0))
+    }
+
     /// Whether this report moved nothing the choice reads since `before`: the same requests
     /// running and waiting, KV-cache use within a point, token load and capacity within 5 % (or
     /// 20 tokens a second).

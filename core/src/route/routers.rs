@@ -98,10 +98,9 @@ impl Routers {
             let Some(r) = n.fresh_report(now_ms, stale_after_ms) else {
                 continue;
             };
-            if r.running_requests.is_none() && r.queue_depth.is_none() {
+            let Some(there) = r.requests_there() else {
                 continue;
-            }
-            let there = r.running_requests.unwrap_or(0.0) + r.queue_depth.unwrap_or(0.0);
+            };
             if !there.is_finite() || there < 0.0 {
                 continue;
             }

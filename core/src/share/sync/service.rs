@@ -205,10 +205,7 @@ impl Service {
                 counts.push(NodeCount::default());
                 continue;
             };
-            let reported = n
-                .last_report()
-                .filter(|r| r.running_requests.is_some() || r.queue_depth.is_some())
-                .map(|r| r.running_requests.unwrap_or(0.0) + r.queue_depth.unwrap_or(0.0));
+            let reported = n.last_report().and_then(|r| r.requests_there());
             counts.push(NodeCount {
                 tenant: k.tenant,
                 counter: n.engine_prompt_counter(),
